@@ -1,0 +1,7 @@
+"""Allow `python -m exporter`."""
+
+import sys
+
+from exporter.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data sources: each samples one thing in base units and knows nothing of Prometheus."""
