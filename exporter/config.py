@@ -164,7 +164,9 @@ class _Reader:
     def choice(self, name: str, choices: Sequence[str], default: str) -> str:
         value = self.str(name, default)
         if value not in choices:
-            raise ConfigError(f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}")
+            raise ConfigError(
+                f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
+            )
         return value
 
     def duration(self, name: str, default: float) -> float:
@@ -188,7 +190,9 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: expected a non-empty list of strings")
         for i, item in enumerate(value):
             if not isinstance(item, str) or not item:
-                raise ConfigError(f"{self.key(name)}[{i}]: expected a non-empty string, got {item!r}")
+                raise ConfigError(
+                    f"{self.key(name)}[{i}]: expected a non-empty string, got {item!r}"
+                )
         return tuple(value)
 
 
@@ -276,7 +280,9 @@ def _process(data: object, where: str) -> ProcessConfig:
             re.compile(cmdline)
         except re.error as exc:
             raise ConfigError(f"{r.key('cmdline')}: invalid regular expression: {exc}") from None
-    return ProcessConfig(systemd_unit=r.str("systemd_unit"), pidfile=r.str("pidfile"), cmdline=cmdline)
+    return ProcessConfig(
+        systemd_unit=r.str("systemd_unit"), pidfile=r.str("pidfile"), cmdline=cmdline
+    )
 
 
 def _log(data: object, where: str) -> LogConfig:
@@ -293,8 +299,10 @@ def _log(data: object, where: str) -> LogConfig:
 def _gpus(value: object, where: str) -> Literal["auto"] | tuple[int, ...]:
     if value is None or value == "auto":
         return "auto"
-    if isinstance(value, list) and value and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
     ):
         return tuple(value)
     raise ConfigError(f"{where}: expected auto or a list of GPU indexes like [0, 1], got {value!r}")
@@ -328,9 +336,7 @@ def parse_config(
     env = os.environ if env is None else env
     if data is None:
         data = {}
-    r = _Reader(
-        data, "", ("sample_interval", "history_path", "residency_cpu_budget", "targets")
-    )
+    r = _Reader(data, "", ("sample_interval", "history_path", "residency_cpu_budget", "targets"))
     raw_targets = r.data.get("targets")
     if not isinstance(raw_targets, list) or not raw_targets:
         raise ConfigError("targets: expected a non-empty list of targets")
@@ -342,7 +348,7 @@ def parse_config(
         seen.add(target.name)
     history_path = r.data.get("history_path", DEFAULT_HISTORY_PATH)
     if not isinstance(history_path, str):
-        raise ConfigError(f"history_path: expected a path or \"\", got {history_path!r}")
+        raise ConfigError(f'history_path: expected a path or "", got {history_path!r}')
     budget = r.data.get("residency_cpu_budget", DEFAULT_RESIDENCY_CPU_BUDGET)
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 1:
         raise ConfigError(
