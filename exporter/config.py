@@ -151,7 +151,7 @@ class _Reader:
     def has(self, name: str) -> bool:
         return self.data.get(name) is not None
 
-    def str(self, name: str, default: str | None = None, required: bool = False) -> str | None:
+    def text(self, name: str, default: str | None = None, required: bool = False) -> str | None:
         value = self.data.get(name)
         if value is None:
             if required:
@@ -162,7 +162,7 @@ class _Reader:
         return value
 
     def choice(self, name: str, choices: Sequence[str], default: str) -> str:
-        value = self.str(name, default)
+        value = self.text(name, default)
         if value not in choices:
             raise ConfigError(
                 f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
@@ -172,7 +172,7 @@ class _Reader:
     def duration(self, name: str, default: float) -> float:
         return default if not self.has(name) else parse_duration(self.data[name], self.key(name))
 
-    def bool(self, name: str, default: bool) -> bool:
+    def flag(self, name: str, default: bool) -> bool:
         value = self.data.get(name, default)
         if not isinstance(value, bool):
             raise ConfigError(f"{self.key(name)}: expected true or false, got {value!r}")
@@ -224,10 +224,10 @@ def _check_url(url: str, where: str, probe: str) -> None:
 def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfig:
     r = _Reader(data, where, ("url", "probe", "path", "model", "timeout", "headers"))
     probe = r.choice("probe", PROBE_KINDS, "completion")
-    url = r.str("url", required=True)
+    url = r.text("url", required=True)
     assert url is not None
     _check_url(url, r.key("url"), probe)
-    path = r.str("path", DEFAULT_PROBE_PATHS[probe]) or ""
+    path = r.text("path", DEFAULT_PROBE_PATHS[probe]) or ""
     if path and not path.startswith("/"):
         raise ConfigError(f"{r.key('path')}: must start with '/', got {path!r}")
     raw_headers = r.data.get("headers") or {}
@@ -243,7 +243,7 @@ def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfi
         url=url,
         probe=probe,  # type: ignore[arg-type]
         path=path,
-        model=r.str("model"),
+        model=r.text("model"),
         timeout=r.duration("timeout", DEFAULT_PROBE_TIMEOUT),
         headers=headers,
     )
@@ -265,7 +265,7 @@ def _weights(data: object, where: str) -> WeightsConfig:
     return WeightsConfig(
         paths=tuple(str(Path(p).absolute()) for p in paths),
         include=r.str_list("include", DEFAULT_INCLUDE),
-        per_file=r.bool("per_file", False),
+        per_file=r.flag("per_file", False),
     )
 
 
@@ -274,14 +274,14 @@ def _process(data: object, where: str) -> ProcessConfig:
     chosen = [k for k in ("systemd_unit", "pidfile", "cmdline") if r.has(k)]
     if len(chosen) != 1:
         raise ConfigError(f"{where}: set exactly one of systemd_unit, pidfile, cmdline")
-    cmdline = r.str("cmdline")
+    cmdline = r.text("cmdline")
     if cmdline is not None:
         try:
             re.compile(cmdline)
         except re.error as exc:
             raise ConfigError(f"{r.key('cmdline')}: invalid regular expression: {exc}") from None
     return ProcessConfig(
-        systemd_unit=r.str("systemd_unit"), pidfile=r.str("pidfile"), cmdline=cmdline
+        systemd_unit=r.text("systemd_unit"), pidfile=r.text("pidfile"), cmdline=cmdline
     )
 
 
@@ -290,8 +290,8 @@ def _log(data: object, where: str) -> LogConfig:
     if len([k for k in ("journald_unit", "file") if r.has(k)]) != 1:
         raise ConfigError(f"{where}: set exactly one of journald_unit, file")
     return LogConfig(
-        journald_unit=r.str("journald_unit"),
-        file=r.str("file"),
+        journald_unit=r.text("journald_unit"),
+        file=r.text("file"),
         format=r.choice("format", LOG_FORMATS, "auto"),  # type: ignore[arg-type]
     )
 
@@ -312,7 +312,7 @@ def _target(data: object, where: str, env: Mapping[str, str]) -> TargetConfig:
     r = _Reader(
         data, where, ("name", "endpoint", "weights", "process", "log", "gpus", "stall_after")
     )
-    name = r.str("name", required=True)
+    name = r.text("name", required=True)
     assert name is not None
     if not _TARGET_NAME_RE.match(name):
         raise ConfigError(f"{r.key('name')}: {name!r} may use only letters, digits and _ . : -")
