@@ -1,0 +1,292 @@
+"""GPU memory per device and per compute process, from NVML.
+
+NVML is optional: hosts without a driver (or a CI runner) must still run the exporter, so the
+library is imported and initialised lazily, a failed init is retried at most every
+`INIT_RETRY_SECONDS` and logged once, and errors of one call on one GPU degrade only that field
+or device instead of the whole sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+INIT_RETRY_SECONDS = 60.0
+
+# Errors after which nothing on any GPU can work until NVML is initialised again.
+_FATAL_ERRORS = (
+    "NVMLError_Uninitialized",
+    "NVMLError_DriverNotLoaded",
+    "NVMLError_LibraryNotFound",
+    "NVMLError_LibRmVersionMismatch",
+)
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str  # "" when NVML never told us (the GPU was lost before its first read)
+    name: str
+    memory_used_bytes: int | None  # None when this call failed for this GPU
+    memory_total_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int  # as NVML sees it: the host's PID namespace
+    gpu_index: int
+    gpu_uuid: str
+    used_bytes: int | None  # None when the driver cannot say
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    driver_version: str
+    devices: tuple[GpuDevice, ...]
+    processes: tuple[GpuProcess, ...]  # compute processes on every GPU
+    errors: tuple[str, ...]  # per-call errors of this sample, e.g. "gpu 3: GetMemoryInfo: ..."
+
+
+class NvmlUnavailable(RuntimeError):
+    """No NVML library, no driver or no GPU: the whole source is down, with a one-line reason."""
+
+
+class _GpuLost(Exception):
+    """Stops reading one GPU for the rest of a sample."""
+
+
+class NvmlSource:
+    """Samples every GPU through an NVML module (the real `pynvml` unless one is injected).
+
+    Not thread-safe: one sampler thread owns it.
+    """
+
+    def __init__(
+        self,
+        nvml: ModuleType | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        retry_interval: float = INIT_RETRY_SECONDS,
+    ) -> None:
+        self._nvml: Any = nvml
+        self._clock = clock
+        self._retry_interval = retry_interval
+        self._initialized = False
+        self._count = 0
+        self._driver_version: str | None = None
+        self._failed_at: float | None = None
+        self._failure = ""
+        self._logged_failure: str | None = None
+        self._handles: dict[int, Any] = {}
+        self._identity: dict[int, tuple[str, str]] = {}
+        self._fatal: tuple[type[BaseException], ...] = ()
+        self._per_call: tuple[type[BaseException], ...] = ()
+
+    def sample(self) -> GpuSample:
+        """One reading of every GPU; raises `NvmlUnavailable` while NVML cannot be used."""
+        self._ensure_initialized()
+        errors: list[str] = []
+        devices: list[GpuDevice] = []
+        processes: list[GpuProcess] = []
+        try:
+            driver_version = self._read_driver_version(errors)
+            for index in range(self._count):
+                device, procs = self._read_device(index, errors)
+                devices.append(device)
+                processes.extend(procs)
+        except self._fatal as err:
+            self._fail(f"NVML stopped working: {_text(err)}")
+            raise NvmlUnavailable(self._failure) from err
+        return GpuSample(driver_version, tuple(devices), tuple(processes), tuple(errors))
+
+    def close(self) -> None:
+        """Releases NVML (on exporter shutdown); a later `sample` initialises it again."""
+        if self._initialized:
+            self._initialized = False
+            self._shutdown()
+
+    def _ensure_initialized(self) -> None:
+        if self._initialized:
+            return
+        if self._failed_at is not None and self._clock() - self._failed_at < self._retry_interval:
+            raise NvmlUnavailable(self._failure)
+        try:
+            self._init(self._module())
+        except NvmlUnavailable as err:
+            self._fail(str(err))
+            raise
+        self._initialized = True
+        self._failed_at = None
+        if self._logged_failure is not None:
+            log.info("NVML available again: %d GPU(s)", self._count)
+            self._logged_failure = None
+
+    def _module(self) -> Any:
+        if self._nvml is None:
+            try:
+                self._nvml = importlib.import_module("pynvml")
+            except ImportError as err:
+                raise NvmlUnavailable(f"pynvml not installed ({err})") from err
+        nvml = self._nvml
+        self._fatal = tuple(getattr(nvml, name) for name in _FATAL_ERRORS if hasattr(nvml, name))
+        # Newer bindings raise NVMLLibraryMismatchError, not an NVMLError, when the driver lacks
+        # the function version they call: one missing function must not take the GPU down.
+        mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+        self._per_call = (nvml.NVMLError,) + ((mismatch,) if mismatch is not None else ())
+        return nvml
+
+    def _init(self, nvml: Any) -> None:
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError_LibraryNotFound as err:
+            raise NvmlUnavailable(
+                "NVML library libnvidia-ml.so.1 not found"
+                " (no NVIDIA driver, or not mounted into this container)"
+            ) from err
+        except nvml.NVMLError_DriverNotLoaded as err:
+            raise NvmlUnavailable("NVIDIA driver not loaded") from err
+        except nvml.NVMLError as err:
+            raise NvmlUnavailable(f"nvmlInit failed: {_text(err)}") from err
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as err:
+            self._shutdown()
+            raise NvmlUnavailable(f"nvmlDeviceGetCount failed: {_text(err)}") from err
+        if count == 0:
+            self._shutdown()
+            raise NvmlUnavailable("NVML sees no GPU")
+        self._count = count
+        self._handles.clear()
+        self._identity.clear()
+        self._driver_version = None
+
+    def _fail(self, reason: str) -> None:
+        """Remembers why NVML is down; warns once per distinct reason, not once per sample."""
+        if self._initialized:
+            self._initialized = False
+            self._shutdown()
+        self._failed_at = self._clock()
+        self._failure = reason
+        if reason != self._logged_failure:
+            log.warning(
+                "GPU metrics unavailable: %s (retrying every %gs)", reason, self._retry_interval
+            )
+            self._logged_failure = reason
+
+    def _shutdown(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError as err:
+            log.debug("nvmlShutdown: %s", _text(err))
+
+    def _read_driver_version(self, errors: list[str]) -> str:
+        if self._driver_version is None:
+            try:
+                self._driver_version = _text(self._nvml.nvmlSystemGetDriverVersion())
+            except self._fatal:
+                raise
+            except self._per_call as err:
+                errors.append(f"SystemGetDriverVersion: {_text(err)}")
+                return ""
+        return self._driver_version
+
+    def _read_device(self, index: int, errors: list[str]) -> tuple[GpuDevice, list[GpuProcess]]:
+        """Reads one GPU; a lost GPU comes back with what was known of it and no memory."""
+        nvml = self._nvml
+        uuid, name = self._identity.get(index, ("", ""))
+        try:
+            handle = self._call(index, errors, "GetHandleByIndex", lambda: self._handle(index))
+            if handle is None:
+                return GpuDevice(index, uuid, name, None, None), []
+            uuid, name = self._read_identity(index, handle, errors)
+            memory = self._call(
+                index, errors, "GetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle)
+            )
+            listed = self._call(
+                index,
+                errors,
+                "GetComputeRunningProcesses",
+                lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle),
+            )
+        except _GpuLost:
+            return GpuDevice(index, uuid, name, None, None), []
+        used = None if memory is None else int(memory.used)
+        total = None if memory is None else int(memory.total)
+        processes = [
+            GpuProcess(int(p.pid), index, uuid, _optional_int(p.usedGpuMemory))
+            for p in listed or ()
+        ]
+        return GpuDevice(index, uuid, name, used, total), processes
+
+    def _handle(self, index: int) -> Any:
+        if index not in self._handles:
+            self._handles[index] = self._nvml.nvmlDeviceGetHandleByIndex(index)
+        return self._handles[index]
+
+    def _read_identity(self, index: int, handle: Any, errors: list[str]) -> tuple[str, str]:
+        """UUID and name never change while NVML is up, so they are read once per GPU."""
+        if index not in self._identity:
+            nvml = self._nvml
+            uuid = self._call(index, errors, "GetUUID", lambda: nvml.nvmlDeviceGetUUID(handle))
+            name = self._call(index, errors, "GetName", lambda: nvml.nvmlDeviceGetName(handle))
+            if uuid is None or name is None:
+                return _text(uuid or ""), _text(name or "")
+            self._identity[index] = (_text(uuid), _text(name))
+        return self._identity[index]
+
+    def _call(self, index: int, errors: list[str], what: str, call: Callable[[], Any]) -> Any:
+        """One NVML call on one GPU: None on a per-call error, `_GpuLost` when the GPU is gone."""
+        nvml = self._nvml
+        try:
+            return call()
+        except self._fatal:
+            raise
+        except nvml.NVMLError_GpuIsLost as err:
+            # Forget only this GPU's handle, so a GPU that comes back after a reset is read again.
+            self._handles.pop(index, None)
+            errors.append(f"gpu {index}: {what}: {_text(err)}")
+            raise _GpuLost from err
+        except self._per_call as err:
+            errors.append(f"gpu {index}: {what}: {_text(err)}")
+            return None
+
+
+def process_gpu_memory(
+    sample: GpuSample,
+    pids: Collection[int],
+    gpus: Literal["auto"] | tuple[int, ...] = "auto",
+) -> dict[int, int]:
+    """Bytes that the given process tree holds on each GPU index it uses.
+
+    A GPU where any of the tree's processes has unknown usage is left out: a partial sum would
+    read as a truthful number.
+    """
+    wanted = set(pids)
+    totals: dict[int, int] = {}
+    unknown: set[int] = set()
+    for proc in sample.processes:
+        if proc.pid not in wanted or (gpus != "auto" and proc.gpu_index not in gpus):
+            continue
+        if proc.used_bytes is None:
+            unknown.add(proc.gpu_index)
+        else:
+            totals[proc.gpu_index] = totals.get(proc.gpu_index, 0) + proc.used_bytes
+    return {index: used for index, used in sorted(totals.items()) if index not in unknown}
+
+
+def _text(value: object) -> str:
+    """NVML strings come back as bytes from older bindings."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
