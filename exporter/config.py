@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +163,7 @@ class _Reader:
         return value
 
     def choice(self, name: str, choices: Sequence[str], default: str) -> str:
-        value = self.text(name, default)
+        value = self.text(name, default) or default
         if value not in choices:
             raise ConfigError(
                 f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
@@ -250,10 +251,16 @@ def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfi
 
 
 def _check_weights_path(path: str, where: str) -> None:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{where}: {path} does not exist")
-    if not os.access(p, os.R_OK) or (p.is_dir() and not os.access(p, os.X_OK)):
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"{where}: {path} is not readable by this user") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path}: {exc.strerror}") from None
+    # Effective ids: what the exporter will have when it opens the files.
+    if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0), effective_ids=True):
         raise ConfigError(f"{where}: {path} is not readable by this user")
 
 

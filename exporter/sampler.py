@@ -1,0 +1,144 @@
+"""Run each data source on its own thread at a fixed interval and keep its latest reading.
+
+One thread per source is the simplest arrangement that meets the hard rule: a probe that hangs for
+its whole timeout, or a residency pass over half a terabyte, must never delay another source or a
+scrape. Scrapes only ever read the latest immutable `Reading`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The outcome of one sample of one source."""
+
+    source: str
+    target: str  # "" for host-wide sources
+    value: Any  # the source's dataclass; None when the sample raised
+    ok: bool
+    error: str | None
+    duration_seconds: float
+    finished_at: float  # unix seconds
+
+
+def _is_up(value: object) -> bool:
+    """A sample may succeed yet say its number is unknowable (residency as `nobody`)."""
+    return bool(getattr(value, "up", True))
+
+
+class Periodic:
+    """Calls `fn` every `interval` seconds on a daemon thread until stopped."""
+
+    def __init__(self, name: str, interval: float, fn: Callable[[], None]) -> None:
+        self.name = name
+        self.interval = interval
+        self._fn = fn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        next_run = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self._fn()
+            except Exception:  # a bug in one loop must not kill the thread silently
+                log.exception("%s: unexpected error", self.name)
+            next_run += self.interval
+            now = time.monotonic()
+            if next_run < now:  # overran (a slow probe): start again now, don't burst to catch up
+                next_run = now
+            self._stop.wait(next_run - now)
+
+
+class Sampler:
+    """Owns the periodic source threads and their latest readings."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.time) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._latest: dict[tuple[str, str], Reading] = {}
+        self._loops: list[Periodic] = []
+        self._failing: set[tuple[str, str]] = set()
+
+    def add(self, source: str, target: str, fn: Callable[[], object]) -> None:
+        """Register a source; `fn` returns its dataclass or raises."""
+        key = (source, target)
+        name = f"{source}:{target}" if target else source
+        self._loops.append(Periodic(name, self.interval, lambda: self.run_once(key, fn)))
+
+    def add_loop(self, name: str, fn: Callable[[], None]) -> None:
+        """Register a periodic task that is not a source (the tracker tick)."""
+        self._loops.append(Periodic(name, self.interval, fn))
+
+    def run_once(self, key: tuple[str, str], fn: Callable[[], object]) -> Reading:
+        """Take one sample now and store it; public so tests can step sources by hand."""
+        started = time.monotonic()
+        try:
+            value, error = fn(), None
+        except Exception as exc:
+            value, error = None, f"{type(exc).__name__}: {exc}"
+        ok = error is None and _is_up(value)
+        if not ok:
+            error = error or getattr(value, "reason", None) or "source reported down"
+        reading = Reading(
+            source=key[0],
+            target=key[1],
+            value=value,
+            ok=ok,
+            error=error,
+            duration_seconds=time.monotonic() - started,
+            finished_at=self._clock(),
+        )
+        self._note_transition(key, reading)
+        with self._lock:
+            self._latest[key] = reading
+        return reading
+
+    def _note_transition(self, key: tuple[str, str], reading: Reading) -> None:
+        """Log when a source starts or stops failing, not on every sample."""
+        name = f"{key[0]}:{key[1]}" if key[1] else key[0]
+        if not reading.ok and key not in self._failing:
+            self._failing.add(key)
+            log.warning("source %s is down: %s", name, reading.error)
+        elif reading.ok and key in self._failing:
+            self._failing.discard(key)
+            log.info("source %s is up again", name)
+
+    def latest(self, source: str, target: str = "") -> Reading | None:
+        with self._lock:
+            return self._latest.get((source, target))
+
+    def readings(self) -> list[Reading]:
+        with self._lock:
+            return list(self._latest.values())
+
+    def start(self) -> None:
+        for loop in self._loops:
+            loop.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop every loop; a source stuck in a syscall is a daemon thread and is left behind."""
+        for loop in self._loops:
+            loop.stop()
+        deadline = time.monotonic() + timeout
+        for loop in self._loops:
+            loop.join(max(0.0, deadline - time.monotonic()))
