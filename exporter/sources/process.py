@@ -1,0 +1,327 @@
+"""Find a model server's process tree and count the bytes it reads.
+
+The tree's own start time is the start of a load (so an exporter started mid-load still sees the
+whole load), and its read counters show weights moving even when the disk is shared with others.
+Everything is read straight from /proc under an injectable root: one pass over /proc/*/stat per
+sample gives both the process table and the parent links, without touching psutil's global
+PROCFS_PATH that other sources share.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from exporter.config import ProcessConfig
+
+_UNIT_SUFFIXES = (".service", ".scope")
+# Where a unit's cgroup lives: cgroup v2, then the v2 and the named v1 hierarchy of hybrid mode.
+_CGROUP_LAYOUTS = ("", "unified", "systemd")
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    found: bool
+    pids: tuple[int, ...]
+    root_pid: int | None
+    start_time: float | None
+    read_bytes: int | None
+    read_chars: int | None
+    cmdline: str | None
+
+
+NOT_FOUND = ProcessSample(False, (), None, None, None, None, None)
+
+
+@dataclass(frozen=True)
+class _Proc:
+    pid: int
+    ppid: int
+    start_ticks: int
+    zombie: bool
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Identity that survives pid reuse."""
+        return (self.pid, self.start_ticks)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """Last counters of one tree member, and who would inherit them when it is reaped."""
+
+    read_bytes: int
+    read_chars: int
+    parent: tuple[int, int] | None
+
+
+class ProcessFinder:
+    """Locates the server's root process each sample and keeps the tree's counters monotonic."""
+
+    def __init__(
+        self,
+        config: ProcessConfig,
+        proc_root: str = "/proc",
+        cgroup_root: str = "/sys/fs/cgroup",
+    ) -> None:
+        self._config = config
+        self._proc_root = proc_root
+        self._cgroup_root = cgroup_root
+        self._pattern = re.compile(config.cmdline) if config.cmdline else None
+        self._clock_ticks = os.sysconf("SC_CLK_TCK")
+        self._boot_time: float | None = None
+        self._reset(None)
+
+    def _reset(self, root_key: tuple[int, int] | None) -> None:
+        self._root_key = root_key
+        self._seen: dict[tuple[int, int], _Seen] = {}
+        self._departed_bytes = 0
+        self._departed_chars = 0
+        self._high_bytes = 0
+        self._high_chars = 0
+
+    def sample(self) -> ProcessSample:
+        table = self._scan()
+        found = self._find_root(table)
+        if found is None:
+            self._reset(None)
+            return NOT_FOUND
+        root, extra_members, root_cmdline = found
+        if root.key != self._root_key:
+            self._reset(root.key)
+        members = _descendants(root, table)
+        members.update(pid for pid in extra_members if pid in table)
+        tree = [table[pid] for pid in sorted(members)]
+        read_bytes, read_chars = self._count(tree, table)
+        if root_cmdline is None:
+            root_cmdline = self._cmdline(root.pid)
+        return ProcessSample(
+            found=True,
+            pids=tuple(p.pid for p in tree),
+            root_pid=root.pid,
+            start_time=self._start_time(root),
+            read_bytes=read_bytes,
+            read_chars=read_chars,
+            cmdline=root_cmdline,
+        )
+
+    def _count(self, tree: list[_Proc], table: dict[int, _Proc]) -> tuple[int | None, int | None]:
+        """Sum the tree's counters so that they never go backwards while the root lives.
+
+        When a child is reaped by a parent inside the tree, Linux adds the child's counters to
+        the parent's own, so its last values must be dropped, not kept. Members that left the
+        tree alive (orphans re-parented to init) or were reaped outside it take their bytes
+        with them, so their last values are remembered.
+        """
+        tree_keys = {p.key for p in tree}
+        alive_keys = {p.key for p in table.values()}
+        gone = {key: seen for key, seen in self._seen.items() if key not in tree_keys}
+        for key, seen in gone.items():
+            del self._seen[key]
+            if key in alive_keys or not _inherited(seen, gone, tree_keys, alive_keys):
+                self._departed_bytes += seen.read_bytes
+                self._departed_chars += seen.read_chars
+        readable = True
+        for proc in tree:
+            try:
+                counters = self._read_io(proc.pid)
+            except OSError:  # EACCES: another user's process and we are not root
+                # Keep the last values if we ever had them; a tree we cannot read is unknown.
+                readable = readable and proc.key in self._seen
+                continue
+            if counters is None:
+                continue  # exited since the scan; accounted for as gone next time
+            parent = table.get(proc.ppid)
+            self._seen[proc.key] = _Seen(*counters, parent.key if parent is not None else None)
+        if not readable:
+            return None, None
+        live_bytes = sum(s.read_bytes for s in self._seen.values())
+        live_chars = sum(s.read_chars for s in self._seen.values())
+        self._high_bytes = max(self._high_bytes, self._departed_bytes + live_bytes)
+        self._high_chars = max(self._high_chars, self._departed_chars + live_chars)
+        return self._high_bytes, self._high_chars
+
+    def _read_io(self, pid: int) -> tuple[int, int] | None:
+        """(read_bytes, rchar), or None if the process is gone; OSError if we may not read it."""
+        try:
+            with open(os.path.join(self._proc_root, str(pid), "io"), encoding="ascii") as f:
+                text = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(":")
+            values[name] = value.strip()
+        try:
+            return int(values["read_bytes"]), int(values["rchar"])
+        except (KeyError, ValueError):
+            return None
+
+    def _scan(self) -> dict[int, _Proc]:
+        table = {}
+        try:
+            names = os.listdir(self._proc_root)
+        except OSError:
+            return {}
+        for name in names:
+            if name.isdigit():
+                proc = self._read_stat(int(name))
+                if proc is not None:
+                    table[proc.pid] = proc
+        return table
+
+    def _read_stat(self, pid: int) -> _Proc | None:
+        try:
+            with open(os.path.join(self._proc_root, str(pid), "stat"), "rb") as f:
+                text = f.read()
+        except OSError:
+            return None
+        # The command name is in parentheses and may itself contain spaces and parentheses.
+        fields = text.rpartition(b")")[2].split()
+        try:
+            return _Proc(pid, int(fields[1]), int(fields[19]), fields[0] in (b"Z", b"X"))
+        except (IndexError, ValueError):
+            return None
+
+    def _cmdline(self, pid: int) -> str | None:
+        try:
+            with open(os.path.join(self._proc_root, str(pid), "cmdline"), "rb") as f:
+                raw = f.read()
+        except OSError:
+            return None
+        return raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+
+    def _start_time(self, proc: _Proc) -> float | None:
+        if self._boot_time is None:
+            self._boot_time = self._read_boot_time()
+        if self._boot_time is None:
+            return None
+        return self._boot_time + proc.start_ticks / self._clock_ticks
+
+    def _read_boot_time(self) -> float | None:
+        try:
+            with open(os.path.join(self._proc_root, "stat"), encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("btime "):
+                        return float(line.split()[1])
+        except (OSError, ValueError):
+            return None
+        return None
+
+    def _find_root(self, table: dict[int, _Proc]) -> tuple[_Proc, Iterable[int], str | None] | None:
+        """The root process, extra members that belong to the tree, and the root's cmdline."""
+        config = self._config
+        if config.pidfile is not None:
+            root = self._from_pidfile(config.pidfile, table)
+            return (root, (), None) if root is not None else None
+        if self._pattern is not None:
+            return self._from_cmdline(self._pattern, table)
+        if config.systemd_unit is not None:
+            return self._from_unit(config.systemd_unit, table)
+        return None
+
+    def _from_pidfile(self, path: str, table: dict[int, _Proc]) -> _Proc | None:
+        try:
+            with open(path, encoding="ascii") as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+        proc = table.get(pid)
+        return proc if proc is not None and not proc.zombie else None
+
+    def _from_cmdline(
+        self, pattern: re.Pattern[str], table: dict[int, _Proc]
+    ) -> tuple[_Proc, Iterable[int], str | None] | None:
+        own_pid = os.getpid()
+        matches: dict[int, str] = {}
+        for proc in table.values():
+            if proc.zombie or proc.pid == own_pid:
+                continue
+            cmdline = self._cmdline(proc.pid)
+            if cmdline and pattern.search(cmdline):
+                matches[proc.pid] = cmdline
+        # The oldest match has no matching ancestor unless both started in the same clock tick,
+        # which is exactly when the ancestor test is needed (worker processes fork instantly).
+        tops = [table[pid] for pid in matches if not _has_ancestor_in(pid, matches, table)]
+        if not tops:
+            return None
+        root = min(tops, key=lambda p: (p.start_ticks, p.pid))
+        return root, (), matches[root.pid]
+
+    def _from_unit(
+        self, unit: str, table: dict[int, _Proc]
+    ) -> tuple[_Proc, Iterable[int], str | None] | None:
+        if not unit.endswith(_UNIT_SUFFIXES):
+            unit += ".service"
+        for layout in _CGROUP_LAYOUTS:
+            unit_dir = os.path.join(self._cgroup_root, layout, "system.slice", unit)
+            if os.path.isdir(unit_dir):
+                break
+        else:
+            return None
+        members = [table[pid] for pid in _cgroup_pids(unit_dir) if pid in table]
+        live = [p for p in members if not p.zombie]
+        if not live:
+            return None
+        root = min(live, key=lambda p: (p.start_ticks, p.pid))
+        return root, [p.pid for p in members], None
+
+
+def _inherited(
+    seen: _Seen,
+    gone: dict[tuple[int, int], _Seen],
+    tree_keys: set[tuple[int, int]],
+    alive_keys: set[tuple[int, int]],
+) -> bool:
+    """Whether a reaped member's counters now sit inside a live tree member's own counters.
+
+    A parent that reaps a child absorbs its counters; if that parent was reaped too, they moved
+    on with it, up to the first ancestor that is still in the tree (absorbed) or is not.
+    """
+    parent = seen.parent
+    visited: set[tuple[int, int]] = set()
+    while parent in gone and parent not in alive_keys and parent not in visited:
+        visited.add(parent)
+        parent = gone[parent].parent
+    return parent in tree_keys
+
+
+def _cgroup_pids(unit_dir: str) -> set[int]:
+    """Every pid in a unit's cgroup and its child cgroups."""
+    pids: set[int] = set()
+    for directory, _, files in os.walk(unit_dir):
+        if "cgroup.procs" not in files:
+            continue
+        try:
+            with open(os.path.join(directory, "cgroup.procs"), encoding="ascii") as f:
+                pids.update(int(line) for line in f if line.strip().isdigit())
+        except OSError:
+            continue
+    return pids
+
+
+def _descendants(root: _Proc, table: dict[int, _Proc]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for proc in table.values():
+        children.setdefault(proc.ppid, []).append(proc.pid)
+    found = {root.pid}
+    stack = [root.pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def _has_ancestor_in(pid: int, candidates: dict[int, str], table: dict[int, _Proc]) -> bool:
+    seen = {pid}
+    proc = table.get(pid)
+    while proc is not None and proc.ppid not in seen:
+        if proc.ppid in candidates:
+            return True
+        seen.add(proc.ppid)
+        proc = table.get(proc.ppid)
+    return False

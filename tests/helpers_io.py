@@ -1,0 +1,55 @@
+"""Real page-cache and block-device helpers shared by the source tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MIB = 1024 * 1024
+_CHUNK = 4 * MIB
+
+
+def write_cold_file(path: Path, size: int) -> Path:
+    """Write `size` random bytes, sync them to disk and drop them from the page cache.
+
+    Random data so that no filesystem or device can shortcut the reads (zero pages, dedup).
+    """
+    with open(path, "wb") as f:
+        remaining = size
+        while remaining:
+            n = min(_CHUNK, remaining)
+            f.write(os.urandom(n))
+            remaining -= n
+        f.flush()
+        os.fsync(f.fileno())
+    evict(path)
+    return path
+
+
+def evict(path: Path) -> None:
+    """Drop a clean file's pages from the page cache, so the next read has to hit the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_all(path: Path) -> int:
+    """Read a file through the page cache; returns the number of bytes read."""
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            total += len(chunk)
+    return total
+
+
+def diskstats_read_bytes(device: str, proc_root: str = "/proc") -> int:
+    """Bytes read from `device` per /proc/diskstats, parsed independently of the code under test."""
+    with open(os.path.join(proc_root, "diskstats")) as f:
+        for line in f:
+            fields = line.split()
+            if fields[2] == device:
+                return int(fields[5]) * 512
+    raise LookupError(device)
