@@ -1,0 +1,487 @@
+"""Page-cache residency of a target's weight files.
+
+Residency decides whether the next restart is warm or cold, so it must be true or absent:
+`cachestat` (Linux >= 6.5) answers exactly, `mincore` only where the caller owns or may write
+the file (otherwise Linux >= 5.2 claims every page resident, as vmtouch happily repeats), and
+anything else yields `resident_bytes=None` with a reason instead of a guess.
+
+cachestat walks the cached folios: a few ms of CPU per cached GB held in 4 KiB pages (far less
+in large folios), so a host with hundreds of GB cached would burn a core polling it;
+`ResidencySource` spaces full passes so that its CPU stays under a budget and hands out the last
+measurement in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import platform
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import NoReturn
+
+from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+METHODS: tuple[str, ...] = ("cachestat", "mincore")
+MINCORE_WINDOW = 1 << 30
+ADVICE = (
+    "run as the files' owner or root; cachestat needs Linux >= 6.5 and must be allowed by seccomp"
+)
+
+# cachestat is 451 in the unified syscall table; the arches below all use that table as is
+# (alpha and mips add offsets, so they get ENOSYS semantics instead of a wrong syscall).
+_CACHESTAT_ARCHES = frozenset(
+    {"x86_64", "amd64", "aarch64", "arm64", "riscv64", "ppc64le", "ppc64", "s390x", "loongarch64"}
+)
+SYS_CACHESTAT: int | None = 451 if platform.machine().lower() in _CACHESTAT_ARCHES else None
+
+_PROT_READ = 0x1
+_MAP_SHARED = 0x01
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY  # no hang on a FIFO
+_LOW_BIT = bytes(i & 1 for i in range(256))
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.syscall.restype = ctypes.c_long  # no argtypes: converting them doubles the call's cost
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int64,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+class _CachestatOut(ctypes.Structure):
+    _fields_ = (
+        ("nr_cache", ctypes.c_uint64),
+        ("nr_dirty", ctypes.c_uint64),
+        ("nr_writeback", ctypes.c_uint64),
+        ("nr_evicted", ctypes.c_uint64),
+        ("nr_recently_evicted", ctypes.c_uint64),
+    )
+
+
+@dataclass(frozen=True)
+class CacheStat:
+    """The kernel's `struct cachestat`, in pages."""
+
+    nr_cache: int
+    nr_dirty: int
+    nr_writeback: int
+    nr_evicted: int
+    nr_recently_evicted: int
+
+
+@dataclass(frozen=True)
+class FileResidency:
+    path: str
+    size_bytes: int
+    resident_bytes: int
+
+
+@dataclass(frozen=True)
+class ResidencySample:
+    files: int
+    total_bytes: int
+    resident_bytes: int | None
+    per_file: tuple[FileResidency, ...]
+    method: str | None
+    measured_at: float
+    pass_cpu_seconds: float
+    next_pass_due: float
+    reason: str | None
+
+    @property
+    def up(self) -> bool:
+        return self.resident_bytes is not None
+
+
+@dataclass(frozen=True)
+class FileMeasurement:
+    """One open file's size and residency; resident_bytes None means not measurable truthfully."""
+
+    size_bytes: int
+    resident_bytes: int | None
+    method: str | None
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    path: str
+    directory: str  # a pass opens each directory once and its files by openat: fewer lookups
+    entry: str
+    name: str  # relative to the weights root it was found under
+    dev: int
+    ino: int
+
+
+@dataclass(frozen=True)
+class WeightTree:
+    """Discovered weight files plus the identity of every directory walked, to notice changes."""
+
+    files: tuple[WeightFile, ...]
+    watched: tuple[tuple[str, tuple[int, int, int] | None], ...]
+
+    def changed(self) -> bool:
+        return any(_signature(path) != sig for path, sig in self.watched)
+
+
+@dataclass(frozen=True)
+class PassResult:
+    files: int
+    total_bytes: int
+    resident_bytes: int | None
+    per_file: tuple[FileResidency, ...]
+    method: str | None
+    reason: str | None
+    stale: bool  # a file vanished or was replaced since discovery
+
+
+class CachestatCall:
+    """cachestat with its buffers built once: per-call ctypes setup dominated a 10,000-file pass."""
+
+    def __init__(self) -> None:
+        self._whole = ctypes.byref(_CachestatRange(0, 0))  # len 0: to the end of the file
+        self._range = _CachestatRange(0, 0)
+        self._range_ref = ctypes.byref(self._range)
+        self._out = _CachestatOut()
+        self._out_ref = ctypes.byref(self._out)
+        # -1 is no syscall at all: the kernel answers ENOSYS, as it would without cachestat.
+        self._nr = -1 if SYS_CACHESTAT is None else SYS_CACHESTAT
+
+    def __call__(self, fd: int, offset: int = 0, length: int = 0) -> CacheStat:
+        """Counters of a range of the file (length 0: to its end); OSError on failure."""
+        self._range.off = offset
+        self._range.len = length
+        if _libc.syscall(self._nr, fd, self._range_ref, self._out_ref, 0) != 0:
+            _raise_errno()
+        out = self._out
+        return CacheStat(
+            out.nr_cache, out.nr_dirty, out.nr_writeback, out.nr_evicted, out.nr_recently_evicted
+        )
+
+    def resident_bytes(self, fd: int, size: int) -> int:
+        """Cached bytes; a cached partial last page counts only the bytes of the file it holds."""
+        if _libc.syscall(self._nr, fd, self._whole, self._out_ref, 0) != 0:
+            _raise_errno()
+        pages: int = self._out.nr_cache
+        tail = size % PAGE_SIZE
+        if tail and pages and self(fd, size - tail).nr_cache:
+            return min(size, (pages - 1) * PAGE_SIZE + tail)
+        return min(size, pages * PAGE_SIZE)
+
+
+def _raise_errno() -> NoReturn:
+    err = ctypes.get_errno()
+    raise OSError(err, os.strerror(err))
+
+
+def cachestat(fd: int, offset: int = 0, length: int = 0) -> CacheStat:
+    """Page-cache counters of a range of the file (length 0: to its end); OSError on failure."""
+    return CachestatCall()(fd, offset, length)
+
+
+def mincore_resident_bytes(fd: int, size: int) -> int:
+    """Resident bytes by mmap + mincore in windows; only truthful where mincore_truthful says so."""
+    resident = 0
+    vec = (ctypes.c_ubyte * -(-min(size, MINCORE_WINDOW) // PAGE_SIZE))()
+    for offset in range(0, size, MINCORE_WINDOW):
+        length = min(MINCORE_WINDOW, size - offset)
+        addr = _libc.mmap(None, length, _PROT_READ, _MAP_SHARED, fd, offset)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap: {os.strerror(err)}")
+        try:
+            if _libc.mincore(addr, length, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore: {os.strerror(err)}")
+        finally:
+            _libc.munmap(addr, length)
+        flags = bytes(vec)[: -(-length // PAGE_SIZE)].translate(_LOW_BIT)
+        resident += flags.count(1) * PAGE_SIZE
+        if length % PAGE_SIZE and flags[-1]:  # the file's partial last page
+            resident -= PAGE_SIZE - length % PAGE_SIZE
+    return resident
+
+
+def mincore_truthful(path: str, st: os.stat_result) -> bool:
+    """Linux >= 5.2 makes mincore claim every page resident unless the caller owns or may write."""
+    euid = os.geteuid()
+    return euid == 0 or st.st_uid == euid or os.access(path, os.W_OK, effective_ids=True)
+
+
+def measure_fd(
+    fd: int,
+    path: str,
+    st: os.stat_result,
+    methods: Sequence[str] = METHODS,
+    call: CachestatCall | None = None,
+) -> FileMeasurement:
+    """Residency of an open regular file, by the first method that answers truthfully."""
+    resident, method, reason = _measure_fd(fd, path, st, methods, call or CachestatCall())
+    return FileMeasurement(st.st_size, resident, method, reason)
+
+
+def _measure_fd(
+    fd: int, path: str, st: os.stat_result, methods: Sequence[str], call: CachestatCall
+) -> tuple[int | None, str | None, str | None]:
+    size = st.st_size
+    failures: list[str] = []
+    if "cachestat" in methods:
+        try:
+            return call.resident_bytes(fd, size), "cachestat", None
+        except OSError as exc:
+            failures.append(f"cachestat: {exc.strerror}")
+    if "mincore" in methods:
+        if not mincore_truthful(path, st):
+            failures.append("mincore would claim every page resident (not owner, not writable)")
+        else:
+            try:
+                return mincore_resident_bytes(fd, size), "mincore", None
+            except OSError as exc:
+                failures.append(f"mincore: {exc.strerror}")
+    return None, None, f"cannot measure page cache of {path}: {'; '.join(failures)}; {ADVICE}"
+
+
+def file_residency(path: str, methods: Sequence[str] = METHODS) -> FileMeasurement:
+    """Residency of one file by path (symlinks followed); OSError if it cannot be opened."""
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        return measure_fd(fd, path, st, methods)
+    finally:
+        os.close(fd)
+
+
+def _signature(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns if stat.S_ISDIR(st.st_mode) else 0)
+
+
+def discover(weights: WeightsConfig) -> WeightTree:
+    """Weight files under each configured path, symlinks followed, each inode once."""
+    files: list[WeightFile] = []
+    watched: list[tuple[str, tuple[int, int, int] | None]] = []
+    seen_files: set[tuple[int, int]] = set()
+    seen_dirs: set[tuple[int, int]] = set()
+    names: set[str] = set()
+
+    def add(directory: str, entry: str, name: str, st: os.stat_result) -> None:
+        key = (st.st_dev, st.st_ino)
+        if not stat.S_ISREG(st.st_mode) or key in seen_files:
+            return
+        seen_files.add(key)
+        # Two roots may hold the same relative name; the later one keeps its absolute path.
+        path = os.path.join(directory, entry)
+        label = name if name not in names else path
+        names.add(label)
+        files.append(WeightFile(path, directory, entry, label, st.st_dev, st.st_ino))
+
+    for root in weights.paths:
+        watched.append((root, _signature(root)))
+        try:
+            st = os.stat(root)
+        except OSError as exc:
+            log.debug("weights path %s: %s", root, exc.strerror)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            parent, base = os.path.split(root)
+            add(parent, base, base, st)
+            continue
+        seen_dirs.add((st.st_dev, st.st_ino))
+        stack = [(root, "")]  # (directory, its path relative to root with a trailing /)
+        while stack:
+            directory, prefix = stack.pop()
+            if prefix:
+                watched.append((directory, _signature(directory)))
+            try:
+                with os.scandir(directory) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError as exc:
+                log.debug("cannot list %s: %s", directory, exc.strerror)
+                continue
+            subdirs: list[tuple[str, str]] = []
+            for entry in entries:
+                try:
+                    if entry.is_dir():
+                        dst = entry.stat()
+                        if (dst.st_dev, dst.st_ino) not in seen_dirs:  # symlink loops
+                            seen_dirs.add((dst.st_dev, dst.st_ino))
+                            subdirs.append((entry.path, f"{prefix}{entry.name}/"))
+                    elif _included(entry.name, weights.include):
+                        add(directory, entry.name, prefix + entry.name, entry.stat())
+                except OSError:
+                    continue  # broken symlink, or vanished while walking
+            stack.extend(reversed(subdirs))  # depth first, in name order
+    return WeightTree(tuple(files), tuple(watched))
+
+
+def _included(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def measure(
+    files: Sequence[WeightFile], per_file: bool = False, methods: Sequence[str] = METHODS
+) -> PassResult:
+    """One pass over discovered files; vanished, replaced and shrunk files are handled, not fatal.
+
+    Sizes come from fstat of the open fd, so a file replaced or truncated since discovery is
+    measured as it is now, and an inode reached twice (e.g. replaced by a hard link) counts once.
+    """
+    call = CachestatCall()
+    fast = "cachestat" in methods  # the common case, kept free of per-file function layers
+    seen: set[tuple[int, int]] = set()
+    total = resident = 0
+    rows: list[FileResidency] = []
+    used: set[str | None] = set()
+    cached: int | None
+    method: str | None
+    reason: str | None = None
+    stale = False
+    directory, dir_fd = None, -1
+    try:
+        for wf in files:
+            if wf.directory != directory:
+                if dir_fd >= 0:
+                    os.close(dir_fd)
+                directory, dir_fd = wf.directory, -1
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            if dir_fd < 0:
+                stale = True  # its directory vanished
+                continue
+            try:
+                fd = os.open(wf.entry, _OPEN_FLAGS, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                    stale = True  # vanished: skip it and rediscover
+                else:
+                    reason = reason or f"cannot open {wf.path}: {exc.strerror}; {ADVICE}"
+                continue
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                if key != (wf.dev, wf.ino):
+                    stale = True
+                if key in seen or not stat.S_ISREG(st.st_mode):
+                    continue
+                seen.add(key)
+                total += st.st_size
+                if reason is not None:
+                    continue  # the total is already unknown: spend no more CPU measuring
+                if fast:
+                    try:
+                        cached, method = call.resident_bytes(fd, st.st_size), "cachestat"
+                    except OSError:
+                        fast = False  # e.g. EPERM: the slow path says why, or falls back
+                if not fast:
+                    cached, method, reason = _measure_fd(fd, wf.path, st, methods, call)
+            finally:
+                os.close(fd)
+            if cached is None:
+                continue
+            used.add(method)
+            resident += cached
+            if per_file:
+                rows.append(FileResidency(wf.name, st.st_size, cached))
+    finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)
+    if reason is not None:
+        return PassResult(len(seen), total, None, (), None, reason, stale)
+    method = "mincore" if "mincore" in used else "cachestat" if used else None
+    return PassResult(len(seen), total, resident, tuple(rows), method, None, stale)
+
+
+class ResidencySource:
+    """Residency of one target's weights, with full passes spaced to stay within a CPU budget."""
+
+    def __init__(
+        self,
+        weights: WeightsConfig,
+        cpu_budget: float = DEFAULT_RESIDENCY_CPU_BUDGET,
+        clock: Callable[[], float] = time.time,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        methods: Sequence[str] = METHODS,
+    ) -> None:
+        if not 0 < cpu_budget <= 1:
+            raise ValueError(f"cpu_budget must be in (0, 1], got {cpu_budget}")
+        self._weights = weights
+        self._budget = cpu_budget
+        self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._methods = tuple(methods)
+        self._lock = threading.Lock()
+        self._forced = threading.Event()
+        self._tree: WeightTree | None = None
+        self._last: ResidencySample | None = None
+        self._warned = False
+
+    def request_full_pass(self) -> None:
+        """Make the next sample() measure afresh, whatever the budget says (thread-safe)."""
+        self._forced.set()
+
+    def sample(self) -> ResidencySample:
+        """A fresh full pass when due or requested, otherwise the last measurement."""
+        with self._lock:
+            last = self._last
+            # A wall clock stepped back must not postpone the next pass by the size of the step.
+            if (
+                last is not None
+                and not self._forced.is_set()
+                and last.measured_at <= self._clock() < last.next_pass_due
+            ):
+                return last
+            self._forced.clear()
+            self._last = self._full_pass()
+            return self._last
+
+    def _full_pass(self) -> ResidencySample:
+        cpu_start = self._cpu_clock()
+        if self._tree is None or self._tree.changed():
+            self._tree = discover(self._weights)
+        result = measure(self._tree.files, self._weights.per_file, self._methods)
+        if result.stale:
+            self._tree = None
+        cost = max(0.0, self._cpu_clock() - cpu_start)
+        now = self._clock()
+        if result.reason is not None and not self._warned:
+            log.warning("page-cache residency unknown: %s", result.reason)
+            self._warned = True
+        return ResidencySample(
+            files=result.files,
+            total_bytes=result.total_bytes,
+            resident_bytes=result.resident_bytes,
+            per_file=result.per_file,
+            method=result.method,
+            measured_at=now,
+            pass_cpu_seconds=cost,
+            next_pass_due=now + cost / self._budget,
+            reason=result.reason,
+        )
