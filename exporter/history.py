@@ -1,0 +1,220 @@
+"""SQLite store of finished loads: what the histograms forget across restarts, and what ETAs need.
+
+History is a nice-to-have next to the live metrics, so it never takes the exporter down: a corrupt
+file, a database locked by someone else or a read-only location logs one ERROR line and turns
+history off (every method then returns empty or None) instead of raising into the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import statistics
+import threading
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from exporter.tracker import LoadRecord
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+EXPECTATION_LOADS = 10  # medians over this many recent good loads
+BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS loads (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    target TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL NOT NULL,
+    outcome TEXT NOT NULL,
+    cache TEXT,
+    partial INTEGER NOT NULL,
+    phase_seconds TEXT NOT NULL,
+    weights_bytes INTEGER,
+    bytes_read INTEGER,
+    gpu_bytes_at_weights_end INTEGER
+);
+CREATE INDEX IF NOT EXISTS loads_by_target ON loads (target, ended_at);
+"""
+_COLUMNS = (
+    "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
+    "bytes_read, gpu_bytes_at_weights_end"
+)
+_NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
+
+_T = TypeVar("_T")
+_Row = tuple[str, float, float, str, str | None, int, str, int | None, int | None, int | None]
+
+
+class HistoryStore:
+    """One row per finished load; safe to share between threads."""
+
+    def __init__(self, path: str, busy_timeout: float = BUSY_TIMEOUT_SECONDS) -> None:
+        self.path = path
+        self.enabled = False
+        self.problem: str | None = None
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        if not path:
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            self._disable(f"cannot create directory {directory}: {exc.strerror}")
+            return
+        try:
+            db = sqlite3.connect(
+                path, timeout=busy_timeout, check_same_thread=False, isolation_level=None
+            )
+        except sqlite3.Error as exc:
+            self._disable(str(exc))
+            return
+        try:
+            _migrate(db)
+        except (sqlite3.Error, _SchemaError) as exc:
+            db.close()
+            self._disable(str(exc))
+            return
+        self._db = db
+        self.enabled = True
+
+    def add(self, record: LoadRecord) -> None:
+        row = (
+            record.target,
+            record.started_at,
+            record.ended_at,
+            record.outcome,
+            record.cache,
+            int(record.partial),
+            json.dumps(dict(record.phase_seconds), sort_keys=True),
+            record.weights_bytes,
+            record.bytes_read,
+            record.gpu_bytes_at_weights_end,
+        )
+
+        def insert(db: sqlite3.Connection) -> None:
+            db.execute(f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", row)
+
+        self._run(insert, None)
+
+    def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
+        """Finished loads, newest first."""
+        where, args = ("WHERE target = ?", (target,)) if target is not None else ("", ())
+        sql = f"SELECT {_COLUMNS} FROM loads {where} {_NEWEST_FIRST} LIMIT ?"
+        rows: list[_Row] = self._run(
+            lambda db: db.execute(sql, (*args, max(0, limit))).fetchall(), []
+        )
+        return [_record(row) for row in rows]
+
+    def expected_duration(self, target: str, cache: str | None) -> float | None:
+        """Median duration of the recent successful, non-partial loads of this target and cache."""
+        good = self._good_loads(target, cache)
+        return statistics.median(r.duration_seconds for r in good) if good else None
+
+    def expected_phase_seconds(self, target: str, cache: str | None) -> Mapping[str, float]:
+        """Median seconds per phase over the same loads (a skipped phase counts as 0 s)."""
+        good = self._good_loads(target, cache)
+        phases = sorted({phase for r in good for phase in r.phase_seconds})
+        return {p: statistics.median(r.phase_seconds.get(p, 0.0) for r in good) for p in phases}
+
+    def expected_weights_gpu_bytes(self, target: str) -> int | None:
+        """GPU memory at the end of the weights of the last successful load that measured it."""
+        sql = (
+            "SELECT gpu_bytes_at_weights_end FROM loads WHERE target = ? AND outcome = 'ready' "
+            f"AND partial = 0 AND gpu_bytes_at_weights_end IS NOT NULL {_NEWEST_FIRST} LIMIT 1"
+        )
+        row = self._run(lambda db: db.execute(sql, (target,)).fetchone(), None)
+        return int(row[0]) if row else None
+
+    def last_duration(self, target: str) -> float | None:
+        """Duration of the last finished load of any outcome."""
+        sql = f"SELECT started_at, ended_at FROM loads WHERE target = ? {_NEWEST_FIRST} LIMIT 1"
+        row = self._run(lambda db: db.execute(sql, (target,)).fetchone(), None)
+        return float(row[1] - row[0]) if row else None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self.enabled = False
+
+    def _good_loads(self, target: str, cache: str | None) -> list[LoadRecord]:
+        sql = (
+            f"SELECT {_COLUMNS} FROM loads WHERE target = ? AND cache IS ? AND outcome = 'ready' "
+            f"AND partial = 0 {_NEWEST_FIRST} LIMIT {EXPECTATION_LOADS}"
+        )
+        rows: list[_Row] = self._run(lambda db: db.execute(sql, (target, cache)).fetchall(), [])
+        return [_record(row) for row in rows]
+
+    def _run(self, query: Callable[[sqlite3.Connection], _T], default: _T) -> _T:
+        with self._lock:
+            if self._db is None:
+                return default
+            try:
+                return query(self._db)
+            except sqlite3.Error as exc:
+                self._db.close()
+                self._db = None
+                self._disable(str(exc))
+                return default
+
+    def _disable(self, reason: str) -> None:
+        """Called once at most: every method returns early once history is off."""
+        self.enabled = False
+        self.problem = f"{self.path}: {reason}"
+        log.error("load history disabled, finished loads will not be kept: %s", self.problem)
+
+
+class _SchemaError(Exception):
+    """The file holds a schema this version does not know."""
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version == SCHEMA_VERSION:
+        return
+    if version > SCHEMA_VERSION:
+        raise _SchemaError(
+            f"schema version {version} is newer than this exporter's {SCHEMA_VERSION}"
+        )
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except sqlite3.Error:
+        db.execute("ROLLBACK")
+        raise
+
+
+def _record(row: _Row) -> LoadRecord:
+    target, started, ended, outcome, cache, partial, phases, weights, read, gpu = row
+    try:
+        parsed = json.loads(phases)
+    except ValueError:
+        parsed = {}
+    phase_seconds = (
+        {str(k): float(v) for k, v in parsed.items() if isinstance(v, int | float)}
+        if isinstance(parsed, dict)
+        else {}
+    )
+    return LoadRecord(
+        target=target,
+        started_at=float(started),
+        ended_at=float(ended),
+        outcome=outcome,
+        cache=cache,
+        partial=bool(partial),
+        phase_seconds=phase_seconds,
+        weights_bytes=weights,
+        bytes_read=read,
+        gpu_bytes_at_weights_end=gpu,
+    )

@@ -1,0 +1,629 @@
+"""The load state machine: one Observation per tick in; phase, progress, ETA, stall and records out.
+
+Pure on purpose (no I/O, threads or clock: time arrives inside each Observation), so a 15-minute
+load replays in milliseconds in tests and only the sampler decides when things happen.
+
+Rules, because every number on the dashboard comes from them:
+
+* A load starts when a new server process (pid, start time) appears, at that process's own start
+  time. Without process matching: when a ready endpoint fails 3 distinct probes in a row (start =
+  the first failure), or when a never-ready endpoint answers "up but not ready" (503, timeout,
+  bad response). A load first seen more than 2 intervals + 1 s after its start, or the latter
+  endpoint-only kind, is `partial`: its start and the residency at its start were not seen.
+  A partial process load whose first fresh probe already says ready is dropped: nothing of it was
+  watched.
+* It ends `ready` on the first probe finished after the start that says ready; `failed` when the
+  process is gone first (or replaced by another one). `failed` stays until the next load.
+* Weights progress uses the evidence that can see this load. Bytes that come from storage
+  (page-cache growth of the weight files, storage reads of the tree, device reads when the tree's
+  counters are unknown) measured against the bytes not cached at the start are exact for cold and
+  mixed loads. Warm loads read nothing from storage, so there GPU memory of the tree (growth
+  past its first reading, the CUDA contexts, against the size history expects, else the weights
+  size) and read() bytes of the tree count. Cold and mixed loads leave those two out: servers
+  allocate every parameter on the GPU before reading any, and tensor-parallel ranks may each
+  read every file. Unknown residency: storage reads and read() bytes against the
+  weights size, GPU only when nothing else exists. Progress is the highest of the chosen
+  signals, clamped to 0..1 and never falls within a load.
+* `starting` becomes `loading_weights` once progress reaches 1 % (the interpreter reading its own
+  libraries stays below), backdated to the last tick progress did not rise. Weights
+  are in at 99.9 %, or at 90 % once progress stopped rising for 5 intervals (backdated to its
+  last rise): `initializing`. No way back, and a load that never shows weights moving spends its
+  time in `starting`.
+* A tick "moved" when any byte signal changed by 1 MiB or more since the previous tick, the probe
+  result changed, or the phase changed; CPU time is deliberately not a signal. Stalled = in
+  progress and nothing moved for `stall_after`.
+* Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
+  driving signal. ETA = remaining weights / throughput + the medians history has for the phases
+  still ahead; None whenever a part has no basis.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+PHASES = ("down", "starting", "loading_weights", "initializing", "ready", "failed")
+IN_PROGRESS = ("starting", "loading_weights", "initializing")
+# Tie-break order when two signals report the same progress.
+PROGRESS_SOURCES = ("gpu_memory", "page_cache", "process_reads", "process_read_chars", "disk_reads")
+
+ENDPOINT_FAILURES_FOR_LOAD = 3
+START_GRACE_INTERVALS = 2.0
+START_GRACE_SECONDS = 1.0
+WARM_SHARE = 0.9
+COLD_SHARE = 0.1
+BEGIN_RATIO = 0.01
+DONE_RATIO = 0.999
+QUIET_DONE_RATIO = 0.9
+QUIET_INTERVALS = 5
+RATE_WINDOW_SECONDS = 10.0
+RATE_MIN_INTERVALS = 3
+MOVE_BYTES = 1 << 20
+
+_STORAGE = ("page_cache", "process_reads", "disk_reads")
+_WHOLE = ("gpu_memory", "process_read_chars")
+# Answers that prove something listens but is not ready yet (a 503-style server while it loads).
+_UP_NOT_READY = frozenset({"http_error", "bad_response", "timeout"})
+_RECENT = 64
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One tick's latest readings for one target, composed by the sampler."""
+
+    time: float  # unix seconds
+    endpoint_result: str | None  # newest probe: ready|refused|timeout|http_error|bad_response|error
+    endpoint_probe_time: float | None  # when that probe finished; a probe counts once
+    process_configured: bool  # False: endpoint-only semantics
+    process_found: bool
+    process_pid: int | None
+    process_start_time: float | None  # unix seconds: the process's own start time
+    process_read_bytes: int | None  # storage bytes read by the tree, from 0 at its start
+    process_read_chars: int | None  # bytes through read() by the tree (rchar), not mmap
+    process_gpu_bytes: int | None  # GPU memory held by the tree, summed over GPUs
+    weights_bytes: int | None  # total size of the weight files
+    resident_bytes: int | None  # page-cache bytes of the weight files; None = not measurable
+    resident_measured_at: float | None  # when resident_bytes was measured
+    disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One finished load, as history stores it."""
+
+    target: str
+    started_at: float
+    ended_at: float
+    outcome: str  # ready | failed
+    cache: str | None  # cold | warm | mixed; None when residency at the start is unknown
+    partial: bool  # start not observed: kept out of histograms
+    phase_seconds: Mapping[str, float]  # the in-progress phases the load went through
+    weights_bytes: int | None
+    bytes_read: int | None  # storage bytes the process tree read during the load
+    gpu_bytes_at_weights_end: int | None  # the GPU size to expect next time
+
+    @property
+    def duration_seconds(self) -> float:
+        return self.ended_at - self.started_at
+
+
+@dataclass(frozen=True)
+class TargetState:
+    """Everything /metrics and /api/v1/status show for a target."""
+
+    target: str
+    phase: str
+    in_progress: bool
+    started_at: float | None  # start of the current (or last) load
+    elapsed_seconds: float  # since the current load started; 0 when none is in progress
+    progress_ratio: float | None  # weights progress, 0..1, monotonic within a load
+    throughput_bytes_per_second: float | None  # smoothed, while weights load
+    weights_eta_seconds: float | None  # remaining weights / throughput
+    eta_seconds: float | None  # until ready; None when any part has no basis
+    seconds_since_progress: float | None  # None when no load is in progress
+    stalled: bool
+    cache: str | None
+    partial: bool
+    progress_source: str | None  # the signal that last drove progress (PROGRESS_SOURCES)
+    signals: Mapping[str, float | int | None]  # the raw evidence, for /api/v1/status
+    last_record: LoadRecord | None
+
+
+class Expectations(Protocol):
+    """What history expects of a target's next load (implemented by history.HistoryStore)."""
+
+    def expected_phase_seconds(self, target: str, cache: str | None) -> Mapping[str, float]: ...
+
+    def expected_weights_gpu_bytes(self, target: str) -> int | None: ...
+
+
+class _Probe(NamedTuple):
+    result: str
+    time: float
+
+
+class _Evidence(NamedTuple):
+    ratio: float
+    basis: float  # bytes that make a ratio of 1.0
+
+
+@dataclass
+class _Load:
+    """Mutable bookkeeping of the current (or last) load."""
+
+    started_at: float
+    partial: bool
+    seen_failing: bool
+    expected_gpu: int | None
+    disk_base: int | None
+    gpu_base: int | None
+    last_move: float
+    weights_began: float | None = None
+    weights_ended: float | None = None
+    progress: float | None = None
+    source: str | None = None
+    basis: float | None = None
+    cache: str | None = None
+    resident_start: int | None = None
+    last_rise: float = 0.0
+    flat_time: float = 0.0
+    flat_progress: float = 0.0
+    gpu_prev: int | None = None
+    gpu_at_rise: int | None = None
+    gpu_at_weights_end: int | None = None
+    bytes_read: int | None = None
+    weights_bytes: int | None = None
+    evidence: dict[str, _Evidence] = field(default_factory=dict)
+    rate: deque[tuple[float, float]] = field(default_factory=deque)
+    expected: dict[str | None, Mapping[str, float]] = field(default_factory=dict)
+
+
+class Tracker:
+    """Follows one target through its loads; feed it one Observation per tick, in time order."""
+
+    def __init__(
+        self,
+        target: str,
+        stall_after: float,
+        expectations: Expectations | None = None,
+        interval: float = 1.0,
+    ) -> None:
+        self.target = target
+        self.stall_after = stall_after
+        self.expectations = expectations
+        self.interval = interval
+        self._phase = "down"
+        self._load: _Load | None = None
+        self._last_record: LoadRecord | None = None
+        self._last_obs: Observation | None = None
+        self._recent: deque[Observation] = deque(maxlen=_RECENT)
+        self._proc_key: tuple[int | None, float | None] | None = None
+        self._proc_gone_at: float | None = None
+        self._probe: _Probe | None = None
+        self._fail_streak = 0
+        self._fail_start = 0.0
+
+    def observe(self, obs: Observation) -> LoadRecord | None:
+        """Advance by one tick; returns the record when a load finished on this observation."""
+        prev = self._last_obs
+        if prev is not None and obs.time < prev.time:
+            return None
+        last_probe = self._probe
+        probe = self._take_probe(obs)
+        record = None
+        if obs.process_configured:
+            record = self._track_process(obs)
+        else:
+            self._track_endpoint(obs, probe)
+        load = self._load
+        if load is not None and self._phase in IN_PROGRESS:
+            answer_changed = (
+                probe is not None and last_probe is not None and probe.result != last_probe.result
+            )
+            self._follow(load, obs, prev, answer_changed)
+            if probe is not None and probe.result != "ready":
+                load.seen_failing = True
+            elif probe is not None and probe.time > load.started_at and record is None:
+                record = self._finish(load, obs.time, "ready")
+        else:
+            self._settle(obs)
+        self._last_obs = obs
+        self._recent.append(obs)
+        return record
+
+    def state(self, now: float) -> TargetState:
+        """What /metrics and /api/v1/status show for this target at `now`."""
+        load, phase = self._load, self._phase
+        if load is None or phase not in IN_PROGRESS:
+            return TargetState(
+                target=self.target,
+                phase=phase,
+                in_progress=False,
+                started_at=load.started_at if load else None,
+                elapsed_seconds=0.0,
+                progress_ratio=_idle_progress(phase, load),
+                throughput_bytes_per_second=None,
+                weights_eta_seconds=None,
+                eta_seconds=None,
+                seconds_since_progress=None,
+                stalled=False,
+                cache=load.cache if load else None,
+                partial=load.partial if load else False,
+                progress_source=load.source if load and phase == "failed" else None,
+                signals=self._signals(load),
+                last_record=self._last_record,
+            )
+        rate = self._rate(load)
+        throughput = rate * load.basis if rate is not None and load.basis is not None else None
+        weights_eta: float | None = None
+        if phase == "initializing":
+            weights_eta = 0.0
+        elif rate and load.progress is not None:
+            weights_eta = (1.0 - load.progress) / rate
+        since = max(0.0, now - load.last_move)
+        return TargetState(
+            target=self.target,
+            phase=phase,
+            in_progress=True,
+            started_at=load.started_at,
+            elapsed_seconds=max(0.0, now - load.started_at),
+            progress_ratio=load.progress,
+            throughput_bytes_per_second=throughput if phase == "loading_weights" else None,
+            weights_eta_seconds=weights_eta,
+            eta_seconds=self._eta(load, now, weights_eta),
+            seconds_since_progress=since,
+            stalled=since >= self.stall_after,
+            cache=load.cache,
+            partial=load.partial,
+            progress_source=load.source,
+            signals=self._signals(load),
+            last_record=self._last_record,
+        )
+
+    # -- load boundaries ---------------------------------------------------------------------
+
+    def _take_probe(self, obs: Observation) -> _Probe | None:
+        """The newest probe if it was not counted yet (probes can be slower than ticks)."""
+        if obs.endpoint_result is None:
+            return None
+        at = obs.endpoint_probe_time if obs.endpoint_probe_time is not None else obs.time
+        if self._probe is not None and at <= self._probe.time:
+            return None
+        self._probe = _Probe(obs.endpoint_result, at)
+        return self._probe
+
+    def _track_process(self, obs: Observation) -> LoadRecord | None:
+        load = self._load
+        running = load is not None and self._phase in IN_PROGRESS
+        if not obs.process_found:
+            if self._proc_key is not None and self._proc_gone_at is None:
+                self._proc_gone_at = obs.time
+            return self._finish(load, obs.time, "failed") if load is not None and running else None
+        self._proc_gone_at = None
+        key = (obs.process_pid, obs.process_start_time)
+        if key == self._proc_key:
+            return None
+        record = None
+        start = (
+            obs.time if obs.process_start_time is None else min(obs.process_start_time, obs.time)
+        )
+        if load is not None and running:
+            # The old process died between two ticks and a new one took its place.
+            record = self._finish(load, min(max(start, load.started_at), obs.time), "failed")
+        self._proc_key = key
+        late = obs.time - start > START_GRACE_INTERVALS * self.interval + START_GRACE_SECONDS
+        unknown_age = obs.process_start_time is None and self._last_obs is None
+        self._begin(obs, start, partial=late or unknown_age, seen_failing=False)
+        return record
+
+    def _track_endpoint(self, obs: Observation, probe: _Probe | None) -> None:
+        """Endpoint-only loads: a ready endpoint failing repeatedly, or one seen loading."""
+        if probe is None or self._phase in IN_PROGRESS:
+            return
+        if probe.result == "ready":
+            self._fail_streak = 0
+        elif self._phase == "ready":
+            if self._fail_streak == 0:
+                self._fail_start = probe.time
+            self._fail_streak += 1
+            if self._fail_streak >= ENDPOINT_FAILURES_FOR_LOAD:
+                self._fail_streak = 0
+                self._begin(obs, self._fail_start, partial=False, seen_failing=True)
+        elif probe.result in _UP_NOT_READY:
+            self._begin(obs, probe.time, partial=True, seen_failing=True)
+
+    def _begin(self, obs: Observation, start: float, partial: bool, seen_failing: bool) -> None:
+        expected_gpu = (
+            self.expectations.expected_weights_gpu_bytes(self.target) if self.expectations else None
+        )
+        self._load = _Load(
+            started_at=start,
+            partial=partial,
+            seen_failing=seen_failing,
+            expected_gpu=expected_gpu,
+            disk_base=_value_at([*self._recent, obs], start),
+            # A partial load's GPU memory already holds weights: count all of it.
+            gpu_base=0 if partial else None,
+            last_move=obs.time if partial else start,
+            last_rise=start,
+            flat_time=start,
+        )
+        self._phase = "starting"
+
+    def _finish(self, load: _Load, at: float, outcome: str) -> LoadRecord | None:
+        if outcome == "ready" and load.partial and not load.seen_failing:
+            # Ready at the first chance to ask: the exporter watched no load at all.
+            self._load = None
+            self._phase = "ready"
+            return None
+        marks = [
+            (name, mark)
+            for name, mark in (
+                ("starting", load.started_at),
+                ("loading_weights", load.weights_began),
+                ("initializing", load.weights_ended),
+            )
+            if mark is not None
+        ]
+        ends = [mark for _, mark in marks[1:]] + [at]
+        record = LoadRecord(
+            target=self.target,
+            started_at=load.started_at,
+            ended_at=at,
+            outcome=outcome,
+            cache=load.cache,
+            partial=load.partial,
+            phase_seconds={
+                name: max(0.0, end - mark) for (name, mark), end in zip(marks, ends, strict=True)
+            },
+            weights_bytes=load.weights_bytes,
+            bytes_read=load.bytes_read,
+            gpu_bytes_at_weights_end=load.gpu_at_weights_end,
+        )
+        self._phase = outcome
+        self._last_record = record
+        return record
+
+    def _settle(self, obs: Observation) -> None:
+        """The phase between loads."""
+        if self._phase == "failed" and obs.process_configured:
+            return
+        probe = self._probe
+        ready = probe is not None and probe.result == "ready"
+        if not obs.process_configured:
+            if ready:
+                self._phase = "ready"
+            elif self._phase != "ready":
+                self._phase = "down"
+        elif obs.process_found:
+            self._phase = "ready"  # the process that finished its load (or was ready on arrival)
+        else:
+            gone = self._proc_gone_at
+            fresh = ready and probe is not None and (gone is None or probe.time > gone)
+            self._phase = "ready" if fresh else "down"
+
+    # -- within a load -----------------------------------------------------------------------
+
+    def _follow(
+        self, load: _Load, obs: Observation, prev: Observation | None, answer_changed: bool
+    ) -> None:
+        if answer_changed or _moved(prev, obs):
+            load.last_move = obs.time
+        if obs.weights_bytes is not None:
+            load.weights_bytes = obs.weights_bytes
+        if obs.process_read_bytes is not None:
+            load.bytes_read = max(load.bytes_read or 0, obs.process_read_bytes)
+        if load.disk_base is None:
+            load.disk_base = obs.disk_read_bytes
+        if load.gpu_base is None and obs.process_gpu_bytes:
+            load.gpu_base = obs.process_gpu_bytes
+        self._note_residency(load, obs)
+        load.evidence = self._evidence(load, obs)
+        self._advance_progress(load, obs)
+        self._advance_phase(load, obs)
+        load.gpu_prev = obs.process_gpu_bytes
+
+    def _note_residency(self, load: _Load, obs: Observation) -> None:
+        """Cache temperature and the storage baseline come from the first pass after the start."""
+        if load.resident_start is not None or load.partial or obs.resident_bytes is None:
+            return
+        measured = obs.resident_measured_at if obs.resident_measured_at is not None else obs.time
+        if measured < load.started_at:
+            return
+        load.resident_start = obs.resident_bytes
+        if load.weights_bytes:
+            share = obs.resident_bytes / load.weights_bytes
+            load.cache = (
+                "warm" if share >= WARM_SHARE else "cold" if share <= COLD_SHARE else "mixed"
+            )
+
+    def _evidence(self, load: _Load, obs: Observation) -> dict[str, _Evidence]:
+        """Every progress estimate this tick can make, whether or not it drives progress."""
+        weights = load.weights_bytes
+        out: dict[str, _Evidence] = {}
+        uncached = None
+        if load.resident_start is not None and weights:
+            uncached = max(0, weights - load.resident_start)
+        storage_basis = uncached if uncached is not None else weights
+        if storage_basis:
+            if uncached is not None and obs.resident_bytes is not None:
+                growth = obs.resident_bytes - (load.resident_start or 0)
+                out["page_cache"] = _Evidence(growth / storage_basis, storage_basis)
+            if obs.process_read_bytes is not None:
+                out["process_reads"] = _Evidence(
+                    obs.process_read_bytes / storage_basis, storage_basis
+                )
+            tree_unknown = obs.process_read_bytes is None and obs.process_read_chars is None
+            if tree_unknown and obs.disk_read_bytes is not None and load.disk_base is not None:
+                reads = obs.disk_read_bytes - load.disk_base
+                out["disk_reads"] = _Evidence(reads / storage_basis, storage_basis)
+        if obs.process_read_chars is not None and weights:
+            out["process_read_chars"] = _Evidence(obs.process_read_chars / weights, weights)
+        base = load.gpu_base
+        if obs.process_gpu_bytes is not None and base is not None:
+            expected = load.expected_gpu
+            gpu_basis = expected - base if expected is not None and expected > base else weights
+            if gpu_basis:
+                out["gpu_memory"] = _Evidence((obs.process_gpu_bytes - base) / gpu_basis, gpu_basis)
+        return out
+
+    def _driving(self, load: _Load) -> tuple[str, ...]:
+        """Which signals may drive progress, given what residency says about this load."""
+        if load.resident_start is not None and load.weights_bytes:
+            preferred, other = (_WHOLE, _STORAGE) if load.cache == "warm" else (_STORAGE, _WHOLE)
+            return preferred if any(s in load.evidence for s in preferred) else other
+        unknown = (*_STORAGE, "process_read_chars")
+        return unknown if any(s in load.evidence for s in unknown) else ("gpu_memory",)
+
+    def _advance_progress(self, load: _Load, obs: Observation) -> None:
+        best: tuple[str, _Evidence] | None = None
+        allowed = self._driving(load)
+        for source in PROGRESS_SOURCES:
+            ev = load.evidence.get(source)
+            if source in allowed and ev is not None and (best is None or ev.ratio > best[1].ratio):
+                best = (source, ev)
+        rose = False
+        if best is not None:
+            source, ev = best
+            ratio = min(1.0, max(0.0, ev.ratio))
+            before = load.progress
+            if before is None or ratio > before:
+                rose = (ratio - (before or 0.0)) * ev.basis >= MOVE_BYTES
+                load.progress, load.source, load.basis = ratio, source, ev.basis
+        if rose:
+            load.last_rise = obs.time
+            load.gpu_at_rise = obs.process_gpu_bytes
+        else:
+            load.flat_time = obs.time
+            load.flat_progress = load.progress or 0.0
+
+    def _advance_phase(self, load: _Load, obs: Observation) -> None:
+        now, progress = obs.time, load.progress
+        if progress is None:
+            return
+        if self._phase == "starting" and progress >= BEGIN_RATIO:
+            load.weights_began = max(load.flat_time, load.started_at)
+            load.rate = deque([(load.weights_began, load.flat_progress)])
+            self._enter(load, "loading_weights", now)
+        if self._phase != "loading_weights":
+            return
+        quiet = now - load.last_rise >= QUIET_INTERVALS * self.interval
+        if progress >= DONE_RATIO:
+            # KV-cache allocation can follow the last weight within one tick: take the tick before.
+            load.weights_ended = now
+            load.gpu_at_weights_end = (
+                load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
+            )
+        elif progress >= QUIET_DONE_RATIO and quiet:
+            load.weights_ended = max(load.last_rise, load.weights_began or load.started_at)
+            load.gpu_at_weights_end = load.gpu_at_rise
+        else:
+            load.rate.append((now, progress))
+            horizon = now - max(RATE_WINDOW_SECONDS, RATE_MIN_INTERVALS * self.interval)
+            while len(load.rate) >= 2 and load.rate[1][0] <= horizon:
+                load.rate.popleft()
+            return
+        self._enter(load, "initializing", now)
+
+    def _enter(self, load: _Load, phase: str, now: float) -> None:
+        self._phase = phase
+        load.last_move = now  # a phase change is movement
+
+    # -- derived numbers ---------------------------------------------------------------------
+
+    def _rate(self, load: _Load) -> float | None:
+        """Progress per second over the rate window; None until it spans 3 intervals."""
+        if self._phase != "loading_weights" or len(load.rate) < 2:
+            return None
+        (t0, p0), (t1, p1) = load.rate[0], load.rate[-1]
+        if t1 - t0 < RATE_MIN_INTERVALS * self.interval:
+            return None
+        return max(0.0, p1 - p0) / (t1 - t0)
+
+    def _eta(self, load: _Load, now: float, weights_eta: float | None) -> float | None:
+        expected = self._expected(load)
+        init = expected.get("initializing")
+        if init is None:
+            return None
+        if self._phase == "initializing":
+            return max(0.0, init - (now - (load.weights_ended or load.started_at)))
+        if self._phase == "loading_weights":
+            return None if weights_eta is None else weights_eta + init
+        starting, weights = expected.get("starting"), expected.get("loading_weights")
+        if starting is None or weights is None:
+            return None
+        return max(0.0, starting - (now - load.started_at)) + weights + init
+
+    def _expected(self, load: _Load) -> Mapping[str, float]:
+        """History's phase medians for this load's cache, read once per load and cache value."""
+        if self.expectations is None:
+            return {}
+        if load.cache not in load.expected:
+            load.expected[load.cache] = dict(
+                self.expectations.expected_phase_seconds(self.target, load.cache)
+            )
+        return load.expected[load.cache]
+
+    def _signals(self, load: _Load | None) -> dict[str, float | int | None]:
+        obs = self._last_obs
+        out: dict[str, float | int | None] = {}
+        if obs is not None:
+            out.update(
+                weights_bytes=obs.weights_bytes,
+                resident_bytes=obs.resident_bytes,
+                process_read_bytes=obs.process_read_bytes,
+                process_read_chars=obs.process_read_chars,
+                process_gpu_bytes=obs.process_gpu_bytes,
+                disk_read_bytes=obs.disk_read_bytes,
+            )
+        if load is not None:
+            out.update(
+                resident_bytes_at_start=load.resident_start,
+                gpu_bytes_at_start=load.gpu_base,
+                expected_weights_gpu_bytes=load.expected_gpu,
+                disk_read_bytes_at_start=load.disk_base,
+            )
+            out.update({f"progress_{k}": ev.ratio for k, ev in load.evidence.items()})
+        return out
+
+
+def _idle_progress(phase: str, load: _Load | None) -> float | None:
+    """A ready server has its weights in; a failed load shows where it died; down shows none."""
+    if phase == "ready":
+        return 1.0
+    return load.progress if phase == "failed" and load is not None else None
+
+
+def _value_at(observations: Iterable[Observation], at: float) -> int | None:
+    """Device-read counter at `at`: the last reading before it, else the first one after."""
+    before = after = None
+    for obs in observations:
+        if obs.disk_read_bytes is None:
+            continue
+        if obs.time <= at:
+            before = obs.disk_read_bytes
+        elif after is None:
+            after = obs.disk_read_bytes
+    return before if before is not None else after
+
+
+def _moved(prev: Observation | None, obs: Observation) -> bool:
+    """Whether any byte signal moved by MOVE_BYTES since the previous tick."""
+    if prev is None:
+        return False
+    counters = [
+        (prev.process_read_bytes, obs.process_read_bytes),
+        (prev.process_read_chars, obs.process_read_chars),
+    ]
+    if obs.process_read_bytes is None and obs.process_read_chars is None:
+        # Host-wide device reads are noise when the tree's own counters exist.
+        counters.append((prev.disk_read_bytes, obs.disk_read_bytes))
+    levels = [
+        (prev.process_gpu_bytes, obs.process_gpu_bytes),
+        (prev.resident_bytes, obs.resident_bytes),
+    ]
+    return any(a is not None and b is not None and b - a >= MOVE_BYTES for a, b in counters) or any(
+        a is not None and b is not None and abs(b - a) >= MOVE_BYTES for a, b in levels
+    )

@@ -1,0 +1,220 @@
+"""The SQLite load history, on real database files, including broken, locked and unwritable ones."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import statistics
+import threading
+from pathlib import Path
+
+import pytest
+
+from exporter.history import SCHEMA_VERSION, HistoryStore
+from exporter.tracker import LoadRecord
+
+T0 = 1_750_000_000.0
+
+
+def record(
+    duration: float,
+    *,
+    target: str = "kimi",
+    at: float = T0,
+    outcome: str = "ready",
+    cache: str | None = "cold",
+    partial: bool = False,
+    gpu: int | None = None,
+    phases: dict[str, float] | None = None,
+) -> LoadRecord:
+    return LoadRecord(
+        target=target,
+        started_at=at,
+        ended_at=at + duration,
+        outcome=outcome,
+        cache=cache,
+        partial=partial,
+        phase_seconds=phases if phases is not None else {"starting": 10.0, "loading_weights": 60.0},
+        weights_bytes=548 * 10**9,
+        bytes_read=500 * 10**9,
+        gpu_bytes_at_weights_end=gpu,
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> HistoryStore:
+    return HistoryStore(str(tmp_path / "history.sqlite"))
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [
+        r for r in caplog.records if r.name == "exporter.history" and r.levelno >= logging.ERROR
+    ]
+
+
+def test_round_trip_newest_first(store: HistoryStore) -> None:
+    first = record(600.0, phases={"starting": 20.0, "loading_weights": 500.5, "initializing": 79.5})
+    second = record(90.0, at=T0 + 3600, cache=None, partial=True, outcome="failed", gpu=7)
+    other = record(30.0, target="other", at=T0 + 1000)
+    for r in (first, second, other):
+        store.add(r)
+    assert store.enabled and store.problem is None
+    assert store.loads() == [second, other, first]
+    assert store.loads("kimi") == [second, first]
+    assert store.loads("kimi", limit=1) == [second]
+    assert store.loads("nobody") == []
+
+
+def test_survives_reopen_and_creates_the_directory(tmp_path: Path) -> None:
+    path = tmp_path / "var" / "lib" / "mle" / "history.sqlite"
+    store = HistoryStore(str(path))
+    store.add(record(300.0, gpu=100))
+    store.close()
+    reopened = HistoryStore(str(path))
+    assert reopened.loads() == [record(300.0, gpu=100)]
+    assert reopened.last_duration("kimi") == 300.0
+    assert reopened.expected_weights_gpu_bytes("kimi") == 100
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    reopened.close()
+
+
+def test_expectations_are_medians_of_the_last_ten_good_loads(store: HistoryStore) -> None:
+    durations = [100.0 + 7 * i for i in range(14)]
+    for i, d in enumerate(durations):
+        store.add(
+            record(d, at=T0 + 1000 * i, phases={"starting": d / 10, "loading_weights": d / 2})
+        )
+    store.add(record(500.0, at=T0 + 20_000, outcome="failed"))
+    store.add(record(1.0, at=T0 + 21_000, partial=True))
+    store.add(record(9.0, at=T0 + 22_000, cache="warm", phases={"starting": 3.0}))
+    last_ten = durations[-10:]
+    assert store.expected_duration("kimi", "cold") == statistics.median(last_ten)
+    assert store.expected_phase_seconds("kimi", "cold") == {
+        "starting": statistics.median(d / 10 for d in last_ten),
+        "loading_weights": statistics.median(d / 2 for d in last_ten),
+    }
+    assert store.expected_duration("kimi", "warm") == 9.0
+    assert store.expected_duration("kimi", "mixed") is None
+    assert store.expected_phase_seconds("kimi", "mixed") == {}
+    assert store.expected_duration("other", "cold") is None
+    assert store.last_duration("kimi") == 9.0  # any outcome, the newest
+    assert store.last_duration("other") is None
+
+
+def test_a_phase_a_load_skipped_counts_as_zero(store: HistoryStore) -> None:
+    store.add(record(100.0, phases={"starting": 100.0}))
+    store.add(record(100.0, at=T0 + 1, phases={"starting": 40.0, "initializing": 60.0}))
+    store.add(record(100.0, at=T0 + 2, phases={"starting": 50.0, "initializing": 50.0}))
+    assert store.expected_phase_seconds("kimi", "cold") == {"starting": 50.0, "initializing": 50.0}
+
+
+def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) -> None:
+    store.add(record(100.0, at=T0 - 1000, gpu=10))
+    store.add(record(1.0, at=T0 + 10, partial=True, gpu=20))
+    store.add(record(2.0, at=T0 + 20, outcome="failed", gpu=30))
+    store.add(record(3.0, at=T0 + 30, cache=None))
+    assert store.expected_duration("kimi", "cold") == 100.0
+    assert store.expected_weights_gpu_bytes("kimi") == 10
+    assert store.expected_duration("kimi", None) == 3.0  # unknown residency is its own group
+    assert store.last_duration("kimi") == 3.0
+
+
+def test_empty_path_disables_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    store = HistoryStore("")
+    store.add(record(10.0))
+    assert not store.enabled and store.problem is None
+    assert store.loads() == [] and store.expected_duration("kimi", "cold") is None
+    assert store.expected_phase_seconds("kimi", "cold") == {}
+    assert store.last_duration("kimi") is None and store.expected_weights_gpu_bytes("kimi") is None
+    assert errors(caplog) == []
+
+
+def test_corrupt_file_disables_history_with_one_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "history.sqlite"
+    path.write_bytes(b"this is not an SQLite file, just junk " * 200)
+    store = HistoryStore(str(path))
+    store.add(record(10.0))
+    assert store.loads() == [] and store.last_duration("kimi") is None
+    assert not store.enabled
+    assert store.problem is not None and "not a database" in store.problem
+    [line] = errors(caplog)
+    assert str(path) in line.getMessage()
+    assert path.read_bytes().startswith(b"this is not an SQLite file")
+
+
+def test_unwritable_location_disables_history(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    store = HistoryStore(str(blocker / "history.sqlite"))  # root can write anywhere but not here
+    store.add(record(10.0))
+    assert not store.enabled and store.problem is not None
+    assert store.loads() == []
+    assert len(errors(caplog)) == 1
+
+
+def test_newer_schema_is_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "history.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    store = HistoryStore(str(path))
+    assert not store.enabled and store.problem is not None and "newer" in store.problem
+    assert len(errors(caplog)) == 1
+
+
+def test_database_locked_at_open_does_not_raise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "history.sqlite"
+    HistoryStore(str(path)).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        store = HistoryStore(str(path), busy_timeout=0.05)
+        store.add(record(10.0))
+        assert store.loads() == []
+        assert not store.enabled and store.problem is not None and "locked" in store.problem
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert len(errors(caplog)) == 1
+
+
+def test_database_locked_later_does_not_raise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "history.sqlite"
+    store = HistoryStore(str(path), busy_timeout=0.05)
+    store.add(record(10.0))
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        store.add(record(20.0, at=T0 + 100))
+        assert store.expected_duration("kimi", "cold") is None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert not store.enabled and "locked" in (store.problem or "")
+    assert len(errors(caplog)) == 1
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT COUNT(*) FROM loads").fetchone()[0] == 1
+
+
+def test_concurrent_writers_and_readers(store: HistoryStore) -> None:
+    def write(n: int) -> None:
+        for i in range(50):
+            store.add(record(float(i + 1), target=f"t{n}", at=T0 + i))
+            store.loads(f"t{n}", limit=5)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.enabled
+    assert [len(store.loads(f"t{n}", limit=1000)) for n in range(4)] == [50] * 4
+    assert store.last_duration("t3") == 50.0

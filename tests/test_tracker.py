@@ -1,0 +1,522 @@
+"""The load state machine, driven through whole loads second by second on synthetic timelines.
+
+`Sim` is a stand-in server and host whose counters a test moves; every tick it hands the tracker
+one Observation, exactly as the sampler does, and keeps the state the tracker reported. Expected
+numbers are computed from the script of each timeline, not copied from the tracker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from exporter.history import HistoryStore
+from exporter.tracker import IN_PROGRESS, LoadRecord, Observation, TargetState, Tracker
+
+MB = 10**6
+GB = 10**9
+T0 = 1_750_000_000.0
+WEIGHTS = 120 * GB
+COLD_RATE = 240 * MB  # the field's cold read rate
+
+
+@dataclass
+class Sim:
+    """A synthetic model server and host, advanced one second per tick."""
+
+    tracker: Tracker
+    weights: int = WEIGHTS
+    time: float = T0
+    configured: bool = True
+    nvml: bool = False
+    pid: int | None = None
+    started: float | None = None
+    read_bytes: int = 0
+    read_chars: int = 0
+    gpu: int = 0
+    resident: int = 0
+    disk: int = 7 * GB
+    endpoint: str = "refused"
+    probe_every: int = 1
+    ticks: int = 0
+    probe: tuple[str, float] | None = None
+    states: list[TargetState] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    records: list[LoadRecord] = field(default_factory=list)
+
+    def spawn(self, pid: int = 1000) -> None:
+        """Start a server process now; a new tree's counters start at zero."""
+        self.pid, self.started = pid, self.time
+        self.read_bytes = self.read_chars = self.gpu = 0
+
+    def kill(self) -> None:
+        self.pid = self.started = None
+
+    def restart_exporter(self, tracker: Tracker) -> None:
+        """A fresh exporter: a new tracker that has seen nothing, not even a probe."""
+        self.tracker, self.probe = tracker, None
+        self.records.clear()
+
+    def observation(self) -> Observation:
+        alive = self.pid is not None
+        return Observation(
+            time=self.time,
+            endpoint_result=self.probe[0] if self.probe else None,
+            endpoint_probe_time=self.probe[1] if self.probe else None,
+            process_configured=self.configured,
+            process_found=alive,
+            process_pid=self.pid,
+            process_start_time=self.started,
+            process_read_bytes=self.read_bytes if alive and self.configured else None,
+            process_read_chars=self.read_chars if alive and self.configured else None,
+            process_gpu_bytes=self.gpu if alive and self.configured and self.nvml else None,
+            weights_bytes=self.weights,
+            resident_bytes=self.resident,
+            resident_measured_at=self.time,
+            disk_read_bytes=self.disk,
+        )
+
+    def tick(
+        self,
+        n: int = 1,
+        *,
+        read: int = 0,
+        cache: int | None = None,
+        chars: int = 0,
+        gpu: int = 0,
+    ) -> None:
+        """n seconds; `read` storage bytes/s (into the page cache unless `cache` says otherwise)."""
+        for _ in range(n):
+            self.time += 1
+            self.ticks += 1
+            self.read_bytes += read
+            self.read_chars += chars
+            self.gpu += gpu
+            self.disk += read
+            self.resident = min(self.weights, self.resident + (read if cache is None else cache))
+            if self.ticks % self.probe_every == 0:
+                self.probe = (self.endpoint, self.time)
+            record = self.tracker.observe(self.observation())
+            if record is not None:
+                self.records.append(record)
+            self.states.append(self.tracker.state(self.time))
+            self.times.append(self.time)
+
+    @property
+    def state(self) -> TargetState:
+        return self.states[-1]
+
+    def state_at(self, t: float) -> TargetState:
+        return self.states[self.times.index(t)]
+
+    def until_record(self, limit: int = 100) -> LoadRecord:
+        for _ in range(limit):
+            if self.records:
+                return self.records[-1]
+            self.tick()
+        raise AssertionError("no load finished")
+
+
+def tracker(stall_after: float = 300.0, expectations: HistoryStore | None = None) -> Tracker:
+    return Tracker("kimi", stall_after=stall_after, expectations=expectations, interval=1.0)
+
+
+def phases(states: list[TargetState]) -> list[str]:
+    out: list[str] = []
+    for s in states:
+        if not out or out[-1] != s.phase:
+            out.append(s.phase)
+    return out
+
+
+@dataclass(frozen=True)
+class ColdScript:
+    starting: int = 20
+    noise: int = 5  # seconds of the interpreter reading its own libraries, 10 MB/s
+    weights_seconds: int = 500
+    init: int = 120
+
+
+def cold_load(sim: Sim, script: ColdScript = ColdScript(), pid: int = 1000) -> None:
+    """Cold start: libraries, weights from storage at 240 MB/s, init (refused, then 503), ready."""
+    sim.spawn(pid)
+    sim.endpoint = "refused"
+    sim.tick(script.noise, read=10 * MB, cache=0, chars=20 * MB)
+    sim.tick(script.starting - script.noise)
+    rate = sim.weights // script.weights_seconds
+    sim.tick(script.weights_seconds, read=rate, chars=rate, gpu=rate)
+    sim.tick(script.init // 2, gpu=40 * GB if sim.nvml else 0)
+    sim.endpoint = "http_error"
+    sim.tick(script.init - script.init // 2)
+    sim.endpoint = "ready"
+    sim.tick()
+
+
+def test_cold_load_goes_through_every_phase_and_ends_with_a_true_record() -> None:
+    sim = Sim(tracker())
+    script = ColdScript()
+    cold_load(sim, script)
+
+    assert phases(sim.states) == ["starting", "loading_weights", "initializing", "ready"]
+    progress = [s.progress_ratio for s in sim.states if s.in_progress]
+    known = [p for p in progress if p is not None]
+    assert len(known) == len(progress)
+    assert known == sorted(known)
+    assert known[-1] == 1.0
+    [record] = sim.records
+    total = script.starting + script.weights_seconds + script.init + 1
+    assert record.outcome == "ready"
+    assert record.cache == "cold"
+    assert not record.partial
+    assert record.started_at == T0
+    assert record.duration_seconds == total
+    assert record.phase_seconds == {
+        "starting": script.starting,
+        "loading_weights": script.weights_seconds,
+        "initializing": script.init + 1,
+    }
+    assert record.weights_bytes == WEIGHTS
+    assert record.bytes_read == sim.read_bytes
+    assert record.gpu_bytes_at_weights_end is None  # no NVML in this timeline
+    assert sim.state.phase == "ready" and sim.state.last_record == record
+
+
+def test_cold_load_throughput_and_weights_eta_without_history() -> None:
+    sim = Sim(tracker())
+    script = ColdScript()
+    cold_load(sim, script)
+    rate = WEIGHTS // script.weights_seconds
+    weights_began = T0 + script.starting
+    mid = sim.state_at(weights_began + 250)
+    assert mid.phase == "loading_weights"
+    assert mid.cache == "cold"
+    assert mid.throughput_bytes_per_second == pytest.approx(rate, rel=1e-6)
+    read_then = script.noise * 10 * MB + 250 * rate
+    assert mid.progress_ratio == pytest.approx(read_then / WEIGHTS)
+    assert mid.weights_eta_seconds == pytest.approx((WEIGHTS - read_then) / rate, rel=1e-6)
+    assert mid.progress_source in ("page_cache", "process_reads")
+    assert mid.eta_seconds is None  # no history: the initializing part has no basis
+    assert mid.signals["resident_bytes_at_start"] == 0
+    assert all(
+        s.throughput_bytes_per_second is None for s in sim.states if s.phase != "loading_weights"
+    )
+    init = [s for s in sim.states if s.phase == "initializing"]
+    assert init and all(s.eta_seconds is None for s in init)
+    assert all(s.weights_eta_seconds == 0 for s in init)
+
+
+def test_eta_comes_from_history_once_throughput_is_known(tmp_path) -> None:
+    store = HistoryStore(str(tmp_path / "history.sqlite"))
+    first = Sim(tracker(expectations=store))
+    script = ColdScript()
+    cold_load(first, script)
+    [previous] = first.records
+    store.add(previous)
+    expected = previous.phase_seconds
+
+    sim = Sim(tracker(expectations=store), time=first.time + 3600)
+    start = sim.time
+    sim.resident = 0  # evicted since: cold again
+    cold_load(sim, script, pid=2000)
+
+    early = sim.state_at(start + 5)
+    assert early.phase == "starting"
+    assert early.eta_seconds == pytest.approx(
+        expected["starting"] - 5 + expected["loading_weights"] + expected["initializing"]
+    )
+    weights_began = start + script.starting
+    loading = [s for s in sim.states if s.phase == "loading_weights"]
+    for state in loading:
+        assert state.weights_eta_seconds is not None
+        assert state.eta_seconds == pytest.approx(
+            state.weights_eta_seconds + expected["initializing"]
+        )
+    rate = WEIGHTS // script.weights_seconds
+    remaining = WEIGHTS - (script.noise * 10 * MB + 100 * rate)
+    mid = sim.state_at(weights_began + 100)
+    assert mid.eta_seconds == pytest.approx(remaining / rate + expected["initializing"])
+    weights_end = weights_began + script.weights_seconds
+    assert sim.state_at(weights_end + 30).eta_seconds == pytest.approx(
+        expected["initializing"] - 30
+    )
+    store.close()
+
+
+def test_warm_load_shows_progress_from_gpu_memory_and_read_chars() -> None:
+    sim = Sim(tracker(), nvml=True, resident=WEIGHTS)
+    sim.spawn()
+    sim.tick(10)
+    contexts = 2 * GB
+    sim.tick(1, gpu=contexts)
+    sim.tick(9)
+    seconds = 40
+    rate = WEIGHTS // seconds  # 3 GB/s from page cache
+    sim.tick(seconds, chars=rate, gpu=rate)
+    gpu_before_last_tick = contexts + (seconds - 1) * rate
+    sim.tick(1, gpu=40 * GB)  # KV cache
+    sim.tick(59)
+    sim.endpoint = "ready"
+    sim.tick()
+
+    weights = [s for s in sim.states if s.phase == "loading_weights"]
+    values = [s.progress_ratio for s in weights]
+    assert len(values) == seconds - 1
+    assert all(a is not None and b is not None and b > a for a, b in itertools.pairwise(values))
+    assert {s.progress_source for s in weights} <= {"gpu_memory", "process_read_chars"}
+    assert weights[len(weights) // 2].throughput_bytes_per_second == pytest.approx(rate)
+    [record] = sim.records
+    assert record.cache == "warm"
+    assert record.phase_seconds["starting"] == 20
+    assert record.phase_seconds["loading_weights"] == seconds
+    assert record.bytes_read == 0
+    assert record.gpu_bytes_at_weights_end == gpu_before_last_tick
+
+
+def test_warm_mmap_load_measures_gpu_against_the_size_history_expects(tmp_path) -> None:
+    """No read() bytes (mmap) and fewer GPU bytes than file bytes (quantized on load)."""
+    store = HistoryStore(str(tmp_path / "h.sqlite"))
+    contexts, on_gpu, kv = GB, WEIGHTS // 2, 80 * GB
+
+    def warm_mmap(sim: Sim) -> None:
+        sim.spawn()
+        sim.tick(4)
+        sim.tick(1, gpu=contexts)
+        sim.tick(20, gpu=on_gpu // 20)
+        sim.tick(10)
+        sim.tick(1, gpu=kv)
+        sim.tick(20)
+        sim.endpoint = "ready"
+        sim.tick()
+
+    first = Sim(tracker(expectations=store), nvml=True, resident=WEIGHTS)
+    warm_mmap(first)
+    [previous] = first.records
+    # Without history the weights size is the yardstick: half of it reached the GPU.
+    assert first.state_at(T0 + 35).progress_ratio == pytest.approx(on_gpu / WEIGHTS)
+    assert previous.gpu_bytes_at_weights_end == contexts + on_gpu
+    store.add(previous)
+
+    sim = Sim(tracker(expectations=store), nvml=True, resident=WEIGHTS, time=first.time + 600)
+    start = sim.time
+    warm_mmap(sim)
+    [record] = sim.records
+    assert sim.state_at(start + 15).progress_ratio == pytest.approx(0.5)
+    assert sim.state_at(start + 25).phase == "initializing"
+    assert record.cache == "warm"
+    assert record.phase_seconds["loading_weights"] == 20
+    assert record.gpu_bytes_at_weights_end == contexts + on_gpu - on_gpu // 20
+    store.close()
+
+
+def test_mixed_load_counts_progress_against_the_uncached_part() -> None:
+    sim = Sim(tracker(), resident=WEIGHTS // 2)
+    sim.spawn()
+    sim.tick(10)
+    seconds = (WEIGHTS // 2) // COLD_RATE
+    sim.tick(seconds, read=COLD_RATE)
+    sim.tick(30)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.cache == "mixed"
+    assert record.phase_seconds == {"starting": 10, "loading_weights": seconds, "initializing": 31}
+    half = sim.state_at(T0 + 10 + seconds // 2)
+    assert half.progress_ratio == pytest.approx((seconds // 2) * COLD_RATE / (WEIGHTS // 2))
+
+
+def test_stall_is_flagged_exactly_after_stall_after_and_clears_on_movement() -> None:
+    sim = Sim(tracker(stall_after=300))
+    sim.spawn()
+    sim.tick(10)
+    sim.tick(200, read=COLD_RATE)  # 40 % of the weights
+    last_move = sim.time
+    sim.tick(400)
+    stalled_at = [t for s, t in zip(sim.states, sim.times, strict=True) if s.stalled]
+    assert stalled_at[0] == last_move + 300
+    assert stalled_at == [t for t in sim.times if t >= last_move + 300]
+    during = sim.state
+    assert during.phase == "loading_weights"
+    assert during.seconds_since_progress == sim.time - last_move
+    assert during.throughput_bytes_per_second == 0
+    assert during.weights_eta_seconds is None and during.eta_seconds is None
+    sim.tick(1, read=COLD_RATE)
+    assert not sim.state.stalled
+    assert sim.state.seconds_since_progress == 0
+    assert sim.state.progress_ratio == pytest.approx(201 * COLD_RATE / WEIGHTS)
+
+
+def test_process_that_never_moves_stays_starting_and_stalls() -> None:
+    sim = Sim(tracker(stall_after=120))
+    sim.spawn()
+    sim.tick(400)
+    assert phases(sim.states) == ["starting"]
+    assert not sim.state_at(T0 + 119).stalled
+    assert sim.state_at(T0 + 120).stalled
+    assert sim.state.elapsed_seconds == 400
+    assert sim.state.progress_ratio == 0.0
+    assert sim.records == []
+
+
+def test_endpoint_only_target_that_never_answers_is_down() -> None:
+    sim = Sim(tracker(stall_after=60), configured=False)
+    sim.tick(1000)
+    assert phases(sim.states) == ["down"]
+    assert not any(s.in_progress or s.stalled for s in sim.states)
+    assert sim.state.progress_ratio is None and sim.records == []
+
+
+def test_crash_mid_weights_records_a_failed_load_and_stays_failed() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(20)
+    sim.tick(250, read=COLD_RATE)
+    sim.kill()
+    sim.tick()
+    crashed = sim.time
+    sim.tick(30)
+    [record] = sim.records
+    assert record.outcome == "failed"
+    assert record.ended_at == crashed
+    assert record.phase_seconds == {"starting": 20, "loading_weights": crashed - T0 - 20}
+    assert record.bytes_read == 250 * COLD_RATE
+    assert phases(sim.states)[-1] == "failed"
+    assert sim.state.progress_ratio == pytest.approx(0.5)
+    assert not sim.state.in_progress
+    sim.spawn(pid=2000)
+    restarted = sim.time
+    sim.tick()
+    assert sim.state.phase == "starting" and sim.state.started_at == restarted
+
+
+def test_crash_during_initializing_records_failed_with_gpu_size() -> None:
+    sim = Sim(tracker(), nvml=True)
+    script = ColdScript()
+    sim.spawn()
+    sim.tick(script.starting)
+    rate = WEIGHTS // script.weights_seconds
+    sim.tick(script.weights_seconds, read=rate, gpu=rate)
+    gpu_before_last_tick = (script.weights_seconds - 1) * rate
+    sim.tick(1, gpu=40 * GB)
+    sim.tick(29)
+    sim.kill()
+    sim.tick()
+    [record] = sim.records
+    assert record.outcome == "failed"
+    assert record.phase_seconds == {
+        "starting": script.starting,
+        "loading_weights": script.weights_seconds,
+        "initializing": 31,
+    }
+    assert record.gpu_bytes_at_weights_end == gpu_before_last_tick
+    assert sim.state.phase == "failed"
+
+
+def test_process_replaced_between_two_ticks_fails_the_old_load_and_starts_a_new_one() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(30, read=COLD_RATE)
+    sim.time += 0.5
+    sim.spawn(pid=2000)
+    replaced = sim.time
+    sim.tick()
+    [record] = sim.records
+    assert record.outcome == "failed" and record.ended_at == replaced
+    assert sim.state.phase == "starting" and sim.state.started_at == replaced
+
+
+def test_endpoint_flapping_while_ready_is_not_a_new_load() -> None:
+    sim = Sim(tracker())
+    cold_load(sim, ColdScript(weights_seconds=100, init=20))
+    for result in ("refused", "ready", "timeout", "timeout", "timeout", "timeout", "ready"):
+        sim.endpoint = result
+        sim.tick()
+        assert sim.state.phase == "ready"
+    assert len(sim.records) == 1
+    sim.kill()  # stopped after being ready: down, not a failed load
+    sim.tick()
+    assert sim.state.phase == "down"
+    sim.endpoint = "refused"
+    sim.tick(3)
+    assert sim.state.phase == "down" and len(sim.records) == 1
+
+
+def test_endpoint_only_load_starts_after_three_distinct_failed_probes() -> None:
+    sim = Sim(tracker(), configured=False, endpoint="ready", resident=0)
+    sim.tick(5)
+    assert phases(sim.states) == ["ready"] and sim.records == []
+    for result in ("refused", "ready", "refused", "refused", "ready"):  # flapping
+        sim.endpoint = result
+        sim.tick()
+        assert sim.state.phase == "ready"
+    sim.probe_every = 3  # probes slower than ticks: each counts once
+    sim.endpoint = "refused"
+    sim.tick(3 - sim.ticks % 3)
+    first_failure = sim.time
+    sim.tick(5)
+    assert sim.state.phase == "ready"  # two distinct failed probes in six ticks
+    sim.tick()
+    assert sim.state.in_progress and sim.state.started_at == first_failure
+    assert not sim.state.partial
+    sim.tick(100, read=COLD_RATE)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.progress_source == "page_cache"
+    sim.endpoint = "ready"
+    record = sim.until_record()
+    assert record.outcome == "ready" and not record.partial
+    assert record.started_at == first_failure
+    assert record.duration_seconds == sim.time - first_failure
+    assert record.bytes_read is None  # no process information
+
+
+def test_exporter_started_mid_load_records_a_partial_load_from_the_process_start() -> None:
+    sim = Sim(Tracker("other", stall_after=300))  # the exporter is not running yet
+    sim.spawn()
+    sim.tick(20)
+    sim.tick(200, read=COLD_RATE)
+    sim.restart_exporter(tracker())
+    sim.tick()
+    arrived = sim.state
+    assert arrived.partial and arrived.in_progress
+    assert arrived.started_at == T0
+    assert arrived.elapsed_seconds == sim.time - T0
+    assert arrived.cache is None  # residency at the start was not seen
+    assert arrived.progress_ratio == pytest.approx(sim.read_bytes / WEIGHTS)
+    sim.tick(300, read=COLD_RATE)
+    sim.tick(30)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.partial and record.outcome == "ready"
+    assert record.duration_seconds == sim.time - T0
+
+
+def test_server_already_ready_when_the_exporter_arrives_is_no_load() -> None:
+    sim = Sim(Tracker("other", stall_after=300))
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(3600)
+    sim.restart_exporter(tracker())
+    sim.probe_every = 2
+    sim.tick(2 - sim.ticks % 2)  # ticks before the first probe answers, then that probe
+    assert sim.states[-2].phase == "starting" and sim.states[-2].partial
+    sim.tick(4)
+    assert sim.records == []
+    assert sim.state.phase == "ready" and not sim.state.in_progress
+
+
+def test_endpoint_only_server_seen_loading_is_a_partial_load() -> None:
+    sim = Sim(tracker(), configured=False, endpoint="http_error")  # llama.cpp's 503
+    sim.tick()
+    loading_seen = sim.time
+    assert sim.state.phase in IN_PROGRESS and sim.state.partial
+    sim.tick(60, read=COLD_RATE)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.progress_source == "disk_reads"
+    assert sim.state.progress_ratio == pytest.approx(60 * COLD_RATE / WEIGHTS)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.partial and record.started_at == loading_seen
+    assert record.cache is None
