@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 from helpers_io import MIB, write_cold_file
 
@@ -73,6 +73,7 @@ for line in sys.stdin:
 class Server:
     def __init__(self) -> None:
         self.tag = uuid.uuid4().hex[:12]
+        self.spawned_after = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVER, self.tag, f"mle-server-{self.tag}"],
             stdin=subprocess.PIPE,
@@ -80,6 +81,7 @@ class Server:
             text=True,
         )
         self.pid = self.proc.pid
+        self.spawned_before = time.time()
         self.worker_pid = int(self.readline().split()[1])
         self.stray: list[int] = []
 
@@ -123,7 +125,9 @@ def test_found_by_pidfile_with_tree_start_time_and_cmdline(server: Server, tmp_p
     assert sample.found
     assert sample.root_pid == server.pid
     assert set(sample.pids) == {server.pid, server.worker_pid}
-    assert sample.start_time == pytest.approx(psutil.Process(server.pid).create_time(), abs=0.02)
+    # Exact to a clock tick (10 ms): psutil's create_time() is up to a second early here.
+    assert sample.start_time is not None
+    assert server.spawned_after - 0.011 <= sample.start_time <= server.spawned_before + 0.011
     assert sample.cmdline is not None
     assert sample.cmdline.endswith(f"{server.tag} mle-server-{server.tag}")
     assert sample.read_bytes is not None
