@@ -432,9 +432,13 @@ class Tracker:
         measured = obs.resident_measured_at if obs.resident_measured_at is not None else obs.time
         if measured < load.started_at:
             return
-        load.resident_start = obs.resident_bytes
+        # The pass lands up to a couple of intervals after the start. What the tree has read from
+        # storage since it started was not cached at the start, so take it back out: otherwise
+        # the first second of a cold load at 240 MB/s would already read as "mixed".
+        read_since_start = obs.process_read_bytes if obs.process_found else None
+        load.resident_start = max(0, obs.resident_bytes - (read_since_start or 0))
         if load.weights_bytes:
-            share = obs.resident_bytes / load.weights_bytes
+            share = load.resident_start / load.weights_bytes
             load.cache = (
                 "warm" if share >= WARM_SHARE else "cold" if share <= COLD_SHARE else "mixed"
             )

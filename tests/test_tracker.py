@@ -310,6 +310,27 @@ def test_warm_mmap_load_measures_gpu_against_the_size_history_expects(tmp_path) 
     store.close()
 
 
+def test_cold_load_stays_cold_when_the_first_residency_pass_lands_after_reads_began() -> None:
+    # A small model read at 240 MB/s: 12 % is cached by the time the first pass after the
+    # start lands. Those bytes came from storage during this load, so the start was cold.
+    weights = 2 * GB
+    sim = Sim(tracker(), weights=weights)
+    sim.tick(3)
+    sim.spawn()
+    sim.tick(read=COLD_RATE)
+    assert sim.resident / weights > 0.1
+    assert sim.state.cache == "cold"
+
+
+def test_pages_cached_before_the_start_still_count_as_warm() -> None:
+    weights = 2 * GB
+    sim = Sim(tracker(), weights=weights, resident=weights)
+    sim.tick(3)
+    sim.spawn()
+    sim.tick(chars=COLD_RATE)
+    assert sim.state.cache == "warm"
+
+
 def test_mixed_load_counts_progress_against_the_uncached_part() -> None:
     sim = Sim(tracker(), resident=WEIGHTS // 2)
     sim.spawn()
