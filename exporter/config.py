@@ -120,16 +120,14 @@ def parse_duration(value: object, where: str) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """The inverse of parse_duration for summaries: 90 -> '1m30s'."""
-    if seconds < 1:
-        return f"{round(seconds * 1000)}ms"
-    whole = round(seconds)
+    """The inverse of parse_duration for summaries: 90 -> '1m30s', 1.5 -> '1s500ms'."""
+    millis = round(seconds * 1000)
     parts = []
-    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
-        if whole >= size:
-            parts.append(f"{whole // size}{unit}")
-            whole %= size
-    return "".join(parts)
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        if millis >= size:
+            parts.append(f"{millis // size}{unit}")
+            millis %= size
+    return "".join(parts) or "0s"
 
 
 class _Reader:

@@ -38,7 +38,7 @@ def _is_up(value: object) -> bool:
 class Periodic:
     """Calls `fn` every `interval` seconds on a daemon thread until stopped."""
 
-    def __init__(self, name: str, interval: float, fn: Callable[[], None]) -> None:
+    def __init__(self, name: str, interval: float, fn: Callable[[], object]) -> None:
         self.name = name
         self.interval = interval
         self._fn = fn

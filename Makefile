@@ -1,0 +1,26 @@
+# Two commands on a fresh machine: `make demo` (see a model load, no GPU needed) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench
+
+$(BIN)/model-load-exporter: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(BIN)/model-load-exporter
+	$(BIN)/model-load-exporter demo
+
+lint: $(BIN)/model-load-exporter
+	$(BIN)/ruff check exporter tests bench scripts
+	$(BIN)/ruff format --check exporter tests bench scripts
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -ra
+
+bench: $(BIN)/model-load-exporter
+	$(BIN)/python bench/residency.py

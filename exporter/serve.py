@@ -1,0 +1,154 @@
+"""`model-load-exporter serve`: turn flags into a Config and run the exporter until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from exporter.app import Exporter
+from exporter.config import (
+    Config,
+    ConfigError,
+    format_duration,
+    load_config,
+    parse_config,
+    parse_duration,
+)
+from exporter.logsetup import setup_logging
+from exporter.server import ExporterApp, HttpServer
+from exporter.webconfig import WebConfig, load_web_config
+
+log = logging.getLogger(__name__)
+
+SINGLE_TARGET_FLAGS = (
+    "target",
+    "endpoint",
+    "model",
+    "weights",
+    "unit",
+    "pidfile",
+    "cmdline",
+    "log_source",
+    "stall_after",
+)
+
+
+class UsageError(Exception):
+    """Flags that contradict each other: exit 2, like argparse's own errors."""
+
+
+def _log_source(value: str) -> dict[str, str]:
+    kind, sep, rest = value.partition(":")
+    if not sep or kind not in ("journald", "file") or not rest:
+        raise ConfigError(f"--log.source: expected journald:UNIT or file:PATH, got {value!r}")
+    return {"journald_unit": rest} if kind == "journald" else {"file": rest}
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Build the Config from --config.file or the single-target flags, validated the same way."""
+    single = [f for f in SINGLE_TARGET_FLAGS if getattr(args, f)]
+    if args.config_file:
+        if single:
+            raise UsageError(
+                f"--{single[0].replace('_', '.')} cannot be combined with --config.file"
+            )
+        config = load_config(args.config_file)
+    else:
+        if not args.target or not args.endpoint:
+            raise UsageError("no targets: pass --config.file, or --target and --endpoint")
+        target: dict[str, Any] = {
+            "name": args.target,
+            "endpoint": {"url": args.endpoint, "probe": args.probe},
+            "stall_after": args.stall_after or "5m",
+        }
+        if args.model:
+            target["endpoint"]["model"] = args.model
+        if args.weights:
+            target["weights"] = {"paths": args.weights}
+        process = {"systemd_unit": args.unit, "pidfile": args.pidfile, "cmdline": args.cmdline}
+        process = {k: v for k, v in process.items() if v}
+        if process:
+            target["process"] = process
+        if args.log_source:
+            target["log"] = _log_source(args.log_source)
+        config = parse_config({"targets": [target]}, source="flags")
+    if args.sample_interval:
+        interval = parse_duration(args.sample_interval, "--sample.interval")
+        config = dataclasses.replace(config, sample_interval=interval)
+    if args.history_path is not None:
+        config = dataclasses.replace(config, history_path=args.history_path)
+    return config
+
+
+def summary(config: Config) -> str:
+    """What --config.check prints: enough to see the config means what you meant."""
+    history = config.history_path or "disabled"
+    lines = [
+        f"config OK: {config.source}: {len(config.targets)} target(s), "
+        f"sample interval {format_duration(config.sample_interval)}, history {history}, "
+        f"residency CPU budget {config.residency_cpu_budget:.1%} of a core"
+    ]
+    for t in config.targets:
+        e = t.endpoint
+        probe = f"{e.probe} probe {e.url}{e.path}, timeout {format_duration(e.timeout)}"
+        weights = (
+            f"weights {', '.join(t.weights.paths)} ({' '.join(t.weights.include)})"
+            if t.weights
+            else "no weights"
+        )
+        process = "endpoint-only load detection"
+        if t.process:
+            kind, value = next((k, v) for k, v in vars(t.process).items() if v)
+            process = f"process by {kind} {value}"
+        lines.append(
+            f"  {t.name}: {probe}; {weights}; {process}; gpus {t.gpus}; "
+            f"stall after {format_duration(t.stall_after)}"
+        )
+    return "\n".join(lines)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, args.log_format)
+    try:
+        config = config_from_args(args)
+        web = load_web_config(args.web_config_file) if args.web_config_file else WebConfig()
+    except UsageError as exc:
+        print(f"model-load-exporter: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"model-load-exporter: {exc}", file=sys.stderr)
+        return 1
+    if args.config_check:
+        print(summary(config))
+        return 0
+    exporter = Exporter(config)
+    try:
+        server = HttpServer(ExporterApp(exporter, web), args.web_listen_address)
+    except (OSError, ValueError) as exc:
+        print(
+            f"model-load-exporter: cannot listen on {args.web_listen_address}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    exporter.start()
+    server.start()
+    log.info(
+        "listening on %s://%s:%d with %d target(s)",
+        server.scheme,
+        args.web_listen_address.rpartition(":")[0] or "0.0.0.0",
+        server.port,
+        len(config.targets),
+    )
+    stop.wait()
+    log.info("shutting down")
+    server.stop()
+    exporter.stop()
+    return 0

@@ -1,0 +1,34 @@
+"""Fixtures: loopback model-server stand-ins and a running exporter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from support import ModelServer, RunningExporter
+
+from exporter.config import parse_config
+from exporter.webconfig import WebConfig
+
+
+@pytest.fixture
+def model_server() -> Iterator[ModelServer]:
+    server = ModelServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def start_exporter() -> Iterator[Callable[..., RunningExporter]]:
+    started: list[RunningExporter] = []
+
+    def start(data: dict[str, Any], web: WebConfig | None = None, **kwargs: Any) -> RunningExporter:
+        data = {"sample_interval": "200ms", "history_path": "", **data}
+        running = RunningExporter(parse_config(data, source="test"), web, **kwargs)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()

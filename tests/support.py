@@ -1,0 +1,112 @@
+"""Loopback model-server stand-ins and a running exporter, shared by the tests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import requests
+
+from exporter.app import Exporter
+from exporter.config import Config
+from exporter.server import ExporterApp, HttpServer
+from exporter.webconfig import WebConfig
+
+COMPLETION = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "."}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ModelServer:
+    """A loopback HTTP server whose behaviour a test can switch: ready, 503, hang."""
+
+    def __init__(self) -> None:
+        self.mode = "ready"
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                if outer.mode == "hang":
+                    outer.release.wait(30)
+                    return
+                if outer.mode == "503":
+                    self._send(503, {"error": {"message": "Loading model", "code": 503}})
+                else:
+                    self._send(200, COMPLETION)
+
+            def _send(self, code: int, body: object) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RunningExporter:
+    def __init__(self, config: Config, web: WebConfig | None = None, **kwargs: Any) -> None:
+        self.exporter = Exporter(config, **kwargs)
+        self.http = HttpServer(ExporterApp(self.exporter, web), "127.0.0.1:0")
+        self.url = f"{self.http.scheme}://127.0.0.1:{self.http.port}"
+        self.exporter.start()
+        self.http.start()
+        self.stopped = False
+
+    def metrics(self) -> str:
+        response = requests.get(f"{self.url}/metrics", timeout=10)
+        response.raise_for_status()
+        return response.text
+
+    def status(self) -> dict[str, Any]:
+        response = requests.get(f"{self.url}/api/v1/status", timeout=10)
+        response.raise_for_status()
+        return dict(response.json())
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.http.stop()
+        self.exporter.stop()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1) -> Any:
+    """Poll until predicate returns something truthy; fail with the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")

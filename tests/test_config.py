@@ -1,0 +1,203 @@
+"""Config validation: every malformed file is one precise line and a non-zero exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from exporter.config import (
+    ConfigError,
+    format_duration,
+    load_config,
+    parse_config,
+    parse_duration,
+)
+
+GOOD = {
+    "sample_interval": "500ms",
+    "history_path": "",
+    "targets": [
+        {
+            "name": "kimi-k2",
+            "endpoint": {
+                "url": "http://127.0.0.1:30001",
+                "probe": "completion",
+                "model": "/root/models/Kimi-K2.6",
+                "timeout": "8s",
+                "headers": {"Authorization": "Bearer ${TEST_API_KEY}"},
+            },
+            "weights": {"paths": ["WEIGHTS"], "include": ["*.safetensors"], "per_file": True},
+            "process": {"cmdline": r"sglang\.launch_server.*--port 30001"},
+            "log": {"journald_unit": "sglang-k26", "format": "sglang"},
+            "gpus": [0, 1],
+            "stall_after": "5m",
+        }
+    ],
+}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "exporter", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def write(tmp_path: Path, data: object, weights: Path) -> Path:
+    text = yaml.safe_dump(data) if not isinstance(data, str) else data
+    path = tmp_path / "config.yaml"
+    path.write_text(text.replace("WEIGHTS", str(weights)))
+    return path
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 4096)
+    return d
+
+
+def test_good_config_loads_into_dataclasses(tmp_path: Path, weights: Path) -> None:
+    config = load_config(str(write(tmp_path, GOOD, weights)), env={"TEST_API_KEY": "sekret"})
+    target = config.targets[0]
+    assert config.sample_interval == 0.5
+    assert config.history_path == ""
+    assert target.endpoint.path == "/v1/completions"
+    assert target.endpoint.timeout == 8.0
+    assert target.endpoint.headers == {"Authorization": "Bearer sekret"}
+    assert "sekret" not in repr(config)
+    assert target.weights is not None and target.weights.paths == (str(weights),)
+    assert target.gpus == (0, 1)
+    assert target.stall_after == 300.0
+
+
+def test_probe_kind_sets_default_path(tmp_path: Path, weights: Path) -> None:
+    data = {"targets": [{"name": "a", "endpoint": {"url": "http://h:1", "probe": "health"}}]}
+    config = load_config(str(write(tmp_path, data, weights)))
+    assert config.targets[0].endpoint.probe_url == "http://h:1/health"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("500ms", 0.5), ("30s", 30), ("5m", 300), ("1h", 3600), ("1h30m", 5400), ("1.5s", 1.5)],
+)
+def test_durations(text: str, expected: float) -> None:
+    assert parse_duration(text, "x") == expected
+    assert parse_duration(format_duration(expected), "x") == expected
+
+
+def _target(**changes: object) -> dict[str, object]:
+    target = {"name": "a", "endpoint": {"url": "http://127.0.0.1:1"}}
+    target.update(changes)
+    return {"targets": [target]}
+
+
+# (case id, document, text the one-line error must contain)
+MALFORMED: list[tuple[str, object, str]] = [
+    ("unknown top-level key", {**_target(), "sample_intervall": "1s"}, "unknown key 'sample_intervall'"),
+    ("unknown target key", _target(stall_afer="5m"), "targets[0]: unknown key 'stall_afer'"),
+    ("unknown endpoint key", _target(endpoint={"url": "http://h:1", "probes": "health"}), "targets[0].endpoint: unknown key 'probes'"),
+    ("bad duration", _target(stall_after="5 minutes"), "targets[0].stall_after: expected a duration"),
+    ("numeric duration", {**_target(), "sample_interval": 1}, "sample_interval: expected a duration"),
+    ("zero duration", {**_target(), "sample_interval": "0s"}, "sample_interval: duration must be positive"),
+    ("bad url scheme", _target(endpoint={"url": "ftp://h/x"}), "targets[0].endpoint.url: expected an absolute http/https URL"),
+    ("url without host", _target(endpoint={"url": "http:///v1"}), "targets[0].endpoint.url"),
+    ("bad port", _target(endpoint={"url": "http://h:99999"}), "invalid port"),
+    ("bad probe kind", _target(endpoint={"url": "http://h:1", "probe": "ping"}), "targets[0].endpoint.probe: must be one of"),
+    ("missing endpoint", {"targets": [{"name": "a"}]}, "targets[0].endpoint: required"),
+    ("missing name", {"targets": [{"endpoint": {"url": "http://h:1"}}]}, "targets[0].name: required"),
+    ("bad name", _target(name="has space"), "targets[0].name"),
+    ("duplicate names", {"targets": [_target()["targets"][0], _target()["targets"][0]]}, "targets[1].name: duplicate target name 'a'"),  # type: ignore[index]
+    ("no targets", {"targets": []}, "targets: expected a non-empty list"),
+    ("missing weights path", _target(weights={"paths": ["/nonexistent/model"]}), "targets[0].weights.paths[0]: /nonexistent/model does not exist"),
+    ("weights paths not a list", _target(weights={"paths": 3}), "targets[0].weights.paths"),
+    ("two process matchers", _target(process={"pidfile": "/run/x.pid", "cmdline": "x"}), "set exactly one of"),
+    ("bad cmdline regex", _target(process={"cmdline": "sglang(("}), "invalid regular expression"),
+    ("bad gpus", _target(gpus="all"), "targets[0].gpus: expected auto or a list"),
+    ("bad log format", _target(log={"file": "/var/log/x", "format": "ollama"}), "targets[0].log.format"),
+    ("per_file not bool", _target(weights={"paths": ["WEIGHTS"], "per_file": "yes"}), "per_file: expected true or false"),
+    ("unset env var in header", _target(endpoint={"url": "http://h:1", "headers": {"Authorization": "${NO_SUCH_VAR_XYZ}"}}), "environment variable NO_SUCH_VAR_XYZ is not set"),
+    ("residency budget out of range", {**_target(), "residency_cpu_budget": 2}, "residency_cpu_budget"),
+    ("not a mapping", "- just\n- a list\n", "expected a mapping"),
+    ("invalid yaml", "targets: [\n  name: a\n", "invalid YAML at line"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "document", "expected"), MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_malformed_config_is_one_line_error(
+    tmp_path: Path, weights: Path, case: str, document: object, expected: str
+) -> None:
+    path = write(tmp_path, document, weights)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), env={})
+    message = str(info.value)
+    assert expected in message, message
+    assert "\n" not in message
+    assert message.startswith(str(path))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_unreadable_weights_path(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o755)
+    os.seteuid(65534)  # nobody; the saved uid stays root so we can switch back
+    try:
+        with pytest.raises(ConfigError) as info:
+            parse_config(_target(weights={"paths": [str(secret)]}))
+    finally:
+        os.seteuid(0)
+    assert str(info.value) == f"targets[0].weights.paths[0]: {secret} is not readable by this user"
+
+
+def test_cli_config_check_exits_1_with_one_line(tmp_path: Path, weights: Path) -> None:
+    path = write(tmp_path, _target(stall_after="soon"), weights)
+    result = run_cli("--config.file", str(path), "--config.check")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "stall_after" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_missing_config_file(tmp_path: Path) -> None:
+    result = run_cli("--config.file", str(tmp_path / "nope.yaml"), "--config.check")
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"model-load-exporter: {tmp_path / 'nope.yaml'}: no such file"
+
+
+def test_cli_config_check_prints_summary(tmp_path: Path, weights: Path) -> None:
+    path = write(tmp_path, GOOD, weights)
+    result = run_cli("--config.file", str(path), "--config.check", env={"TEST_API_KEY": "sekret"})
+    assert result.returncode == 0, result.stderr
+    assert "config OK" in result.stdout and "kimi-k2" in result.stdout
+    assert "process by cmdline" in result.stdout and "stall after 5m" in result.stdout
+    assert "sekret" not in result.stdout
+
+
+def test_cli_single_target_flags_are_validated_like_the_file(weights: Path) -> None:
+    ok = run_cli("--target", "t", "--endpoint", "http://127.0.0.1:1", "--weights", str(weights),
+                 "--config.check")  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    bad = run_cli("--target", "t", "--endpoint", "nota-url", "--config.check")
+    assert bad.returncode == 1
+    assert "targets[0].endpoint.url" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_cli_usage_errors_exit_2(tmp_path: Path, weights: Path) -> None:
+    path = write(tmp_path, _target(), weights)
+    both = run_cli("--config.file", str(path), "--target", "x", "--config.check")
+    assert both.returncode == 2 and "cannot be combined" in both.stderr
+    unknown = run_cli("--no-such-flag")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1
+    nothing = run_cli("serve")
+    assert nothing.returncode == 2 and "no targets" in nothing.stderr

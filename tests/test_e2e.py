@@ -1,0 +1,230 @@
+"""End to end: the real exporter watching the real `simulate` server load real files on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from support import RunningExporter, free_port, wait_for
+from test_exporter_http import sample_value
+
+from exporter.cachectl import evict
+from exporter.simulate import generate_shards
+
+SHARDS, SHARD_SIZE = 4, 16 << 20
+INTERVAL = 0.25
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    generate_shards(directory, SHARDS, SHARD_SIZE)
+    return directory
+
+
+def evict_all(directory: Path) -> None:
+    for shard in directory.glob("*.safetensors"):
+        evict(str(shard))
+
+
+class Simulator:
+    """One run of `model-load-exporter simulate` as a child process."""
+
+    def __init__(self, tmp_path: Path, weights: Path, port: int, *extra: str) -> None:
+        self.report = tmp_path / f"report-{time.monotonic_ns()}.json"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "simulate", "--port", str(port),
+             "--weights", str(weights), "--pidfile", str(tmp_path / "server.pid"),
+             "--report", str(self.report), "--read-rate", "40MB/s", "--init-seconds", "1.5",
+             "--startup-seconds", "1", "--log-file", str(tmp_path / "server.log"), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def result(self) -> dict[str, Any]:
+        return dict(json.loads(wait_for(lambda: self.report.exists() and self.report.read_text())))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def scenario(tmp_path: Path, weights: Path, start_exporter: Any) -> Iterator[Any]:
+    port = free_port()
+    sims: list[Simulator] = []
+
+    def exporter(**target: Any) -> RunningExporter:
+        running: RunningExporter = start_exporter(
+            {
+                "sample_interval": f"{int(INTERVAL * 1000)}ms",
+                "history_path": str(tmp_path / "history.sqlite"),
+                "targets": [
+                    {
+                        "name": "sim",
+                        "endpoint": {
+                            "url": f"http://127.0.0.1:{port}",
+                            "probe": "completion",
+                            "timeout": "1s",
+                        },
+                        "weights": {"paths": [str(weights)]},
+                        "process": {"pidfile": str(tmp_path / "server.pid")},
+                        **target,
+                    }
+                ],
+            }
+        )
+        return running
+
+    def simulate(*extra: str) -> Simulator:
+        sim = Simulator(tmp_path, weights, port, *extra)
+        sims.append(sim)
+        return sim
+
+    yield exporter, simulate
+    for sim in sims:
+        sim.stop()
+
+
+def watch(running: RunningExporter, until: str, timeout: float = 60) -> list[dict[str, Any]]:
+    """Poll /api/v1/status until the target reaches `until`; return every state seen."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = running.status()["targets"][0]
+        seen.append(state)
+        if state.get("phase") == until:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"never reached {until}: {[s.get('phase') for s in seen][-20:]}")
+
+
+def distinct(values: list[Any]) -> list[Any]:
+    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
+
+
+def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
+    exporter, simulate = scenario
+    evict_all(weights)
+    running = exporter(stall_after="30s")
+    watch(running, "down")
+    cold = simulate()
+    seen = watch(running, "ready")
+    phases = distinct([s["phase"] for s in seen])
+    assert phases[-4:] == ["starting", "loading_weights", "initializing", "ready"], phases
+    progress = [s["progress_ratio"] for s in seen if s.get("progress_ratio") is not None]
+    assert progress == sorted(progress) and progress[-1] >= 0.99
+    report = cold.result()
+    assert report["cache"] == "cold"
+
+    text = wait_for(
+        lambda: (
+            (t := running.metrics())
+            and sample_value(
+                t, "model_load_duration_seconds_count", target="sim", cache="cold", outcome="ready"
+            )
+            and t
+        )
+    )
+    measured = sample_value(
+        text, "model_load_duration_seconds_sum", target="sim", cache="cold", outcome="ready"
+    )
+    assert measured is not None and abs(measured - report["load_seconds"]) < 2.0
+    assert sample_value(
+        text, "model_load_phase_duration_seconds_count", target="sim", phase="loading_weights"
+    )
+    assert sample_value(text, "model_load_last_duration_seconds", target="sim") == measured
+    cold.stop()
+    watch(running, "down")
+
+    warm = simulate()
+    watch(running, "ready")
+    assert warm.result()["cache"] == "warm"
+    text = wait_for(
+        lambda: (
+            (t := running.metrics())
+            and sample_value(
+                t, "model_load_duration_seconds_count", target="sim", cache="warm", outcome="ready"
+            )
+            and t
+        )
+    )
+    warm_seconds = sample_value(
+        text, "model_load_duration_seconds_sum", target="sim", cache="warm", outcome="ready"
+    )
+    assert warm_seconds is not None and warm_seconds < measured
+    assert sample_value(text, "model_load_expected_duration_seconds", target="sim", cache="warm")
+
+
+def test_stall_raises_and_clears(scenario: Any, weights: Path) -> None:
+    exporter, simulate = scenario
+    evict_all(weights)
+    stall_after = 1.5
+    running = exporter(stall_after=f"{int(stall_after * 1000)}ms")
+    simulate("--stall-at", "0.5", "--stall-for", "5s")
+    seen = watch(running, "loading_weights")
+    first_stalled = None
+    while first_stalled is None:
+        state = running.status()["targets"][0]
+        seen.append(state)
+        assert state["phase"] in ("loading_weights", "starting"), state["phase"]
+        if state["stalled"]:
+            first_stalled = state
+        time.sleep(0.05)
+    # Raised within stall_after + one sampling interval (+ the status poll's own granularity).
+    assert stall_after <= first_stalled["seconds_since_progress"] <= stall_after + INTERVAL + 0.3
+    text = running.metrics()
+    assert sample_value(text, "model_load_stalled", target="sim") == 1
+    # Loading resumes after the 5 s stall: the flag clears and the load completes.
+    cleared = wait_for(
+        lambda: not (s := running.status()["targets"][0])["stalled"] and s, timeout=20
+    )
+    assert cleared["phase"] in ("loading_weights", "initializing", "ready")
+    watch(running, "ready")
+
+
+def test_crash_ends_the_load_failed(scenario: Any, weights: Path) -> None:
+    exporter, simulate = scenario
+    evict_all(weights)
+    running = exporter(stall_after="30s")
+    sim = simulate("--crash-at", "0.5")
+    watch(running, "failed")
+    assert sim.proc.wait(timeout=10) == 1
+    text = wait_for(
+        lambda: (
+            (t := running.metrics())
+            and sample_value(
+                t, "model_load_duration_seconds_count", target="sim", cache="cold", outcome="failed"
+            )
+            and t
+        )
+    )
+    assert sample_value(text, "model_load_in_progress", target="sim") == 0
+    loads = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+    assert [load["outcome"] for load in loads] == ["failed"]
+
+
+def test_history_survives_exporter_restart(scenario: Any, weights: Path) -> None:
+    exporter, simulate = scenario
+    first = exporter(stall_after="30s")
+    simulate()
+    watch(first, "ready")
+    wait_for(lambda: requests.get(f"{first.url}/api/v1/loads", timeout=5).json()["loads"])
+    before = requests.get(f"{first.url}/api/v1/loads", timeout=5).json()["loads"]
+    first.stop()
+    second = exporter(stall_after="30s")
+    after = requests.get(f"{second.url}/api/v1/loads", timeout=5).json()["loads"]
+    assert after == before and after[0]["outcome"] == "ready"
+    text = second.metrics()
+    assert sample_value(text, "model_load_last_duration_seconds", target="sim") == pytest.approx(
+        before[0]["duration_seconds"]
+    )

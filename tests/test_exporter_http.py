@@ -1,0 +1,238 @@
+"""The exporter's HTTP surface against real loopback servers, promtool and a real Prometheus."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import requests
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from support import ModelServer, RunningExporter, free_port, wait_for
+
+from exporter.webconfig import load_web_config
+
+
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+def metrics_when(running: RunningExporter, predicate: Callable[[str], bool]) -> str:
+    """Scrape until the exposition satisfies predicate; return that exposition."""
+
+    def scrape() -> str | None:
+        text = running.metrics()
+        return text if predicate(text) else None
+
+    return str(wait_for(scrape))
+
+
+def target(name: str, url: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "endpoint": {"url": url, "timeout": "3s", **extra}}
+
+
+def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
+    start_exporter: Any, model_server: ModelServer, tmp_path: Path
+) -> None:
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "a.safetensors").write_bytes(os.urandom(1 << 20))
+    running: RunningExporter = start_exporter(
+        {"targets": [{**target("m", model_server.url), "weights": {"paths": [str(weights)]}}]}
+    )
+    text = metrics_when(
+        running, lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1
+    )
+    assert sample_value(text, "model_load_endpoint_probes_total", target="m", result="ready") >= 1  # type: ignore[operator]
+    assert sample_value(text, "model_load_weights_bytes", target="m") == 1 << 20
+    assert sample_value(text, "model_load_weights_files", target="m") == 1
+    assert sample_value(text, "model_load_source_up", source="endpoint", target="m") == 1
+    assert sample_value(text, "model_load_phase", target="m", phase="ready") == 1
+    assert sample_value(text, "model_load_host_memory_total_bytes") > 0  # type: ignore[operator]
+    # No GPU here: the NVML source is down and no GPU series are invented.
+    assert sample_value(text, "model_load_source_up", source="nvml", target="") == 0
+    assert "model_load_gpu_memory_used_bytes{" not in text
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    model_server.mode = "503"
+    text = metrics_when(
+        running, lambda t: sample_value(t, "model_load_endpoint_up", target="m") == 0
+    )
+    assert sample_value(text, "model_load_endpoint_probes_total", target="m", result="http_error")
+
+
+def test_openmetrics_negotiation(start_exporter: Any, model_server: ModelServer) -> None:
+    running = start_exporter({"targets": [target("m", model_server.url)]})
+    wait_for(lambda: running.exporter.ready)
+    response = requests.get(
+        f"{running.url}/metrics",
+        headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+        timeout=10,
+    )
+    assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert response.text.endswith("# EOF\n")
+    assert "model_load_duration_seconds" in response.text
+
+
+def test_hung_endpoint_does_not_slow_scrapes(
+    start_exporter: Any, model_server: ModelServer
+) -> None:
+    model_server.mode = "hang"
+    running = start_exporter(
+        {"targets": [{"name": "hung", "endpoint": {"url": model_server.url, "timeout": "10s"}}]}
+    )
+    wait_for(lambda: running.exporter.ready)
+    durations = []
+    for _ in range(10):
+        started = time.monotonic()
+        text = running.metrics()
+        durations.append(time.monotonic() - started)
+        time.sleep(0.2)
+    # The probe is stuck for its whole 10 s timeout during all of this; scrapes never wait on it.
+    assert max(durations) < 1.0, durations
+    assert 'model_load_endpoint_up{target="hung"}' not in text  # no probe has finished yet
+    assert sample_value(text, "model_load_process_up", target="hung") is None
+
+
+def test_status_landing_health_and_ready(start_exporter: Any, model_server: ModelServer) -> None:
+    running = start_exporter({"targets": [target("m", model_server.url)]})
+    wait_for(lambda: running.exporter.ready)
+    status = wait_for(lambda: (s := running.status())["targets"][0].get("phase") == "ready" and s)
+    entry = status["targets"][0]
+    assert entry["target"] == "m" and entry["phase"] == "ready"
+    assert entry["sources"]["endpoint"]["up"] is True
+    landing = requests.get(running.url + "/", timeout=5)
+    assert landing.status_code == 200 and 'href="/metrics"' in landing.text
+    assert requests.get(running.url + "/-/healthy", timeout=5).status_code == 200
+    assert requests.get(running.url + "/-/ready", timeout=5).status_code == 200
+    assert requests.get(running.url + "/api/v1/loads", timeout=5).json() == {"loads": []}
+    assert requests.get(running.url + "/nope", timeout=5).status_code == 404
+
+
+def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_path: Path) -> None:
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    web_file = tmp_path / "web.yml"
+    web_file.write_text(
+        yaml.safe_dump(
+            {
+                "tls_server_config": {"cert_file": str(cert), "key_file": str(key)},
+                "basic_auth_users": {"prometheus": hashed},
+            }
+        )
+    )
+    running = start_exporter(
+        {"targets": [target("m", model_server.url)]}, web=load_web_config(str(web_file))
+    )
+    assert running.url.startswith("https://")
+    denied = requests.get(f"{running.url}/metrics", verify=str(cert), timeout=10)
+    assert denied.status_code == 401
+    wrong = requests.get(
+        f"{running.url}/metrics", verify=str(cert), auth=("prometheus", "nope"), timeout=10
+    )
+    assert wrong.status_code == 401
+    ok = requests.get(
+        f"{running.url}/metrics", verify=str(cert), auth=("prometheus", "s3cret"), timeout=10
+    )
+    assert ok.status_code == 200 and "model_load_exporter_build_info" in ok.text
+
+
+def test_real_prometheus_scrapes_the_exporter(
+    start_exporter: Any, model_server: ModelServer, tmp_path: Path
+) -> None:
+    running = start_exporter({"targets": [target("scraped", model_server.url)]})
+    prom_port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "model-load",
+                        "static_configs": [{"targets": [running.url.split("//")[1]]}],
+                    }
+                ],
+            }
+        )
+    )
+    prometheus = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+
+        def query() -> list[dict[str, Any]] | None:
+            try:
+                response = requests.get(
+                    f"http://127.0.0.1:{prom_port}/api/v1/query",
+                    params={"query": 'model_load_endpoint_up{target="scraped"}'},
+                    timeout=5,
+                )
+            except requests.ConnectionError:
+                return None
+            result: list[dict[str, Any]] = response.json()["data"]["result"]
+            return result or None
+
+        result = wait_for(query, timeout=60, interval=0.5)
+        assert result[0]["metric"]["job"] == "model-load"
+        assert result[0]["value"][1] == "1"
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+
+
+def test_exporter_process_shuts_down_on_sigterm(model_server: ModelServer) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "--target", "m", "--endpoint", model_server.url,
+         f"--web.listen-address=127.0.0.1:{port}", "--history.path=", "--sample.interval=200ms"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/-/ready", timeout=2).ok
+            except requests.ConnectionError:
+                return False
+
+        wait_for(ready, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        _, stderr = proc.communicate()
+        assert "shutting down" in stderr and "Traceback" not in stderr
+    finally:
+        proc.kill()
+
+
+def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
+    port = model_server.httpd.server_address[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "--target", "m", "--endpoint", model_server.url,
+         f"--web.listen-address=127.0.0.1:{port}", "--history.path="],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "cannot listen on" in result.stderr and "Traceback" not in result.stderr
