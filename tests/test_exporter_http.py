@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import bcrypt
+import pytest
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from support import ModelServer, RunningExporter, free_port, wait_for
+from test_pagecache import NOBODY, REPO, nobody_python
 
+from exporter.cachectl import evict
 from exporter.webconfig import load_web_config
 
 
@@ -236,3 +241,68 @@ def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "cannot listen on" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
+def test_unprivileged_exporter_exports_no_residency_rather_than_a_false_one(
+    model_server: ModelServer,
+) -> None:
+    python = nobody_python()
+    if python is None:
+        pytest.skip("no Python interpreter that nobody may run")
+    directory = Path(tempfile.mkdtemp(prefix="residency-nobody-", dir="/tmp"))
+    try:
+        directory.chmod(0o755)
+        shard = directory / "model-00001-of-00001.safetensors"
+        shard.write_bytes(os.urandom(8 << 20))
+        shard.chmod(0o644)  # root-owned, readable by all: mincore as nobody would claim 100 %
+        evict(str(shard))
+        port = free_port()
+        proc = subprocess.Popen(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+             python, "-m", "exporter", "--target", "m", "--endpoint", model_server.url,
+             "--weights", str(directory), "--history.path=", "--sample.interval=200ms",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            cwd=directory, env={"PYTHONPATH": str(REPO), "PATH": os.defpath},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+
+            def scrape() -> str | None:
+                try:
+                    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+                except requests.ConnectionError:
+                    return None
+                return text if "model_load_weights_files{" in text else None
+
+            text = wait_for(scrape, timeout=30)
+        finally:
+            proc.terminate()
+            _, stderr = proc.communicate(timeout=10)
+    finally:
+        shutil.rmtree(directory)
+    assert sample_value(text, "model_load_weights_files", target="m") == 1
+    assert sample_value(text, "model_load_weights_bytes", target="m") == 8 << 20
+    assert sample_value(text, "model_load_source_up", source="pagecache", target="m") == 0
+    assert "model_load_weights_resident_bytes" not in text.replace(
+        "# HELP model_load_weights_resident_bytes", ""
+    ).replace("# TYPE model_load_weights_resident_bytes", "")
+    assert "run as the files' owner or root" in stderr
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
+def test_weights_without_a_block_device_are_reported_in_status(
+    start_exporter: Any, model_server: ModelServer
+) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="weights-", dir="/dev/shm"))
+    try:
+        (directory / "a.safetensors").write_bytes(b"\0" * 4096)
+        running = start_exporter(
+            {"targets": [{**target("m", model_server.url), "weights": {"paths": [str(directory)]}}]}
+        )
+        entry = wait_for(lambda: "block_devices" in (s := running.status()["targets"][0]) and s)
+    finally:
+        shutil.rmtree(directory)
+    assert entry["block_devices"] == []
+    assert entry["unbacked_weight_paths"] == [str(directory)]
+    assert "no block device" in entry["unbacked_note"]

@@ -1,0 +1,128 @@
+"""GPU series in /metrics: a fake 8-GPU NVML at the module boundary, a real server process tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
+from support import RunningExporter, wait_for
+from test_exporter_http import sample_value
+
+# A server whose tree is two processes, like a launcher and its TP worker.
+TREE = (
+    "import subprocess, sys, time\n"
+    "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "print(worker.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.fixture
+def server_tree() -> Iterator[tuple[int, int]]:
+    proc = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    worker = int(proc.stdout.readline())
+    yield proc.pid, worker
+    subprocess.run(["kill", "-9", str(worker)], check=False)
+    proc.kill()
+    proc.wait()
+
+
+def test_eight_gpus_with_per_process_attribution(
+    start_exporter: Any, model_server: Any, server_tree: tuple[int, int], tmp_path: Path
+) -> None:
+    root, worker = server_tree
+    pidfile = tmp_path / "server.pid"
+    pidfile.write_text(str(root))
+    nvml = FakeNvml(h200_node(8))
+    nvml.gpus[2].processes = [FakeProcess(root, 20 * GIB), FakeProcess(4_000_000, 5 * GIB)]
+    nvml.gpus[5].processes = [FakeProcess(worker, 30 * GIB)]
+    for gpu in nvml.gpus:
+        gpu.used_bytes += sum(p.used_bytes or 0 for p in gpu.processes)
+    running: RunningExporter = start_exporter(
+        {
+            "targets": [
+                {
+                    "name": "kimi",
+                    "endpoint": {"url": model_server.url},
+                    "process": {"pidfile": str(pidfile)},
+                },
+                {
+                    "name": "pinned",
+                    "endpoint": {"url": model_server.url},
+                    "process": {"pidfile": str(pidfile)},
+                    "gpus": [5],
+                },
+            ]
+        },
+        nvml=nvml,
+    )
+
+    def attributed() -> str | None:
+        text = running.metrics()
+        return text if sample_value(text, "model_load_process_gpu_memory_bytes") else None
+
+    text = wait_for(attributed)
+    assert sample_value(text, "model_load_source_up", source="nvml", target="") == 1
+    info = [line for line in text.splitlines() if line.startswith("model_load_gpu_info{")]
+    assert len(info) == 8 and all('driver_version="570.133.20"' in line for line in info)
+    for index in range(8):
+        total = sample_value(text, "model_load_gpu_memory_total_bytes", gpu=str(index))
+        assert total == nvml.gpus[index].total_bytes
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="2") == GIB // 2 + 25 * GIB
+    # The tree's share only: the other tenant's 5 GiB on GPU 2 is not the target's.
+    assert sample_value(text, "model_load_process_gpu_memory_bytes", target="kimi", gpu="2") == (
+        20 * GIB
+    )
+    assert sample_value(text, "model_load_process_gpu_memory_bytes", target="kimi", gpu="5") == (
+        30 * GIB
+    )
+    assert sample_value(text, "model_load_process_gpu_memory_bytes", target="kimi", gpu="0") is None
+    assert (
+        sample_value(text, "model_load_process_gpu_memory_bytes", target="pinned", gpu="2") is None
+    )
+    assert sample_value(text, "model_load_process_gpu_memory_bytes", target="pinned", gpu="5") == (
+        30 * GIB
+    )
+
+    # Weights keep arriving on GPU 5: the next samples show it.
+    nvml.gpus[5].processes[0].used_bytes = 60 * GIB
+    wait_for(
+        lambda: (
+            sample_value(
+                running.metrics(), "model_load_process_gpu_memory_bytes", target="kimi", gpu="5"
+            )
+            == 60 * GIB
+        )
+    )
+    check = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=running.metrics(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_gpu_lost_mid_run_degrades_that_gpu_only(start_exporter: Any, model_server: Any) -> None:
+    nvml = FakeNvml(h200_node(8))
+    running: RunningExporter = start_exporter(
+        {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]}, nvml=nvml
+    )
+    wait_for(lambda: sample_value(running.metrics(), "model_load_gpu_memory_used_bytes", gpu="3"))
+    nvml.gpus[3].lost = True
+    text = wait_for(
+        lambda: (
+            (t := running.metrics())
+            and sample_value(t, "model_load_gpu_memory_used_bytes", gpu="3") is None
+            and t
+        )
+    )
+    assert sample_value(text, "model_load_source_up", source="nvml", target="") == 1
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="4") == GIB // 2
