@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 CACHE_LABELS = ("cold", "warm", "mixed")
 _T = TypeVar("_T")
+MIN_READS_FOR_PASS = 1 << 20  # device bytes read before residency is worth measuring again
+READS_SHARE_FOR_PASS = 0.001  # ... or this share of the weights, whichever is more
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TargetRuntime:
     probe_counts: Counter[str] = field(default_factory=Counter)
     server: str = "unknown"
     started_at: float | None = None
+    disk_reads_at_pass: int | None = None  # device read counter when a pass was last asked for
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ class Exporter:
         now = self._clock()
         for name, runtime in self.targets.items():
             observation = self._observe(runtime, now)
+            if runtime.residency is not None:
+                self._note_reads(runtime, observation)
             record = runtime.tracker.observe(observation)
             if record is not None:
                 self._finish(record)
@@ -180,6 +185,26 @@ class Exporter:
             with self._lock:
                 self._states[name] = state
         self._ticked.set()
+
+    @staticmethod
+    def _note_reads(runtime: TargetRuntime, observation: Observation) -> None:
+        """Ask for a residency pass once the weights' devices have read a meaningful amount.
+
+        Pages arrive only through reads, so without reads a pass would measure nothing new;
+        but the devices also serve the rest of the host, and a 16 KB log read must not buy a
+        30 ms pass over 8 GB. Without a block device (NFS, tmpfs) reads cannot be seen: always ask.
+        """
+        assert runtime.residency is not None
+        reads = observation.disk_read_bytes
+        if reads is None:
+            runtime.residency.note_device_reads()
+            return
+        if runtime.disk_reads_at_pass is None or reads < runtime.disk_reads_at_pass:
+            runtime.disk_reads_at_pass = reads
+        threshold = max(MIN_READS_FOR_PASS, (observation.weights_bytes or 0) * READS_SHARE_FOR_PASS)
+        if reads - runtime.disk_reads_at_pass >= threshold:
+            runtime.residency.note_device_reads()
+            runtime.disk_reads_at_pass = reads
 
     def _observe(self, runtime: TargetRuntime, now: float) -> Observation:
         name = runtime.config.name

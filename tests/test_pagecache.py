@@ -24,7 +24,7 @@ import pytest
 
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
-from exporter.sources.pagecache import ResidencySource, discover, measure
+from exporter.sources.pagecache import QUIET_REFRESH_SECONDS, ResidencySource, discover, measure
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -333,6 +333,7 @@ def test_budget_defers_the_next_full_pass(tmp_path: Path) -> None:
     assert first.resident_bytes == 0
 
     read_part(f, 4 * MiB)
+    src.note_device_reads()
     clocks.now = 1009.9
     assert src.sample() is first  # within budget: the last measurement, not a new pass
 
@@ -343,6 +344,22 @@ def test_budget_defers_the_next_full_pass(tmp_path: Path) -> None:
 
     clocks.now = 900.0  # the wall clock was stepped back: measure now, not in 110 s
     assert src.sample().measured_at == 900.0
+
+
+def test_without_device_reads_passes_wait_for_the_quiet_refresh(tmp_path: Path) -> None:
+    f = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
+    clocks = FakeClocks(cost=0.001)
+    src = ResidencySource(weights(tmp_path), 0.01, clocks.clock, clocks.cpu_clock)
+    first = src.sample()
+    assert first.next_pass_due == pytest.approx(1000.1)
+    read_part(f, 4 * MiB)  # e.g. pages pulled in by an unrelated reader we were not told of
+    clocks.now = 1000.0 + QUIET_REFRESH_SECONDS - 0.1
+    assert src.sample() is first  # the budget allows a pass, but nothing says it is worth one
+    clocks.now = 1000.0 + QUIET_REFRESH_SECONDS
+    assert src.sample().resident_bytes == 4 * MiB
+    src.note_device_reads()
+    clocks.now += 1.0
+    assert src.sample().measured_at == clocks.now  # reads seen: measure once the budget allows
 
 
 def test_request_full_pass_overrides_the_budget(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 METHODS: tuple[str, ...] = ("cachestat", "mincore")
+QUIET_REFRESH_SECONDS = 30.0
 MINCORE_WINDOW = 1 << 30
 ADVICE = (
     "run as the files' owner or root; cachestat needs Linux >= 6.5 and must be allowed by seccomp"
@@ -439,6 +440,7 @@ class ResidencySource:
         self._methods = tuple(methods)
         self._lock = threading.Lock()
         self._forced = threading.Event()
+        self._reads = threading.Event()
         self._tree: WeightTree | None = None
         self._last: ResidencySample | None = None
         self._warned = False
@@ -447,18 +449,29 @@ class ResidencySource:
         """Make the next sample() measure afresh, whatever the budget says (thread-safe)."""
         self._forced.set()
 
+    def note_device_reads(self) -> None:
+        """The weights' block devices read something: residency may have changed (thread-safe)."""
+        self._reads.set()
+
     def sample(self) -> ResidencySample:
-        """A fresh full pass when due or requested, otherwise the last measurement."""
+        """A fresh full pass when requested, or when due and worth it; else the last measurement.
+
+        Due: the CPU budget allows it. Worth it: the weights' devices showed reads since the last
+        pass (pages can only arrive through reads), or the last pass is QUIET_REFRESH_SECONDS old
+        (pages also leave under memory pressure, without reads of ours). An idle host so pays
+        one pass per QUIET_REFRESH_SECONDS instead of one per budget period.
+        """
         with self._lock:
             last = self._last
+            now = self._clock()
             # A wall clock stepped back must not postpone the next pass by the size of the step.
-            if (
-                last is not None
-                and not self._forced.is_set()
-                and last.measured_at <= self._clock() < last.next_pass_due
-            ):
-                return last
+            if last is not None and not self._forced.is_set() and last.measured_at <= now:
+                if now < last.next_pass_due:
+                    return last
+                if not self._reads.is_set() and now < last.measured_at + QUIET_REFRESH_SECONDS:
+                    return last
             self._forced.clear()
+            self._reads.clear()
             self._last = self._full_pass()
             return self._last
 
