@@ -2,9 +2,9 @@
 
 The tree's own start time is the start of a load (so an exporter started mid-load still sees the
 whole load), and its read counters show weights moving even when the disk is shared with others.
-Everything is read straight from /proc under an injectable root: one pass over /proc/*/stat per
-sample gives both the process table and the parent links, without touching psutil's global
-PROCFS_PATH that other sources share.
+Everything is read straight from /proc under an injectable root: a pass over /proc/*/stat gives
+both the process table and the parent links (re-reading only new pids and the tree itself), without
+touching psutil's global PROCFS_PATH that other sources share.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from exporter.config import ProcessConfig
 
 _UNIT_SUFFIXES = (".service", ".scope")
+CMDLINE_SETTLE_SECONDS = 5.0
 # Where a unit's cgroup lives: cgroup v2, then the v2 and the named v1 hierarchy of hybrid mode.
 _CGROUP_LAYOUTS = ("", "unified", "systemd")
 
@@ -73,6 +74,9 @@ class ProcessFinder:
         self._pattern = re.compile(config.cmdline) if config.cmdline else None
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
         self._boot_time: float | None = None
+        self._table: dict[int, _Proc] = {}
+        self._members: frozenset[int] = frozenset()
+        self._cmdlines: dict[tuple[int, int], str | None] = {}
         self._reset(None)
 
     def _reset(self, root_key: tuple[int, int] | None) -> None:
@@ -88,6 +92,7 @@ class ProcessFinder:
         found = self._find_root(table)
         if found is None:
             self._reset(None)
+            self._members = frozenset()
             return NOT_FOUND
         root, extra_members, root_cmdline = found
         if root.key != self._root_key:
@@ -95,6 +100,7 @@ class ProcessFinder:
         members = _descendants(root, table)
         members.update(pid for pid in extra_members if pid in table)
         tree = [table[pid] for pid in sorted(members)]
+        self._members = frozenset(members)
         read_bytes, read_chars = self._count(tree, table)
         if root_cmdline is None:
             root_cmdline = self._cmdline(root.pid)
@@ -161,16 +167,29 @@ class ProcessFinder:
             return None
 
     def _scan(self) -> dict[int, _Proc]:
-        table = {}
+        """The process table, re-reading /proc/PID/stat only where it can have changed.
+
+        A process outside the tree cannot join it (children get new pids; an orphan is
+        re-parented to an ancestor subreaper, which is outside the tree too), so its stat from
+        an earlier scan still serves. New pids and tree members are read afresh. On a GPU host
+        with thousands of processes this turns a thousand reads a second into a handful.
+        """
         try:
             names = os.listdir(self._proc_root)
         except OSError:
             return {}
+        cached, members = self._table, self._members
+        table = {}
         for name in names:
-            if name.isdigit():
-                proc = read_stat(self._proc_root, int(name))
-                if proc is not None:
-                    table[proc.pid] = proc
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            proc = cached.get(pid)
+            if proc is None or pid in members:
+                proc = read_stat(self._proc_root, pid)
+            if proc is not None:
+                table[pid] = proc
+        self._table = table
         return table
 
     def _cmdline(self, pid: int) -> str | None:
@@ -180,6 +199,13 @@ class ProcessFinder:
         except OSError:
             return None
         return raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+
+    def _settled_ticks(self) -> int:
+        """Start ticks before which a process is CMDLINE_SETTLE_SECONDS old (0 if unknown)."""
+        boot = boot_time(self._proc_root)
+        if boot is None:
+            return 0
+        return int((time.time() - boot - CMDLINE_SETTLE_SECONDS) * self._clock_ticks)
 
     def _start_time(self, proc: _Proc) -> float | None:
         if self._boot_time is None:
@@ -214,12 +240,21 @@ class ProcessFinder:
     ) -> tuple[_Proc, Iterable[int], str | None] | None:
         own_pid = os.getpid()
         matches: dict[int, str] = {}
+        settled = self._settled_ticks()
+        cmdlines: dict[tuple[int, int], str | None] = {}
         for proc in table.values():
             if proc.zombie or proc.pid == own_pid:
                 continue
-            cmdline = self._cmdline(proc.pid)
+            # A command line changes at exec, right after fork: trust a cached one only for
+            # processes old enough to have exec'd; read young ones afresh every time.
+            if proc.key in self._cmdlines and proc.start_ticks < settled:
+                cmdline = self._cmdlines[proc.key]
+            else:
+                cmdline = self._cmdline(proc.pid)
+            cmdlines[proc.key] = cmdline
             if cmdline and pattern.search(cmdline):
                 matches[proc.pid] = cmdline
+        self._cmdlines = cmdlines
         # The oldest match has no matching ancestor unless both started in the same clock tick,
         # which is exactly when the ancestor test is needed (worker processes fork instantly).
         tops = [table[pid] for pid in matches if not _has_ancestor_in(pid, matches, table)]
