@@ -473,17 +473,22 @@ class Tracker:
                 out["gpu_memory"] = _Evidence((obs.process_gpu_bytes - base) / gpu_basis, gpu_basis)
         return out
 
-    def _driving(self, load: _Load) -> tuple[str, ...]:
+    def _driving(self, load: _Load, obs: Observation) -> tuple[str, ...]:
         """Which signals may drive progress, given what residency says about this load."""
         if load.resident_start is not None and load.weights_bytes:
             preferred, other = (_WHOLE, _STORAGE) if load.cache == "warm" else (_STORAGE, _WHOLE)
             return preferred if any(s in load.evidence for s in preferred) else other
+        if obs.resident_bytes is not None:
+            # Residency is measurable but the first pass of this load has not landed yet: until
+            # the cache temperature is known, only storage reads count. read() bytes would also
+            # count the interpreter reading its own libraries from the page cache.
+            return _STORAGE
         unknown = (*_STORAGE, "process_read_chars")
         return unknown if any(s in load.evidence for s in unknown) else ("gpu_memory",)
 
     def _advance_progress(self, load: _Load, obs: Observation) -> None:
         best: tuple[str, _Evidence] | None = None
-        allowed = self._driving(load)
+        allowed = self._driving(load, obs)
         for source in PROGRESS_SOURCES:
             ev = load.evidence.get(source)
             if source in allowed and ev is not None and (best is None or ev.ratio > best[1].ratio):

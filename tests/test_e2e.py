@@ -120,7 +120,9 @@ def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
     cold = simulate()
     seen = watch(running, "ready")
     phases = distinct([s["phase"] for s in seen])
-    assert phases[-4:] == ["starting", "loading_weights", "initializing", "ready"], phases
+    assert phases[-4:] == ["starting", "loading_weights", "initializing", "ready"], [
+        (s["phase"], s["started_at"], s["elapsed_seconds"], s["signals"]) for s in seen
+    ]
     progress = [s["progress_ratio"] for s in seen if s.get("progress_ratio") is not None]
     assert progress == sorted(progress) and progress[-1] >= 0.99
     report = cold.result()

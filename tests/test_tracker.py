@@ -322,6 +322,38 @@ def test_cold_load_stays_cold_when_the_first_residency_pass_lands_after_reads_be
     assert sim.state.cache == "cold"
 
 
+def test_library_reads_before_the_first_residency_pass_are_not_weights() -> None:
+    # A small model: the interpreter reading its own libraries from the page cache (rchar) is
+    # 10 % of the weights. Until the first residency pass of the load says how cold it is, that
+    # must not count as weights arriving.
+    weights = 64 * 2**20
+    t = tracker()
+    common = {
+        "endpoint_result": "refused",
+        "endpoint_probe_time": None,
+        "process_configured": True,
+        "process_gpu_bytes": None,
+        "weights_bytes": weights,
+        "resident_bytes": 0,
+        "resident_measured_at": T0 - 5,  # the pass requested at the start has not landed
+        "disk_read_bytes": None,
+    }
+    none = {"process_pid": None, "process_start_time": None}
+    t.observe(Observation(time=T0, process_found=False, process_read_bytes=None,
+                          process_read_chars=None, **none, **common))  # fmt: skip
+    alive = {"process_found": True, "process_pid": 42, "process_start_time": T0 + 0.5}
+    t.observe(Observation(time=T0 + 1, process_read_bytes=0, process_read_chars=weights // 10,
+                          **alive, **common))  # fmt: skip
+    assert t.state(T0 + 1).phase == "starting"
+    # The pass lands: cold. Storage reads then move the load into its weights phase.
+    common["resident_measured_at"] = T0 + 1.5
+    chars = weights // 10 + weights // 5
+    t.observe(Observation(time=T0 + 2, process_read_bytes=weights // 5, process_read_chars=chars,
+                          **alive, **common))  # fmt: skip
+    state = t.state(T0 + 2)
+    assert (state.cache, state.phase) == ("cold", "loading_weights")
+
+
 def test_pages_cached_before_the_start_still_count_as_warm() -> None:
     weights = 2 * GB
     sim = Sim(tracker(), weights=weights, resident=weights)
