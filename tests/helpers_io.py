@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from exporter.cachectl import evict
+
 MIB = 1024 * 1024
 _CHUNK = 4 * MIB
 
@@ -22,18 +24,8 @@ def write_cold_file(path: Path, size: int) -> Path:
             remaining -= n
         f.flush()
         os.fsync(f.fileno())
-    evict(path)
+    evict(str(path))
     return path
-
-
-def evict(path: Path) -> None:
-    """Drop a clean file's pages from the page cache, so the next read has to hit the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def read_all(path: Path) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import requests
 from support import RunningExporter, free_port, wait_for
-from test_exporter_http import sample_value
+from test_exporter_http import metrics_when, sample_value
 
 from exporter.cachectl import evict, prewarm
 from exporter.simulate import generate_shards
@@ -108,6 +108,15 @@ def watch(running: RunningExporter, until: str, timeout: float = 60) -> list[dic
     raise AssertionError(f"never reached {until}: {[s.get('phase') for s in seen][-20:]}")
 
 
+def finished(running: RunningExporter, **labels: str) -> tuple[str, float]:
+    """Scrape until a load with these labels is in the duration histogram; the text and sum."""
+    count = "model_load_duration_seconds_count"
+    text = metrics_when(running, lambda t: bool(sample_value(t, count, target="sim", **labels)))
+    total = sample_value(text, "model_load_duration_seconds_sum", target="sim", **labels)
+    assert total is not None
+    return text, total
+
+
 def distinct(values: list[Any]) -> list[Any]:
     return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
 
@@ -128,18 +137,7 @@ def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
     report = cold.result()
     assert report["cache"] == "cold"
 
-    text = wait_for(
-        lambda: (
-            (t := running.metrics())
-            and sample_value(
-                t, "model_load_duration_seconds_count", target="sim", cache="cold", outcome="ready"
-            )
-            and t
-        )
-    )
-    measured = sample_value(
-        text, "model_load_duration_seconds_sum", target="sim", cache="cold", outcome="ready"
-    )
+    text, measured = finished(running, cache="cold", outcome="ready")
     assert measured is not None and abs(measured - report["load_seconds"]) < 2.0
     assert sample_value(
         text, "model_load_phase_duration_seconds_count", target="sim", phase="loading_weights"
@@ -154,18 +152,7 @@ def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
     warm = simulate()
     watch(running, "ready")
     assert warm.result()["cache"] == "warm"
-    text = wait_for(
-        lambda: (
-            (t := running.metrics())
-            and sample_value(
-                t, "model_load_duration_seconds_count", target="sim", cache="warm", outcome="ready"
-            )
-            and t
-        )
-    )
-    warm_seconds = sample_value(
-        text, "model_load_duration_seconds_sum", target="sim", cache="warm", outcome="ready"
-    )
+    text, warm_seconds = finished(running, cache="warm", outcome="ready")
     assert warm_seconds is not None and warm_seconds < measured
     assert sample_value(text, "model_load_expected_duration_seconds", target="sim", cache="warm")
 
@@ -204,15 +191,7 @@ def test_crash_ends_the_load_failed(scenario: Any, weights: Path) -> None:
     sim = simulate("--crash-at", "0.5")
     watch(running, "failed")
     assert sim.proc.wait(timeout=10) == 1
-    text = wait_for(
-        lambda: (
-            (t := running.metrics())
-            and sample_value(
-                t, "model_load_duration_seconds_count", target="sim", cache="cold", outcome="failed"
-            )
-            and t
-        )
-    )
+    text, _ = finished(running, cache="cold", outcome="failed")
     assert sample_value(text, "model_load_in_progress", target="sim") == 0
     loads = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
     assert [load["outcome"] for load in loads] == ["failed"]

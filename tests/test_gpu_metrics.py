@@ -65,7 +65,11 @@ def test_eight_gpus_with_per_process_attribution(
 
     def attributed() -> str | None:
         text = running.metrics()
-        return text if sample_value(text, "model_load_process_gpu_memory_bytes") else None
+        both = all(
+            sample_value(text, "model_load_process_gpu_memory_bytes", target=t, gpu="5")
+            for t in ("kimi", "pinned")
+        )
+        return text if both else None
 
     text = wait_for(attributed)
     assert sample_value(text, "model_load_source_up", source="nvml", target="") == 1

@@ -15,16 +15,17 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 import pytest
+from support import free_port, wait_for
 
+from exporter.cachectl import evict, prewarm
 from exporter.simulate import Throttle, generate_shards, read_chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-T = TypeVar("T")
 
 # Regexes copied from shared/reference/server-startup.md.
 SGLANG_LINE = re.compile(
@@ -107,22 +108,6 @@ MARKERS = {
 LLAMACPP_LOADING = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(probe: Callable[[], T | None], timeout: float = 15.0, every: float = 0.02) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s")
-
-
 def request(port: int, method: str, path: str, body: Any = None) -> tuple[int, bytes] | None:
     """(status, body), or None when the connection is refused."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
@@ -146,16 +131,6 @@ def make_shards(directory: Path, count: int, size: int) -> list[Path]:
         path.write_bytes(os.urandom(size))
         paths.append(path)
     return paths
-
-
-def evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class Sim:
@@ -306,10 +281,13 @@ def test_cold_load_reads_storage_at_the_cold_rate_and_warm_load_does_not(
     weights = tmp_path / "w"
     paths = make_shards(weights, 5, 4 * MiB)
     total = 20 * MiB
-    evict(paths)
+    for path in paths:
+        evict(str(path))
     cold, cold_read = run_to_ready(
         sim(weights, "--read-rate", "20MB/s", "--init-seconds", "0", name="cold")
     )
+    for path in paths:  # cached by the cold run; again, in case this VM has shed some since
+        prewarm(str(path))
     warm, warm_read = run_to_ready(
         sim(weights, "--read-rate", "20MB/s", "--init-seconds", "0", name="warm")
     )
@@ -328,7 +306,7 @@ def test_cold_load_reads_storage_at_the_cold_rate_and_warm_load_does_not(
 def test_read_chunk_asks_the_kernel_what_was_cached(tmp_path: Path) -> None:
     (path,) = make_shards(tmp_path, 1, 2 * MiB)
     expected = path.read_bytes()
-    evict([path])
+    evict(str(path))
     view = memoryview(bytearray(MiB))
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -367,7 +345,7 @@ def test_stall_stops_progress_and_keeps_the_port_closed(tmp_path: Path, sim: Any
     make_shards(weights, 4, 1 * MiB)
     child = sim(weights, "--cached-read-rate", "8MB/s", "--read-rate", "8MB/s", "--stall-at",
                 "0.5", "--stall-for", "2s", "--init-seconds", "0.1")  # fmt: skip
-    wait_for(lambda: "| 2/4" in child.text(), timeout=10, every=0.01)
+    wait_for(lambda: "| 2/4" in child.text(), timeout=10, interval=0.01)
     halfway = time.monotonic()
     refused_during_stall = 0
     while "| 3/4" not in child.text():
