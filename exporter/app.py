@@ -210,17 +210,16 @@ class Exporter:
         name = runtime.config.name
         probe = self.sampler.latest("endpoint", name)
         process = self._value("process", name, ProcessSample)
-        residency = self._value("pagecache", name, ResidencySample)
-        residency_any = self.sampler.latest("pagecache", name)
+        # Taken even when residency is unknown: the weights' size is still measured then.
+        residency = self._value("pagecache", name, ResidencySample, require_up=False)
         disk = self._value("disk", "", DiskSample)
         gpu = self._value("nvml", "", GpuSample)
-        probe_value = probe.value if probe is not None and probe.value is not None else None
+        probe_value = probe.value if probe is not None else None
         gpu_by_index: dict[int, int] = {}
         if gpu is not None and process is not None and process.found:
             gpu_by_index = process_gpu_memory(gpu, process.pids, runtime.config.gpus)
         with self._lock:
             self._gpu_by_target[name] = gpu_by_index
-        weights = residency_any.value if residency_any is not None else None
         return Observation(
             time=now,
             endpoint_result=str(probe_value.result) if probe_value is not None else None,
@@ -232,17 +231,19 @@ class Exporter:
             process_read_bytes=process.read_bytes if process else None,
             process_read_chars=process.read_chars if process else None,
             process_gpu_bytes=sum(gpu_by_index.values()) if gpu_by_index else None,
-            weights_bytes=weights.total_bytes if isinstance(weights, ResidencySample) else None,
+            weights_bytes=residency.total_bytes if residency else None,
             resident_bytes=residency.resident_bytes if residency else None,
             resident_measured_at=residency.measured_at if residency else None,
             disk_read_bytes=self._target_disk_reads(disk, name),
         )
 
-    def _value(self, source: str, target: str, kind: type[_T]) -> _T | None:
+    def _value(
+        self, source: str, target: str, kind: type[_T], require_up: bool = True
+    ) -> _T | None:
         reading = self.sampler.latest(source, target)
-        if reading is None or not reading.ok or not isinstance(reading.value, kind):
+        if reading is None or (require_up and not reading.ok):
             return None
-        return reading.value
+        return reading.value if isinstance(reading.value, kind) else None
 
     @staticmethod
     def _target_disk_reads(disk: DiskSample | None, target: str) -> int | None:

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="model-load-exporter",
         description="Prometheus exporter for large-model server loads.",
+        epilog="Without a COMMAND it serves: see `model-load-exporter serve --help` for its flags.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")

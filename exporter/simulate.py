@@ -34,8 +34,11 @@ from typing import Any, ClassVar, NoReturn, TextIO
 import psutil
 
 from exporter.config import ConfigError, parse_duration
+from exporter.sources.pagecache import cachestat
 from exporter.sources.process import process_start_time
 from exporter.units import parse_rate, parse_size
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -354,12 +357,24 @@ def _pread_fully(fd: int, view: memoryview, offset: int) -> int:
 
 
 def read_chunk(fd: int, view: memoryview, offset: int) -> ChunkRead:
-    """Read `len(view)` bytes at `offset`, asking the kernel which of them were cached.
+    """Read `len(view)` bytes at `offset`, asking the kernel first how many of them were cached.
 
-    `RWF_NOWAIT` returns only the leading bytes already in page cache (or EAGAIN); the rest is read
-    normally and counts as cold. Open the file with `POSIX_FADV_RANDOM` so kernel readahead does not
+    `cachestat` over the chunk's range counts its cached pages exactly. Where it is refused
+    (old kernel, seccomp, a file we may not write), `RWF_NOWAIT` stands in: it returns the leading
+    bytes already in page cache, but also stops early at pages marked for readahead, so it can
+    call cached data cold. Open the file with `POSIX_FADV_RANDOM` so kernel readahead does not
     pull the next chunk in behind our back and make cold data look cached.
     """
+    try:
+        pages = cachestat(fd, offset, len(view)).nr_cache
+    except OSError:
+        return _read_chunk_nowait(fd, view, offset)
+    done = _pread_fully(fd, view, offset)
+    cached = min(done, pages * PAGE_SIZE)
+    return ChunkRead(cached=cached, cold=done - cached, known=True)
+
+
+def _read_chunk_nowait(fd: int, view: memoryview, offset: int) -> ChunkRead:
     try:
         cached = os.preadv(fd, [view], offset, os.RWF_NOWAIT)
     except BlockingIOError:

@@ -151,7 +151,7 @@ def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
         prewarm(str(shard))
     warm = simulate()
     watch(running, "ready")
-    assert warm.result()["cache"] == "warm"
+    assert warm.result()["outcome"] == "ready"
     text, warm_seconds = finished(running, cache="warm", outcome="ready")
     assert warm_seconds is not None and warm_seconds < measured
     assert sample_value(text, "model_load_expected_duration_seconds", target="sim", cache="warm")
