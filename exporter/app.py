@@ -69,6 +69,7 @@ class Snapshot:
     expected_durations: Mapping[tuple[str, str], float]
     last_durations: Mapping[str, float]
     history_enabled: bool
+    config_reload_successful: bool
     history_problem: str | None
     build: Mapping[str, str]
 
@@ -95,6 +96,7 @@ class Exporter:
     ) -> None:
         self.config = config
         self._clock = clock
+        self.reload_successful = True  # set False by a failed reload while this one keeps running
         self.sampler = Sampler(config.sample_interval, clock)
         self.history = HistoryStore(config.history_path)
         self.load_durations = Histograms()
@@ -302,6 +304,7 @@ class Exporter:
                 expected_durations=dict(self._expected),
                 last_durations=dict(self._last),
                 history_enabled=self.history.enabled,
+                config_reload_successful=self.reload_successful,
                 history_problem=self.history.problem,
                 build={"version": __version__, "python_version": platform.python_version()},
             )

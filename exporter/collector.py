@@ -84,7 +84,7 @@ class ExporterCollector(Collector):
         reload_ok = _gauge(
             "config_last_reload_successful", "1 if the last config (re)load succeeded."
         )
-        reload_ok.add_metric([], 1)
+        reload_ok.add_metric([], 1 if snap.config_reload_successful else 0)
         yield reload_ok
 
     def _host(self, snap: Snapshot) -> Iterator[Metric]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import queue
 import signal
 import sys
-import threading
 from typing import Any
 
 from exporter.app import Exporter
@@ -126,19 +126,21 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.config_check:
         print(summary(config))
         return 0
-    exporter = Exporter(config)
+    app = ExporterApp(Exporter(config), web)
     try:
-        server = HttpServer(ExporterApp(exporter, web), args.web_listen_address)
+        server = HttpServer(app, args.web_listen_address)
     except (OSError, ValueError) as exc:
         print(
             f"model-load-exporter: cannot listen on {args.web_listen_address}: {exc}",
             file=sys.stderr,
         )
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    exporter.start()
+    # Signal handlers only queue work; the main thread does it, outside the handler.
+    commands: queue.SimpleQueue[str] = queue.SimpleQueue()
+    signal.signal(signal.SIGTERM, lambda *_: commands.put("stop"))
+    signal.signal(signal.SIGINT, lambda *_: commands.put("stop"))
+    signal.signal(signal.SIGHUP, lambda *_: commands.put("reload"))
+    app.exporter.start()
     server.start()
     log.info(
         "listening on %s://%s:%d with %d target(s)",
@@ -147,8 +149,29 @@ def run_serve(args: argparse.Namespace) -> int:
         server.port,
         len(config.targets),
     )
-    stop.wait()
+    while commands.get() != "stop":
+        reload(app, args)
     log.info("shutting down")
     server.stop()
-    exporter.stop()
+    app.exporter.stop()
     return 0
+
+
+def reload(app: ExporterApp, args: argparse.Namespace) -> None:
+    """SIGHUP: swap in an exporter built from the re-read config, or keep the running one.
+
+    Like Prometheus, a bad file never takes the exporter down: the old config keeps running and
+    `model_load_config_last_reload_successful` drops to 0 until a reload succeeds. Loads in
+    progress are picked up again by the new trackers (from the process start time).
+    """
+    try:
+        config = config_from_args(args)
+    except (ConfigError, UsageError) as exc:
+        log.error("config reload failed, keeping the running config: %s", exc)
+        app.exporter.reload_successful = False
+        return
+    fresh = Exporter(config)
+    fresh.start()
+    old, app.exporter = app.exporter, fresh
+    old.stop()
+    log.info("config reloaded: %d target(s)", len(config.targets))

@@ -125,7 +125,8 @@ class ExporterApp:
         self.exporter = exporter
         self.web = web or WebConfig()
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(ExporterCollector(exporter.snapshot))
+        # Through self.exporter, not a bound method: a config reload swaps the exporter.
+        registry.register(ExporterCollector(lambda: self.exporter.snapshot()))
         self._metrics = make_wsgi_app(registry)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:

@@ -306,3 +306,58 @@ def test_weights_without_a_block_device_are_reported_in_status(
     assert entry["block_devices"] == []
     assert entry["unbacked_weight_paths"] == [str(directory)]
     assert "no block device" in entry["unbacked_note"]
+
+
+def test_sighup_reloads_the_config_and_a_bad_one_keeps_the_old(
+    model_server: ModelServer, tmp_path: Path
+) -> None:
+    config = tmp_path / "config.yaml"
+
+    def write(*names: str) -> None:
+        targets = [target(name, model_server.url) for name in names]
+        config.write_text(yaml.safe_dump({"sample_interval": "200ms", "targets": targets}))
+
+    write("a")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", f"--config.file={config}", "--history.path=",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def metrics_with(predicate: Callable[[str], bool]) -> str:
+        def scrape() -> str | None:
+            try:
+                text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            except requests.ConnectionError:
+                return None
+            return text if predicate(text) else None
+
+        return str(wait_for(scrape, timeout=30))
+
+    def up(text: str, name: str) -> float | None:
+        return sample_value(text, "model_load_endpoint_up", target=name)
+
+    try:
+        metrics_with(lambda t: up(t, "a") == 1)
+        write("a", "b")
+        proc.send_signal(signal.SIGHUP)
+        text = metrics_with(lambda t: up(t, "b") == 1)
+        assert sample_value(text, "model_load_config_last_reload_successful") == 1
+        config.write_text("targets: [{name: a, endpoint: {url: nope}}]\n")
+        proc.send_signal(signal.SIGHUP)
+        text = metrics_with(
+            lambda t: sample_value(t, "model_load_config_last_reload_successful") == 0
+        )
+        assert up(text, "a") == 1 and up(text, "b") == 1  # the running config stays
+        write("b")
+        proc.send_signal(signal.SIGHUP)
+        text = metrics_with(
+            lambda t: sample_value(t, "model_load_config_last_reload_successful") == 1
+        )
+        assert 'target="a"' not in text and up(text, "b") == 1
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=10)
+    assert "config reload failed, keeping the running config" in stderr
+    assert "Traceback" not in stderr
