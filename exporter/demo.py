@@ -37,7 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--shard-size", default="128MiB")
     p.add_argument("--read-rate", default="240MB/s", help="simulated cold-disk throughput")
-    p.add_argument("--init-seconds", type=float, default=6.0)
+    p.add_argument(
+        "--startup-seconds", type=float, default=2.0, help="imports and setup before the weights"
+    )
+    p.add_argument("--init-seconds", type=float, default=6.0, help="KV cache, compile, graphs")
     p.add_argument("--serve-seconds", type=float, default=10.0, help="ready time per cycle")
     p.add_argument("--cycles", type=int, default=0, help="loads to run; 0 = until Ctrl-C")
     p.add_argument("--cold-every", type=int, default=3, help="evict before every Nth load")
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     exporter.start()
     http.start()
     base = f"http://127.0.0.1:{http.port}"
-    console = Console()
+    console = Console(soft_wrap=True)
     console.print(f"Simulated model server on :{args.sim_port}, weights in {weights}")
     console.print(f"Watch it: {base}/metrics  {base}/api/v1/status  (Ctrl-C stops)")
     cycle = 0
@@ -140,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
                     [sys.executable, "-m", "exporter", "simulate",
                      "--port", str(args.sim_port), "--weights", str(weights),
                      "--read-rate", args.read_rate, "--init-seconds", str(args.init_seconds),
+                     "--startup-seconds", str(args.startup_seconds),
                      "--exit-after", f"{args.serve_seconds}s", "--pidfile", str(pidfile),
                      "--model", "demo-model", "--log-file", str(directory / "server.log")],
                     stdout=subprocess.DEVNULL,
@@ -156,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         records = exporter.loads(TARGET, limit=cycle)
         http.stop()
         exporter.stop()
+    console.line()
     for record in reversed(records):
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in record.phase_seconds.items())
         console.print(
