@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from exporter.cachectl import evict  # noqa: E402
-from exporter.simulate import generate_shards  # noqa: E402
+from exporter.shards import generate_shards  # noqa: E402
 from exporter.units import parse_size  # noqa: E402
 
 SCRAPE_EVERY = 15.0

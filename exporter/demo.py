@@ -22,7 +22,7 @@ from exporter.cachectl import evict
 from exporter.config import parse_config
 from exporter.logsetup import setup_logging
 from exporter.server import ExporterApp, HttpServer
-from exporter.simulate import generate_shards
+from exporter.shards import generate_shards
 from exporter.sources.pagecache import discover
 from exporter.tracker import TargetState
 from exporter.units import parse_size

@@ -17,7 +17,7 @@ from support import RunningExporter, free_port, wait_for
 from test_exporter_http import metrics_when, sample_value
 
 from exporter.cachectl import evict, prewarm
-from exporter.simulate import generate_shards
+from exporter.shards import generate_shards
 
 SHARDS, SHARD_SIZE = 4, 16 << 20
 INTERVAL = 0.25

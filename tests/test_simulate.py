@@ -22,7 +22,7 @@ import pytest
 from support import free_port, wait_for
 
 from exporter.cachectl import evict, prewarm
-from exporter.simulate import Throttle, generate_shards, read_chunk
+from exporter.shards import Throttle, generate_shards, read_chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
