@@ -21,9 +21,12 @@ Rules, because every number on the dashboard comes from them:
   past its first reading, the CUDA contexts, against the size history expects, else the weights
   size) and read() bytes of the tree count. Cold and mixed loads leave those two out: servers
   allocate every parameter on the GPU before reading any, and tensor-parallel ranks may each
-  read every file. Unknown residency: storage reads and read() bytes against the
-  weights size, GPU only when nothing else exists. Progress is the highest of the chosen
-  signals, clamped to 0..1 and never falls within a load.
+  read every file. Residency measurable but the load's first pass not in yet: storage signals
+  only (read() bytes would count the interpreter reading its libraries). Residency not
+  measurable: storage reads and read() bytes against the weights size, GPU only when nothing
+  else exists. The first pass's residency, less what the tree has read from storage since its
+  start, is the residency at the start (the pass lands up to two intervals late). Progress is
+  the highest of the chosen signals, clamped to 0..1 and never falls within a load.
 * `starting` becomes `loading_weights` once progress reaches 1 % (the interpreter reading its own
   libraries stays below), backdated to the last tick progress did not rise. Weights
   are in at 99.9 %, or at 90 % once progress stopped rising for 5 intervals (backdated to its
