@@ -160,6 +160,7 @@ class Exporter:
 
     def stop(self) -> None:
         self.sampler.stop()
+        self.nvml.close()
         self.history.close()
 
     @property

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.app import Exporter
 from exporter.config import Config
@@ -110,3 +111,26 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: floa
             return last
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+
+
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample of `name` whose labels include `labels`, or None."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+def metrics_when(base_url: str, predicate: Callable[[str], bool], timeout: float = 20.0) -> str:
+    """Scrape base_url/metrics until the exposition satisfies predicate (a starting exporter
+    refuses connections at first); return that exposition."""
+
+    def scrape() -> str | None:
+        try:
+            text = requests.get(f"{base_url}/metrics", timeout=5).text
+        except requests.ConnectionError:
+            return None
+        return text if predicate(text) else None
+
+    return str(wait_for(scrape, timeout))

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import requests
-from support import RunningExporter, free_port, wait_for
-from test_exporter_http import metrics_when, sample_value
+from support import RunningExporter, free_port, metrics_when, sample_value, wait_for
 
 from exporter.cachectl import evict, prewarm
 from exporter.shards import generate_shards
@@ -111,7 +110,7 @@ def watch(running: RunningExporter, until: str, timeout: float = 60) -> list[dic
 def finished(running: RunningExporter, **labels: str) -> tuple[str, float]:
     """Scrape until a load with these labels is in the duration histogram; the text and sum."""
     count = "model_load_duration_seconds_count"
-    text = metrics_when(running, lambda t: bool(sample_value(t, count, target="sim", **labels)))
+    text = metrics_when(running.url, lambda t: bool(sample_value(t, count, target="sim", **labels)))
     total = sample_value(text, "model_load_duration_seconds_sum", target="sim", **labels)
     assert total is not None
     return text, total

@@ -17,30 +17,18 @@ import bcrypt
 import pytest
 import requests
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-from support import ModelServer, RunningExporter, free_port, wait_for
+from support import (
+    ModelServer,
+    RunningExporter,
+    free_port,
+    metrics_when,
+    sample_value,
+    wait_for,
+)
 from test_pagecache import NOBODY, REPO, nobody_python
 
 from exporter.cachectl import evict
 from exporter.webconfig import load_web_config
-
-
-def sample_value(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return None
-
-
-def metrics_when(running: RunningExporter, predicate: Callable[[str], bool]) -> str:
-    """Scrape until the exposition satisfies predicate; return that exposition."""
-
-    def scrape() -> str | None:
-        text = running.metrics()
-        return text if predicate(text) else None
-
-    return str(wait_for(scrape))
 
 
 def target(name: str, url: str, **extra: Any) -> dict[str, Any]:
@@ -57,7 +45,7 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
         {"targets": [{**target("m", model_server.url), "weights": {"paths": [str(weights)]}}]}
     )
     text = metrics_when(
-        running, lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1
+        running.url, lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1
     )
     assert sample_value(text, "model_load_endpoint_probes_total", target="m", result="ready") >= 1  # type: ignore[operator]
     assert sample_value(text, "model_load_weights_bytes", target="m") == 1 << 20
@@ -75,7 +63,7 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
 
     model_server.mode = "503"
     text = metrics_when(
-        running, lambda t: sample_value(t, "model_load_endpoint_up", target="m") == 0
+        running.url, lambda t: sample_value(t, "model_load_endpoint_up", target="m") == 0
     )
     assert sample_value(text, "model_load_endpoint_probes_total", target="m", result="http_error")
 
@@ -267,15 +255,9 @@ def test_unprivileged_exporter_exports_no_residency_rather_than_a_false_one(
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-
-            def scrape() -> str | None:
-                try:
-                    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-                except requests.ConnectionError:
-                    return None
-                return text if "model_load_weights_files{" in text else None
-
-            text = wait_for(scrape, timeout=30)
+            text = metrics_when(
+                f"http://127.0.0.1:{port}", lambda t: "model_load_weights_files{" in t, timeout=30
+            )
         finally:
             proc.terminate()
             _, stderr = proc.communicate(timeout=10)
@@ -326,14 +308,7 @@ def test_sighup_reloads_the_config_and_a_bad_one_keeps_the_old(
     )  # fmt: skip
 
     def metrics_with(predicate: Callable[[str], bool]) -> str:
-        def scrape() -> str | None:
-            try:
-                text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-            except requests.ConnectionError:
-                return None
-            return text if predicate(text) else None
-
-        return str(wait_for(scrape, timeout=30))
+        return metrics_when(f"http://127.0.0.1:{port}", predicate, timeout=30)
 
     def up(text: str, name: str) -> float | None:
         return sample_value(text, "model_load_endpoint_up", target=name)

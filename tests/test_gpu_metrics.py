@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 from fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
-from support import RunningExporter, wait_for
-from test_exporter_http import sample_value
+from support import RunningExporter, sample_value, wait_for
 
 # A server whose tree is two processes, like a launcher and its TP worker.
 TREE = (

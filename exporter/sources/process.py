@@ -200,19 +200,21 @@ class ProcessFinder:
             return None
         return raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
 
+    def _boot(self) -> float | None:
+        if self._boot_time is None:
+            self._boot_time = boot_time(self._proc_root)
+        return self._boot_time
+
     def _settled_ticks(self) -> int:
         """Start ticks before which a process is CMDLINE_SETTLE_SECONDS old (0 if unknown)."""
-        boot = boot_time(self._proc_root)
+        boot = self._boot()
         if boot is None:
             return 0
         return int((time.time() - boot - CMDLINE_SETTLE_SECONDS) * self._clock_ticks)
 
     def _start_time(self, proc: _Proc) -> float | None:
-        if self._boot_time is None:
-            self._boot_time = boot_time(self._proc_root)
-        if self._boot_time is None:
-            return None
-        return self._boot_time + proc.start_ticks / self._clock_ticks
+        boot = self._boot()
+        return None if boot is None else boot + proc.start_ticks / self._clock_ticks
 
     def _find_root(self, table: dict[int, _Proc]) -> tuple[_Proc, Iterable[int], str | None] | None:
         """The root process, extra members that belong to the tree, and the root's cmdline."""
