@@ -6,6 +6,7 @@ that silently ignores a typo (`stall_afer: 5m`) watches the wrong thing for mont
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
@@ -31,13 +32,21 @@ DEFAULT_HISTORY_PATH = "/var/lib/model-load-exporter/history.sqlite"
 DEFAULT_SAMPLE_INTERVAL = 1.0
 DEFAULT_STALL_AFTER = 300.0
 DEFAULT_PROBE_TIMEOUT = 8.0
+DEFAULT_READY_INTERVAL = 10.0
 DEFAULT_RESIDENCY_CPU_BUDGET = 0.01
+# Longer than any sensible setting and far below what timers accept (threading.TIMEOUT_MAX), so
+# a typo like 99999999999h is an error here instead of an OverflowError in every sampler thread.
+MAX_DURATION = 365 * 86400.0
+MAX_SAMPLE_INTERVAL = 3600.0
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _TARGET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _E = TypeVar("_E", bound=StrEnum)
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_HEADER_VALUE_BAD_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # tab is allowed
 
 
 class ConfigError(ValueError):
@@ -46,17 +55,54 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EndpointConfig:
-    url: str
+    # May carry credentials (http://user:pw@host): shown only as display_url, never in repr.
+    url: str = field(repr=False)
     probe: ProbeKind = ProbeKind.COMPLETION
     path: str = "/v1/completions"
     model: str | None = None
     timeout: float = DEFAULT_PROBE_TIMEOUT
+    ready_interval: float = DEFAULT_READY_INTERVAL
     # Values are secrets (API keys): kept out of repr so they never reach a log line.
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
+    def display_url(self) -> str:
+        """The URL as labels, status and logs show it: a password becomes `***`."""
+        return redact_url(self.url)
+
+    @property
     def probe_url(self) -> str:
-        return self.url.rstrip("/") + self.path
+        """Where the probe goes, without credentials (they travel as basic auth)."""
+        return _without_userinfo(self.url).rstrip("/") + self.path
+
+    @property
+    def credentials(self) -> tuple[str, str] | None:
+        """User and password from the URL's userinfo, percent-decoded, or None."""
+        parts = urlsplit(self.url)
+        if parts.username is None:
+            return None
+        return unquote(parts.username), unquote(parts.password or "")
+
+    def __repr__(self) -> str:
+        return (
+            f"EndpointConfig(url={self.display_url!r}, probe={self.probe!r}, path={self.path!r}, "
+            f"model={self.model!r}, timeout={self.timeout!r}, "
+            f"ready_interval={self.ready_interval!r})"
+        )
+
+
+def redact_url(url: str) -> str:
+    """`http://admin:pw@host:1` -> `http://admin:***@host:1`; URLs without a password unchanged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 @dataclass(frozen=True)
@@ -100,10 +146,12 @@ class Config:
     source: str = "flags"
 
 
-def parse_duration(value: object, where: str) -> float:
+def parse_duration(value: object, where: str, maximum: float = MAX_DURATION) -> float:
     """Parse a Prometheus-style duration (`500ms`, `30s`, `5m`, `1h30m`) into seconds."""
     if isinstance(value, bool) or not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a duration like 30s, 5m or 500ms, got {value!r}")
+        raise ConfigError(
+            f"{where}: expected a duration like 30s, 5m or 500ms, got {_short(value)}"
+        )
     text = value.strip()
     pos, total = 0, 0.0
     for match in _DURATION_RE.finditer(text):
@@ -112,10 +160,22 @@ def parse_duration(value: object, where: str) -> float:
         total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
         pos = match.end()
     if pos != len(text) or not text:
-        raise ConfigError(f"{where}: expected a duration like 30s, 5m or 500ms, got {value!r}")
+        raise ConfigError(
+            f"{where}: expected a duration like 30s, 5m or 500ms, got {_short(value)}"
+        )
     if total <= 0:
         raise ConfigError(f"{where}: duration must be positive, got {value!r}")
+    if not math.isfinite(total) or total > maximum:
+        raise ConfigError(
+            f"{where}: {_short(value)} is too long (at most {format_duration(maximum)})"
+        )
     return total
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """repr() cut to a length that keeps an error message on one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 4]}...{text[-1]}"
 
 
 def format_duration(seconds: float) -> str:
@@ -157,6 +217,8 @@ class _Reader:
             return default
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{self.key(name)}: expected a non-empty string, got {value!r}")
+        if "\0" in value:
+            raise ConfigError(f"{self.key(name)}: contains a NUL byte")
         return value
 
     def choice(self, name: str, choices: type[_E], default: _E) -> _E:
@@ -167,8 +229,10 @@ class _Reader:
             )
         return choices(value)
 
-    def duration(self, name: str, default: float) -> float:
-        return default if not self.has(name) else parse_duration(self.data[name], self.key(name))
+    def duration(self, name: str, default: float, maximum: float = MAX_DURATION) -> float:
+        if not self.has(name):
+            return default
+        return parse_duration(self.data[name], self.key(name), maximum)
 
     def flag(self, name: str, default: bool) -> bool:
         value = self.data.get(name, default)
@@ -191,6 +255,8 @@ class _Reader:
                 raise ConfigError(
                     f"{self.key(name)}[{i}]: expected a non-empty string, got {item!r}"
                 )
+            if "\0" in item:
+                raise ConfigError(f"{self.key(name)}[{i}]: contains a NUL byte")
         return tuple(value)
 
 
@@ -207,42 +273,77 @@ def expand_env(value: str, where: str, env: Mapping[str, str]) -> str:
 
 
 def _check_url(url: str, where: str, probe: ProbeKind) -> None:
-    parts = urlsplit(url)
     schemes = ("http", "https", "tcp") if probe == ProbeKind.TCP else ("http", "https")
-    if parts.scheme not in schemes or not parts.hostname:
-        raise ConfigError(f"{where}: expected an absolute {'/'.join(schemes)} URL, got {url!r}")
+    shown = _short(redact_url_safely(url), 80)
+    if _CONTROL_RE.search(url) or " " in url:
+        raise ConfigError(f"{where}: spaces or control characters in {shown}")
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError as exc:  # e.g. http://[::1:19201 ("Invalid IPv6 URL")
+        raise ConfigError(f"{where}: malformed URL {shown}: {exc}") from None
+    if parts.scheme not in schemes or not hostname:
+        raise ConfigError(f"{where}: expected an absolute {'/'.join(schemes)} URL, got {shown}")
     try:
         port = parts.port
     except ValueError:
-        raise ConfigError(f"{where}: invalid port in {url!r}") from None
+        raise ConfigError(f"{where}: invalid port in {shown}") from None
     if probe == ProbeKind.TCP and port is None and parts.scheme == "tcp":
         raise ConfigError(f"{where}: a tcp probe needs a port in {url!r}")
 
 
+def redact_url_safely(url: str) -> str:
+    """redact_url for a URL that may not even parse (error messages about it)."""
+    try:
+        return redact_url(url)
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        userinfo, at, host = rest.rpartition("@")
+        if at and ":" in userinfo:
+            return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{host}"
+        return url
+
+
+def _header(name: object, value: object, where: str, env: Mapping[str, str]) -> tuple[str, str]:
+    """One probe header; the value (a secret, once expanded) never appears in an error."""
+    if not isinstance(name, str) or not isinstance(value, str):
+        raise ConfigError(f"{where}: header names and values must be strings")
+    if not _HEADER_NAME_RE.match(name):
+        raise ConfigError(f"{where}: {_short(name)} is not a valid HTTP header name")
+    expanded = expand_env(value, where, env)
+    if _HEADER_VALUE_BAD_RE.search(expanded):
+        # CR/LF would end the header and let the config (or the environment) forge requests.
+        raise ConfigError(f"{where}: the value contains a line break or control character")
+    return name, expanded
+
+
 def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfig:
-    r = _Reader(data, where, ("url", "probe", "path", "model", "timeout", "headers"))
+    r = _Reader(
+        data, where, ("url", "probe", "path", "model", "timeout", "ready_interval", "headers")
+    )
     probe = r.choice("probe", ProbeKind, ProbeKind.COMPLETION)
     url = r.text("url", required=True)
     assert url is not None
     _check_url(url, r.key("url"), probe)
     path = r.text("path", DEFAULT_PROBE_PATHS[probe]) or ""
     if path and not path.startswith("/"):
-        raise ConfigError(f"{r.key('path')}: must start with '/', got {path!r}")
+        raise ConfigError(f"{r.key('path')}: must start with '/', got {_short(path)}")
+    if _CONTROL_RE.search(path) or " " in path:
+        raise ConfigError(f"{r.key('path')}: spaces or control characters in {_short(path)}")
     raw_headers = r.data.get("headers") or {}
     if not isinstance(raw_headers, Mapping):
         raise ConfigError(f"{r.key('headers')}: expected a mapping of header names to values")
-    headers: dict[str, str] = {}
-    for name, value in raw_headers.items():
-        key = f"{r.key('headers')}.{name}"
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise ConfigError(f"{key}: header names and values must be strings")
-        headers[name] = expand_env(value, key, env)
+    headers = dict(
+        _header(name, value, f"{r.key('headers')}.{name}", env)
+        for name, value in raw_headers.items()
+    )
     return EndpointConfig(
         url=url,
         probe=probe,
         path=path,
         model=r.text("model"),
         timeout=r.duration("timeout", DEFAULT_PROBE_TIMEOUT),
+        ready_interval=r.duration("ready_interval", DEFAULT_READY_INTERVAL),
         headers=headers,
     )
 
@@ -261,14 +362,44 @@ def _check_weights_path(path: str, where: str) -> None:
         raise ConfigError(f"{where}: {path} is not readable by this user")
 
 
+def glob_problem(pattern: str) -> str | None:
+    """Why an fnmatch pattern cannot mean what its author meant, or None.
+
+    fnmatch takes an unclosed `[` literally, so `[unclosed` would match nothing, silently; and
+    patterns are matched against file names, so one with a `/` never matches anything.
+    """
+    if "/" in pattern:
+        return "patterns match file names, not paths: remove the directory part"
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "[":
+            j = i + 1
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:
+                return f"unclosed '[' at position {i}"
+            i = j
+        i += 1
+    return None
+
+
 def _weights(data: object, where: str) -> WeightsConfig:
     r = _Reader(data, where, ("paths", "include", "per_file"))
     paths = r.str_list("paths")
     for i, path in enumerate(paths):
         _check_weights_path(path, f"{r.key('paths')}[{i}]")
+    include = r.str_list("include", DEFAULT_INCLUDE)
+    for i, pattern in enumerate(include):
+        problem = glob_problem(pattern)
+        if problem is not None:
+            raise ConfigError(f"{r.key('include')}[{i}]: {_short(pattern)}: {problem}")
     return WeightsConfig(
         paths=tuple(str(Path(p).absolute()) for p in paths),
-        include=r.str_list("include", DEFAULT_INCLUDE),
+        include=include,
         per_file=r.flag("per_file", False),
     )
 
@@ -351,8 +482,8 @@ def parse_config(
             raise ConfigError(f"targets[{i}].name: duplicate target name {target.name!r}")
         seen.add(target.name)
     history_path = r.data.get("history_path", DEFAULT_HISTORY_PATH)
-    if not isinstance(history_path, str):
-        raise ConfigError(f'history_path: expected a path or "", got {history_path!r}')
+    if not isinstance(history_path, str) or "\0" in history_path:
+        raise ConfigError(f'history_path: expected a path or "", got {_short(history_path)}')
     budget = r.data.get("residency_cpu_budget", DEFAULT_RESIDENCY_CPU_BUDGET)
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 1:
         raise ConfigError(
@@ -360,28 +491,59 @@ def parse_config(
         )
     return Config(
         targets=targets,
-        sample_interval=r.duration("sample_interval", DEFAULT_SAMPLE_INTERVAL),
+        sample_interval=r.duration("sample_interval", DEFAULT_SAMPLE_INTERVAL, MAX_SAMPLE_INTERVAL),
         history_path=history_path,
         residency_cpu_budget=float(budget),
         source=source,
     )
 
 
-def load_config(path: str, env: Mapping[str, str] | None = None) -> Config:
-    """Read and validate a YAML file; every failure is one ConfigError line naming the file."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice: YAML keeps the last silently, hiding the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, list | dict):
+                continue  # unhashable: the base class reports it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_short(key)}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str) -> Any:
+    """Read a YAML file; every failure (unreadable, not UTF-8, bad YAML) is one ConfigError line."""
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     try:
-        data: Any = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line})"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise ConfigError(f"{path}: invalid YAML{at}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+
+
+def load_config(path: str, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a YAML file; every failure is one ConfigError line naming the file."""
+    data = read_yaml(path)
     try:
         return parse_config(data, source=path, env=env)
     except ConfigError as exc:
