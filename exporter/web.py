@@ -1,8 +1,8 @@
-"""HTTP side: /metrics, /api/v1/status, /api/v1/loads, landing page and health endpoints.
+"""HTTP side: /metrics, /api/v1/status, /api/v1/loads, landing page, health and reload.
 
-A plain threaded WSGI server, as prometheus_client's own `start_http_server` uses, with the
-exporter's routes in front of prometheus_client's WSGI app (which does the OpenMetrics content
-negotiation and gzip for us).
+The exporter's routes in front of prometheus_client's WSGI app (which does the OpenMetrics content
+negotiation and gzip for us), served by exporter/httpserver.py: an asyncio server with handshake,
+header and idle timeouts and a bound on connections, so no client can stall a scrape.
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ import dataclasses
 import json
 import logging
 import socket
-import threading
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from exporter import __version__
 from exporter.collector import ExporterCollector
+from exporter.httpserver import Limits, Server, somaxconn
 from exporter.runtime import Runtime
 from exporter.snapshot import Snapshot
 from exporter.sources import DISK, PAGECACHE
@@ -31,6 +29,7 @@ from exporter.webconfig import WebConfig
 log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
+MAX_LOADS = 1000
 
 LANDING = """<!doctype html>
 <html><head><title>model-load-exporter</title></head>
@@ -40,7 +39,8 @@ LANDING = """<!doctype html>
 <li><a href="/metrics">/metrics</a>: Prometheus metrics</li>
 <li><a href="/api/v1/status">/api/v1/status</a>: per target phase, progress, ETA, stall</li>
 <li><a href="/api/v1/loads">/api/v1/loads</a>: history of finished loads</li>
-<li><a href="/-/healthy">/-/healthy</a>, <a href="/-/ready">/-/ready</a></li>
+<li><a href="/-/healthy">/-/healthy</a>, <a href="/-/ready">/-/ready</a>;
+<code>POST /-/reload</code> re-reads the config (as SIGHUP does)</li>
 </ul></body></html>
 """
 
@@ -76,7 +76,7 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
         }
         entry: dict[str, Any] = {
             "target": name,
-            "endpoint": view.config.endpoint.url,
+            "endpoint": view.config.endpoint.display_url,
             "server": view.server,
             "sources": sources,
         }
@@ -118,82 +118,115 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
 
 
 class WebApp:
-    """The WSGI application over whichever runtime is current (a reload swaps it)."""
+    """The WSGI application over whichever runtime is current (a reload swaps it).
 
-    def __init__(self, runtime: Runtime, web: WebConfig | None = None) -> None:
+    Routing only: TLS and basic auth belong to the server (exporter/httpserver.py), so they
+    cover every path, including ones this app does not know. GET paths also answer HEAD (the
+    server drops the body); any other method is 405 with an Allow header.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        web: WebConfig | None = None,
+        reload: Callable[[], str | None] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.web = web or WebConfig()
+        self._reload = reload
         registry = CollectorRegistry(auto_describe=False)
         # Through self.runtime, not a bound method: a config reload swaps the runtime.
         registry.register(ExporterCollector(lambda: self.runtime.snapshot()))
         self._metrics = make_wsgi_app(registry)
+        self._get: dict[str, Callable[[dict[str, Any], StartResponse], Iterable[bytes]]] = {
+            "/metrics": self._metrics_page,
+            "/": self._landing,
+            "/-/healthy": self._healthy,
+            "/-/ready": self._ready,
+            "/api/v1/status": self._status,
+            "/api/v1/loads": self._loads,
+        }
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        if not self.web.authorized(environ.get("HTTP_AUTHORIZATION")):
-            return self._reply(
-                start_response,
-                "401 Unauthorized",
-                b"Unauthorized\n",
-                "text/plain",
-                [("WWW-Authenticate", 'Basic realm="model-load-exporter"')],
-            )
         path = environ.get("PATH_INFO", "/")
-        if path == "/metrics":
-            return self._metrics(environ, start_response)
-        if path == "/":
-            body = LANDING.format(version=__version__).encode()
-            return self._reply(start_response, "200 OK", body, "text/html; charset=utf-8")
-        if path == "/-/healthy":
-            return self._reply(start_response, "200 OK", b"Healthy\n", "text/plain")
-        if path == "/-/ready":
-            if self.runtime.ready:
-                return self._reply(start_response, "200 OK", b"Ready\n", "text/plain")
-            return self._reply(
-                start_response, "503 Service Unavailable", b"Not ready\n", "text/plain"
-            )
-        if path == "/api/v1/status":
-            return self._json(start_response, status_json(self.runtime.snapshot()))
-        if path == "/api/v1/loads":
-            query = parse_qs(environ.get("QUERY_STRING", ""))
-            target = query.get("target", [None])[0]
-            try:
-                limit = max(1, min(1000, int(query.get("limit", ["100"])[0])))
-            except ValueError:
-                return self._reply(start_response, "400 Bad Request", b"bad limit\n", "text/plain")
-            loads = [record_json(r) for r in self.runtime.loads(target, limit)]
-            return self._json(start_response, {"loads": loads})
-        return self._reply(start_response, "404 Not Found", b"Not found\n", "text/plain")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path == "/-/reload":
+            if method != "POST":
+                return self._not_allowed(start_response, "POST")
+            return self._reload_page(start_response)
+        handler = self._get.get(path)
+        if handler is None:
+            return _reply(start_response, "404 Not Found", b"Not found\n")
+        if method not in ("GET", "HEAD"):
+            return self._not_allowed(start_response, "GET, HEAD")
+        return handler(environ, start_response)
 
-    @staticmethod
-    def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:
-        body = json.dumps(data, default=_json_default, indent=2).encode()
-        return WebApp._reply(start_response, "200 OK", body, "application/json")
-
-    @staticmethod
-    def _reply(
-        start_response: StartResponse,
-        status: str,
-        body: bytes,
-        content_type: str,
-        extra: list[tuple[str, str]] | None = None,
+    def _metrics_page(
+        self, environ: dict[str, Any], start_response: StartResponse
     ) -> Iterable[bytes]:
-        headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
-        start_response(status, headers + (extra or []))
-        return [body]
+        # prometheus_client's app refuses HEAD; the server drops the body of a HEAD answer.
+        return self._metrics({**environ, "REQUEST_METHOD": "GET"}, start_response)
+
+    @staticmethod
+    def _landing(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        body = LANDING.format(version=__version__).encode()
+        return _reply(start_response, "200 OK", body, "text/html; charset=utf-8")
+
+    @staticmethod
+    def _healthy(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        return _reply(start_response, "200 OK", b"Healthy\n")
+
+    def _ready(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if self.runtime.ready:
+            return _reply(start_response, "200 OK", b"Ready\n")
+        return _reply(start_response, "503 Service Unavailable", b"Not ready\n")
+
+    def _status(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        return _json(start_response, status_json(self.runtime.snapshot()))
+
+    def _loads(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        target = query.get("target", [None])[0]
+        text = query.get("limit", ["100"])[0]
+        if not text.isdigit() or not 1 <= int(text) <= MAX_LOADS:
+            message = f"limit must be a whole number from 1 to {MAX_LOADS}\n".encode()
+            return _reply(start_response, "400 Bad Request", message)
+        loads = [record_json(r) for r in self.runtime.loads(target, int(text))]
+        return _json(start_response, {"loads": loads})
+
+    def _reload_page(self, start_response: StartResponse) -> Iterable[bytes]:
+        if self._reload is None:
+            return _reply(start_response, "404 Not Found", b"Not found\n")
+        error = self._reload()
+        if error is not None:
+            return _reply(start_response, "500 Internal Server Error", f"{error}\n".encode())
+        return _reply(start_response, "200 OK", b"Reloaded\n")
+
+    @staticmethod
+    def _not_allowed(start_response: StartResponse, allow: str) -> Iterable[bytes]:
+        return _reply(
+            start_response,
+            "405 Method Not Allowed",
+            b"Method not allowed\n",
+            extra=[("Allow", allow)],
+        )
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
+def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:
+    body = json.dumps(data, default=_json_default, indent=2).encode()
+    return _reply(start_response, "200 OK", body, "application/json")
 
 
-class _IPv6ThreadingServer(_ThreadingServer):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s - %s", self.address_string(), format % args)
+def _reply(
+    start_response: StartResponse,
+    status: str,
+    body: bytes,
+    content_type: str = "text/plain; charset=utf-8",
+    extra: list[tuple[str, str]] | None = None,
+) -> Iterable[bytes]:
+    headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+    start_response(status, headers + (extra or []))
+    return [body]
 
 
 def parse_listen_address(address: str) -> tuple[str, int]:
@@ -205,27 +238,40 @@ def parse_listen_address(address: str) -> tuple[str, int]:
 
 
 class HttpServer:
-    """The exporter's listening socket and serving thread."""
+    """The exporter's listening socket and its server (exporter/httpserver.py)."""
 
-    def __init__(self, app: WebApp, address: str) -> None:
+    def __init__(self, app: WebApp, address: str, limits: Limits | None = None) -> None:
         host, port = parse_listen_address(address)
-        server_class = _IPv6ThreadingServer if ":" in host else _ThreadingServer
-        self.server = make_server(
-            host or "0.0.0.0", port, app, server_class=server_class, handler_class=_QuietHandler
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host or "0.0.0.0", port), family=family, backlog=somaxconn())
+        try:
+            tls = app.web.ssl_context()
+        except BaseException:
+            sock.close()
+            raise
+        self.server = Server(
+            app, sock, tls=tls, auth=app.web.auth, headers=app.web.headers.items(), limits=limits
         )
-        tls = app.web.ssl_context()
-        if tls is not None:
-            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.scheme = "https" if tls is not None else "http"
-        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
+        self._port = int(sock.getsockname()[1])
 
     @property
     def port(self) -> int:
-        return int(self.server.server_address[1])
+        return self._port
+
+    def configure(self, web: WebConfig) -> None:
+        """Apply a reloaded web config: certificates, users and headers, without re-listening."""
+        tls = web.ssl_context()
+        if (tls is not None) != (self.scheme == "https"):
+            raise ValueError("turning TLS on or off needs a restart")
+        self.server.tls, self.server.auth, self.server.headers = (
+            tls,
+            web.auth,
+            list(web.headers.items()),
+        )
 
     def start(self) -> None:
-        self._thread.start()
+        self.server.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
