@@ -6,8 +6,12 @@ import argparse
 import dataclasses
 import logging
 import queue
+import resource
 import signal
+import ssl
 import sys
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from exporter.config import (
@@ -25,6 +29,10 @@ from exporter.web import HttpServer, WebApp
 from exporter.webconfig import WebConfig, load_web_config
 
 log = logging.getLogger(__name__)
+
+RELOAD_WAIT_SECONDS = 60.0  # how long POST /-/reload waits for the main thread to reload
+# Queued for the main thread by signal handlers and POST /-/reload: (command, where to answer).
+Commands = queue.SimpleQueue[tuple[str, "Future[str | None] | None"]]
 
 SINGLE_TARGET_FLAGS = (
     "target",
@@ -148,7 +156,10 @@ def summary(config: Config) -> str:
     ]
     for t in config.targets:
         e = t.endpoint
-        probe = f"{e.probe} probe {e.url}{e.path}, timeout {format_duration(e.timeout)}"
+        probe = (
+            f"{e.probe} probe {e.display_url}{e.path}, timeout {format_duration(e.timeout)}, "
+            f"every {format_duration(e.ready_interval)} while ready"
+        )
         weights = (
             f"weights {', '.join(t.weights.paths)} ({' '.join(t.weights.include)})"
             if t.weights
@@ -165,35 +176,45 @@ def summary(config: Config) -> str:
     return "\n".join(lines)
 
 
+def _load(args: argparse.Namespace) -> tuple[Config, WebConfig]:
+    config = config_from_args(args)
+    web = load_web_config(args.web_config_file) if args.web_config_file else WebConfig()
+    return config, web
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; SIGHUP reloads the config."""
+    """Serve until SIGTERM/SIGINT; SIGHUP or POST /-/reload re-reads the config."""
     setup_logging(args.log_level, args.log_format)
     try:
-        config = config_from_args(args)
-        web = load_web_config(args.web_config_file) if args.web_config_file else WebConfig()
+        config, web = _load(args)
     except UsageError as exc:
         print(f"model-load-exporter: error: {exc}", file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"model-load-exporter: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a case the checks missed must still be one line, not a traceback
+        log.debug("config error", exc_info=True)
+        print(f"model-load-exporter: config: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if args.config_check:
         print(summary(config))
         return 0
-    app = WebApp(Runtime(config), web)
+    raise_fd_limit()
+    # Signal handlers and POST /-/reload only queue work; the main thread does it.
+    commands: Commands = queue.SimpleQueue()
+    app = WebApp(Runtime(config), web, reload=lambda: _request_reload(commands))
     try:
         server = HttpServer(app, args.web_listen_address)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ssl.SSLError) as exc:
         print(
             f"model-load-exporter: cannot listen on {args.web_listen_address}: {exc}",
             file=sys.stderr,
         )
         return 1
-    # Signal handlers only queue work; the main thread does it, outside the handler.
-    commands: queue.SimpleQueue[str] = queue.SimpleQueue()
-    signal.signal(signal.SIGTERM, lambda *_: commands.put("stop"))
-    signal.signal(signal.SIGINT, lambda *_: commands.put("stop"))
-    signal.signal(signal.SIGHUP, lambda *_: commands.put("reload"))
+    signal.signal(signal.SIGTERM, lambda *_: commands.put(("stop", None)))
+    signal.signal(signal.SIGINT, lambda *_: commands.put(("stop", None)))
+    signal.signal(signal.SIGHUP, lambda *_: commands.put(("reload", None)))
     app.runtime.start()
     server.start()
     log.info(
@@ -203,29 +224,67 @@ def run(args: argparse.Namespace) -> int:
         server.port,
         len(config.targets),
     )
-    while commands.get() != "stop":
-        reload(app, args)
+    while True:
+        command, answer = commands.get()
+        if command == "stop":
+            break
+        error = reload(app, server, args)
+        if answer is not None:
+            answer.set_result(error)
     log.info("shutting down")
     server.stop()
     app.runtime.stop()
     return 0
 
 
-def reload(app: WebApp, args: argparse.Namespace) -> None:
-    """SIGHUP: swap in an exporter built from the re-read config, or keep the running one.
-
-    Like Prometheus, a bad file never takes the exporter down: the old config keeps running and
-    `model_load_config_last_reload_successful` drops to 0 until a reload succeeds. Loads in
-    progress are picked up again by the new trackers (from the process start time).
-    """
+def _request_reload(commands: Commands) -> str | None:
+    """POST /-/reload: have the main thread reload, as SIGHUP does, and wait for the outcome."""
+    answer: Future[str | None] = Future()
+    commands.put(("reload", answer))
     try:
-        config = config_from_args(args)
-    except (ConfigError, UsageError) as exc:
-        log.error("config reload failed, keeping the running config: %s", exc)
+        return answer.result(timeout=RELOAD_WAIT_SECONDS)
+    except FutureTimeout:
+        return f"reload did not finish within {RELOAD_WAIT_SECONDS:g}s"
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft open-files limit to the hard one, as Go programs (node_exporter) do.
+
+    systemd's default soft limit is 1024: a thousand idle connections would otherwise starve the
+    sources of file descriptors. The HTTP server still bounds its connections below the limit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (OSError, ValueError) as exc:
+            log.debug("cannot raise the open-files limit: %s", exc)
+
+
+def reload(app: WebApp, server: HttpServer, args: argparse.Namespace) -> str | None:
+    """SIGHUP or POST /-/reload: swap in a runtime built from the re-read config, or keep the
+    running one; returns the one-line error, or None.
+
+    Like Prometheus, a bad file never takes the exporter down, whatever is wrong with it: the old
+    config keeps running and `model_load_config_last_reload_successful` drops to 0 until a reload
+    succeeds. The web config (certificates, users, headers) is re-read too. Loads in progress
+    are picked up again by the new trackers (from the process start time).
+    """
+    fresh: Runtime | None = None
+    try:
+        config, web = _load(args)
+        fresh = Runtime(config)
+        server.configure(web)
+    except Exception as exc:  # ConfigError, UsageError, and anything the checks missed
+        if fresh is not None:
+            fresh.stop()
+        error = f"config reload failed, keeping the running config: {exc}"
+        log.error("%s", error)
         app.runtime.reload_successful = False
-        return
-    fresh = Runtime(config)
+        return error
     fresh.start()
-    old, app.runtime = app.runtime, fresh
+    old, app.runtime, app.web = app.runtime, fresh, web
     old.stop()
     log.info("config reloaded: %d target(s)", len(config.targets))
+    return None
