@@ -3,25 +3,33 @@
 "Connection refused" means the server is not up yet, a 503 means it is up but still loading,
 and only a real answer of the configured kind means ready; the difference is the whole point
 of the exporter, so every failure is classified rather than collapsed into "down".
+
+A probe has one deadline, `endpoint.timeout`, for the whole request: connect, TLS handshake,
+sending, the status line, headers and body. Socket timeouts bound one operation each, so a
+server that trickles one byte a second would never trip them; here every socket operation is
+given what is left of the budget instead (`_DeadlineSocket`), and `close()` shuts the socket in
+flight down, so a probe never outlives its timeout nor a reload.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import errno
 import http.client
 import json
 import socket
 import ssl
+import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import requests
-import urllib3.exceptions
-
+from exporter import __version__
 from exporter.config import EndpointConfig
 from exporter.vocabulary import ProbeKind, ProbeResult, ServerKind
 
@@ -29,6 +37,8 @@ MAX_BODY_BYTES = 1024 * 1024  # a 1-token completion or a model list is far smal
 _READ_CHUNK = 64 * 1024
 # `owned_by` values in /v1/models answers that name the server.
 _KNOWN_OWNERS = frozenset({ServerKind.SGLANG, ServerKind.VLLM, ServerKind.LLAMACPP})
+_DEFAULT_PORTS = {"http": 80, "https": 443, "tcp": 80}
+_DECODERS: Mapping[str, int] = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS}
 
 
 @dataclass(frozen=True)
@@ -58,52 +68,147 @@ class _Outcome(Exception):
         self.server = server
 
 
+class _Deadline:
+    """What is left of one probe's budget; every socket operation gets at most that."""
+
+    def __init__(self, at: float, clock: Callable[[], float]) -> None:
+        self.at = at
+        self._clock = clock
+
+    def remaining(self) -> float:
+        left = self.at - self._clock()
+        if left <= 0:
+            raise TimeoutError("probe deadline passed")
+        return left
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every send and receive is bounded by the probe's remaining budget."""
+
+    deadline: _Deadline | None = None
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            self.settimeout(self.deadline.remaining())
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._arm()
+        return super().recv(*args, **kwargs)
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:
+        self._arm()
+        super().sendall(*args, **kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> int:
+        self._arm()
+        return super().send(*args, **kwargs)
+
+
+class _DeadlineSSLSocket(ssl.SSLSocket):
+    """The same for TLS: `SSLContext.wrap_socket` makes one of these (sslsocket_class)."""
+
+    deadline: _Deadline | None = None
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            self.settimeout(self.deadline.remaining())
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._arm()
+        return super().recv(*args, **kwargs)
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:
+        self._arm()
+        super().sendall(*args, **kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> int:
+        self._arm()
+        return super().send(*args, **kwargs)
+
+
+def _tls_context() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.sslsocket_class = _DeadlineSSLSocket
+    return context
+
+
 class EndpointProber:
     """One probe per `sample()`; never raises for network trouble, classifies it instead.
 
     Keeps what outlives one probe: the count of probes per result (a counter for Prometheus) and
     the server kind, which only some answers reveal (a 503 from llama.cpp, /v1/models' owner).
-    Not thread-safe: one sampler thread owns it.
+    One sampler thread owns it; `close()` may be called from any thread. Credentials in the URL
+    (`http://user:pw@host`) are sent as basic auth unless a configured header says otherwise.
+    No proxy settings or ~/.netrc from the environment: the probe reaches the server directly.
     """
 
-    def __init__(
-        self,
-        config: EndpointConfig,
-        session: requests.Session | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, config: EndpointConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
-        if session is None:
-            session = requests.Session()
-            # No proxies or ~/.netrc from the environment: the probe must reach the server
-            # directly and must not pick up credentials nobody configured.
-            session.trust_env = False
-        self._session = session
         self._clock = clock
         self._totals: Counter[ProbeResult] = Counter()
         self._server = ServerKind.UNKNOWN
+        parts = urlsplit(config.probe_url)
+        self._scheme = parts.scheme
+        self._host = parts.hostname or ""
+        self._port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 80)
+        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._headers = self._request_headers(config)
+        self._tls = _tls_context() if parts.scheme == "https" else None
+        self._lock = threading.Lock()
+        self._inflight: socket.socket | None = None
+        self._closed = False
 
     def __repr__(self) -> str:
-        return f"EndpointProber(url={self._config.probe_url!r}, probe={self._config.probe!r})"
+        probe_url = self._config.display_url.rstrip("/") + self._config.path
+        return f"EndpointProber(url={probe_url!r}, probe={self._config.probe!r})"
+
+    @staticmethod
+    def _request_headers(config: EndpointConfig) -> dict[str, str]:
+        headers = {"User-Agent": f"model-load-exporter/{__version__}", "Accept": "*/*"}
+        credentials = config.credentials
+        if credentials is not None:
+            token = base64.b64encode(":".join(credentials).encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+        headers.update(config.headers)
+        return headers
+
+    def close(self) -> None:
+        """Abort the probe in flight, if any, and refuse further ones (a reload retires us)."""
+        with self._lock:
+            self._closed = True
+            sock = self._inflight
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed by the probe itself
+                sock.shutdown(socket.SHUT_RDWR)
 
     def sample(self) -> ProbeSample:
         start = self._clock()
-        deadline = start + self._config.timeout
+        deadline = _Deadline(start + self._config.timeout, self._clock)
+        phase = ["connect"]
         try:
             if self._config.probe == ProbeKind.TCP:
-                outcome = self._probe_tcp()
+                self._connect(deadline).close()
+                outcome = _Outcome(ProbeResult.READY, f"connected to port {self._port}")
             else:
-                outcome = self._probe_http(deadline)
+                outcome = self._probe_http(deadline, phase)
         except _Outcome as done:
             outcome = done
-        except (
-            requests.RequestException,
-            urllib3.exceptions.HTTPError,
-            http.client.HTTPException,
-            OSError,
-            ValueError,  # e.g. a header value that HTTP cannot carry
-        ) as exc:
-            outcome = _classify_exception(exc, self._config.timeout)
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            outcome = _classify_exception(exc, self._config.timeout, phase[0])
+        finally:
+            with self._lock:
+                self._inflight = None
+                closed = self._closed
+        if closed:  # whatever the aborted socket said, it was not the server's answer
+            outcome = _Outcome(ProbeResult.ERROR, "prober closed")
         self._totals[outcome.result] += 1
         if outcome.server is not None:
             self._server = outcome.server
@@ -116,87 +221,126 @@ class EndpointProber:
             totals=dict(self._totals),
         )
 
-    def _probe_tcp(self) -> _Outcome:
-        parts = urlsplit(self._config.url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        host = parts.hostname or ""
-        with socket.create_connection((host, port), timeout=self._config.timeout):
-            pass
-        return _Outcome(ProbeResult.READY, f"connected to port {port}")
+    def _connect(self, deadline: _Deadline) -> socket.socket:
+        """A connected socket (TLS done for https) bounded by the deadline, or OSError."""
+        last: OSError = ConnectionRefusedError(errno.ECONNREFUSED, "connection refused")
+        # Name resolution is bounded by the resolver's own timeouts (resolv.conf), not ours.
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            self._host, self._port, type=socket.SOCK_STREAM
+        ):
+            sock = _DeadlineSocket(family, kind, proto)
+            if not self._track(sock):
+                sock.close()
+                raise _Outcome(ProbeResult.ERROR, "prober closed")
+            try:
+                sock.settimeout(deadline.remaining())
+                sock.connect(address)
+            except OSError as exc:
+                sock.close()
+                last = exc
+                continue
+            sock.deadline = deadline
+            if self._tls is None:
+                return sock
+            try:
+                sock.settimeout(deadline.remaining())
+                wrapped = self._tls.wrap_socket(sock, server_hostname=self._host)
+            except BaseException:
+                sock.close()
+                raise
+            assert isinstance(wrapped, _DeadlineSSLSocket)
+            wrapped.deadline = deadline
+            self._track(wrapped)
+            return wrapped
+        raise last
 
-    def _probe_http(self, deadline: float) -> _Outcome:
+    def _track(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._inflight = sock
+            return True
+
+    def _probe_http(self, deadline: _Deadline, phase: list[str]) -> _Outcome:
         config = self._config
-        timeout = config.timeout
-        kwargs: dict[str, Any] = {
-            "headers": dict(config.headers),
-            "timeout": (timeout, timeout),
-            "allow_redirects": False,
-            "stream": True,
-        }
-        if config.probe == ProbeKind.COMPLETION:
-            body: dict[str, Any] = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
-            if config.model is not None:
-                body = {"model": config.model, **body}
-            response = self._session.post(config.probe_url, json=body, **kwargs)
-        else:
-            response = self._session.get(config.probe_url, **kwargs)
-        with response:
-            raw = self._read_body(response, deadline)
-        status = response.status_code
-        document = _parse_json(raw)
-        server = detect_server(response.headers, document, raw)
+        sock = self._connect(deadline)
+        phase[0] = "response"
+        connection = http.client.HTTPConnection(self._host, self._port)
+        connection.sock = sock
+        try:
+            headers = dict(self._headers)
+            if config.probe == ProbeKind.COMPLETION:
+                document: dict[str, Any] = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
+                if config.model is not None:
+                    document = {"model": config.model, **document}
+                body: bytes | None = json.dumps(document).encode()
+                headers["Content-Type"] = "application/json"
+                method = "POST"
+            else:
+                body, method = None, "GET"
+            try:
+                connection.request(method, self._target, body=body, headers=headers)
+            except (UnicodeEncodeError, ValueError):
+                raise _Outcome(
+                    ProbeResult.ERROR, "a configured header value cannot be sent in HTTP"
+                ) from None
+            response = connection.getresponse()
+            status = response.status
+            phase[0] = "body"
+            raw = self._read_body(response, status)
+        finally:
+            connection.close()
+        response_headers = {k.lower(): v for k, v in response.getheaders()}
+        raw = _decode(raw, response_headers.get("content-encoding", ""), status)
+        parsed = _parse_json(raw)
+        server = detect_server(response_headers, parsed, raw)
         if not 200 <= status < 300:
             raise _Outcome(ProbeResult.HTTP_ERROR, f"HTTP {status}", status, server)
-        problem = _check_body(config.probe, raw, document)
+        problem = _check_body(config.probe, raw, parsed)
         if problem is not None:
             raise _Outcome(ProbeResult.BAD_RESPONSE, problem, status, server)
         return _Outcome(ProbeResult.READY, f"HTTP {status}", status, server)
 
-    def _read_body(self, response: requests.Response, deadline: float) -> bytes:
-        """Read at most MAX_BODY_BYTES before `deadline`, so a slow drip cannot hold the probe."""
+    def _read_body(self, response: http.client.HTTPResponse, status: int) -> bytes:
+        """At most MAX_BODY_BYTES + 1 bytes, within the deadline the socket enforces."""
         chunks: list[bytes] = []
         size = 0
-        while size <= MAX_BODY_BYTES:
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise self._body_timeout(response)
-            _shorten_socket_timeout(response, remaining)
-            try:
-                chunk = response.raw.read1(_READ_CHUNK, decode_content=True)
-            except (urllib3.exceptions.TimeoutError, TimeoutError):
-                raise self._body_timeout(response) from None
-            except urllib3.exceptions.DecodeError:
-                raise _Outcome(
-                    ProbeResult.BAD_RESPONSE,
-                    "response body does not match its Content-Encoding",
-                    response.status_code,
-                ) from None
-            except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError):
-                raise _Outcome(
-                    ProbeResult.ERROR,
-                    "connection broken while reading the response body",
-                    response.status_code,
-                ) from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        try:
+            while size <= MAX_BODY_BYTES:
+                chunk = response.read1(_READ_CHUNK)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        except TimeoutError:
+            raise _Outcome(
+                ProbeResult.TIMEOUT,
+                f"response body not complete within {self._config.timeout:g}s",
+                status,
+            ) from None
+        except (http.client.HTTPException, OSError):
+            raise _Outcome(
+                ProbeResult.ERROR, "connection broken while reading the response body", status
+            ) from None
         return b"".join(chunks)
 
-    def _body_timeout(self, response: requests.Response) -> _Outcome:
-        return _Outcome(
-            ProbeResult.TIMEOUT,
-            f"response body not complete within {self._config.timeout:g}s",
-            response.status_code,
+
+def _decode(raw: bytes, encoding: str, status: int) -> bytes:
+    """Undo gzip/deflate, never inflating past MAX_BODY_BYTES + 1 (a small bomb stays small)."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    wbits = _DECODERS.get(encoding, zlib.MAX_WBITS if encoding == "deflate" else None)
+    if wbits is None:
+        raise _Outcome(
+            ProbeResult.BAD_RESPONSE, f"unsupported Content-Encoding {encoding[:20]!r}", status
         )
-
-
-def _shorten_socket_timeout(response: requests.Response, remaining: float) -> None:
-    """Bound the next socket read by what is left of the probe's budget."""
-    connection = getattr(response.raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    if sock is not None:
-        sock.settimeout(remaining)
+    try:
+        return zlib.decompressobj(wbits).decompress(raw, MAX_BODY_BYTES + 1)
+    except zlib.error:
+        raise _Outcome(
+            ProbeResult.BAD_RESPONSE, "response body does not match its Content-Encoding", status
+        ) from None
 
 
 def _parse_json(raw: bytes) -> object:
@@ -226,11 +370,12 @@ def _check_body(probe: ProbeKind, raw: bytes, document: object) -> str | None:
     return None
 
 
-def detect_server(
-    headers: requests.structures.CaseInsensitiveDict[str], document: object, raw: bytes
-) -> ServerKind | None:
-    """The server kind, from evidence each server is known to put in its responses."""
-    if "llama.cpp" in headers.get("Server", ""):
+def detect_server(headers: Mapping[str, str], document: object, raw: bytes) -> ServerKind | None:
+    """The server kind, from evidence each server is known to put in its responses.
+
+    `headers` has lower-case names.
+    """
+    if "llama.cpp" in headers.get("server", ""):
         return ServerKind.LLAMACPP
     if isinstance(document, dict):
         data = document.get("data")
@@ -256,7 +401,7 @@ def detect_server(
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """The exception and everything it wraps (requests and urllib3 nest them several deep)."""
+    """The exception and what it wraps (an SSL error may wrap the OSError that caused it)."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
     while stack:
@@ -265,23 +410,19 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        nested = [current.__cause__, current.__context__, getattr(current, "reason", None)]
-        nested.extend(arg for arg in current.args if isinstance(arg, BaseException))
+        nested = [current.__cause__, current.__context__]
         stack.extend(e for e in nested if isinstance(e, BaseException))
 
 
-def _classify_exception(exc: Exception, timeout: float) -> _Outcome:
+def _classify_exception(exc: Exception, timeout: float, phase: str) -> _Outcome:
     """Map a transport failure to a result; details name the cause, never headers or URLs."""
     causes = list(_causes(exc))
     for cause in causes:
         if isinstance(cause, ConnectionRefusedError):
             return _Outcome(ProbeResult.REFUSED, "connection refused")
-    if any(isinstance(c, requests.exceptions.ConnectTimeout) for c in causes):
-        return _Outcome(ProbeResult.TIMEOUT, f"connect timed out after {timeout:g}s")
-    if any(
-        isinstance(c, requests.exceptions.Timeout | urllib3.exceptions.TimeoutError | TimeoutError)
-        for c in causes
-    ):
+    if any(isinstance(c, TimeoutError) for c in causes):
+        if phase == "connect":
+            return _Outcome(ProbeResult.TIMEOUT, f"connect timed out after {timeout:g}s")
         return _Outcome(ProbeResult.TIMEOUT, f"no response within {timeout:g}s")
     for cause in causes:
         if isinstance(cause, http.client.RemoteDisconnected):
@@ -289,11 +430,11 @@ def _classify_exception(exc: Exception, timeout: float) -> _Outcome:
         if isinstance(cause, ConnectionResetError):
             return _Outcome(ProbeResult.REFUSED, "connection reset")
     for cause in causes:
-        if isinstance(cause, socket.gaierror | urllib3.exceptions.NameResolutionError):
+        if isinstance(cause, socket.gaierror):
             return _Outcome(ProbeResult.ERROR, "host name lookup failed")
-        if isinstance(cause, ssl.SSLError | requests.exceptions.SSLError):
+        if isinstance(cause, ssl.SSLError | ssl.CertificateError):
             return _Outcome(ProbeResult.ERROR, "TLS error")
-        if isinstance(cause, http.client.HTTPException | urllib3.exceptions.ProtocolError):
+        if isinstance(cause, http.client.HTTPException):
             return _Outcome(ProbeResult.ERROR, "malformed or broken HTTP response")
     for cause in causes:
         if isinstance(cause, OSError) and cause.errno is not None:
