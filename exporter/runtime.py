@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from exporter import __version__
+from exporter.cadence import ProbeCadence
 from exporter.config import Config, TargetConfig
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
@@ -30,9 +31,13 @@ from exporter.sources.memory import MemorySource
 from exporter.sources.pagecache import ResidencySource
 from exporter.sources.process import ProcessFinder
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
-from exporter.vocabulary import Cache
+from exporter.vocabulary import Cache, Phase, ProbeResult
 
 log = logging.getLogger(__name__)
+
+# Failed probes in a row before a ready server whose process keeps running is called hung
+# (the same count that starts a load without process matching).
+HUNG_AFTER_FAILED_PROBES = 3
 
 # The temperatures history can expect a duration for (unknown loads have no comparable median).
 EXPECTED_CACHES = (Cache.COLD, Cache.WARM, Cache.MIXED)
@@ -45,11 +50,15 @@ class TargetRuntime:
     config: TargetConfig
     tracker: Tracker
     prober: EndpointProber
+    cadence: ProbeCadence
     finder: ProcessFinder | None
     residency: ResidencySource | None
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
+    probe_seen: float | None = None  # finish time of the last probe the tick looked at
+    failed_probes: int = 0  # failed probes in a row
+    hung: bool = False  # ready, process running, endpoint failing: logged once
 
 
 class Runtime:
@@ -95,6 +104,11 @@ class Runtime:
                 interval=self.config.sample_interval,
             ),
             prober=EndpointProber(target.endpoint),
+            cadence=ProbeCadence(
+                self.config.sample_interval,
+                target.endpoint.ready_interval,
+                process_matching=target.process is not None,
+            ),
             finder=ProcessFinder(target.process, proc_root=proc_root) if target.process else None,
             residency=(
                 ResidencySource(target.weights, cpu_budget=self.config.residency_cpu_budget)
@@ -102,7 +116,12 @@ class Runtime:
                 else None
             ),
         )
-        self.sampler.add(ENDPOINT, target.name, runtime.prober.sample)
+        self.sampler.add(
+            ENDPOINT,
+            target.name,
+            runtime.prober.sample,
+            every=lambda: runtime.cadence.delay(self._probe_result(target.name)),
+        )
         if runtime.finder is not None:
             self.sampler.add(PROCESS, target.name, runtime.finder.sample)
         if runtime.residency is not None:
@@ -117,6 +136,8 @@ class Runtime:
         self.sampler.start()
 
     def stop(self) -> None:
+        for runtime in self.targets.values():
+            runtime.prober.close()  # a probe in flight ends now, not at its timeout
         self.sampler.stop()
         self.nvml.close()
         self.history.close()
@@ -144,9 +165,47 @@ class Runtime:
                 runtime.started_at = state.started_at
                 if runtime.residency is not None:
                     runtime.residency.request_full_pass()
+            if runtime.cadence.set_phase(state.phase):
+                self.sampler.wake(ENDPOINT, runtime.config.name)
+            self._note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
         self._ticked.set()
+
+    def _probe_result(self, name: str) -> ProbeResult | None:
+        probe = self.sampler.value(ENDPOINT, name)
+        return probe.result if probe is not None else None
+
+    def _note_hung(self, runtime: TargetRuntime, state: TargetState) -> None:
+        """Log once when a ready server's endpoint stops answering while its process runs on.
+
+        The phase stays `ready` (the process is there and no load began), `endpoint_up` is 0 and
+        `process_up` 1: exactly what the ModelServerHung alert looks for. Without process
+        matching the tracker starts a load after the same number of failed probes instead.
+        """
+        name = runtime.config.name
+        probe = self.sampler.latest(ENDPOINT, name)
+        if probe is None or probe.finished_at == runtime.probe_seen:
+            return
+        runtime.probe_seen = probe.finished_at
+        value = probe.good
+        ready = value is not None and value.result is ProbeResult.READY
+        runtime.failed_probes = 0 if ready else runtime.failed_probes + 1
+        watched = runtime.finder is not None and state.phase is Phase.READY
+        hung = watched and runtime.failed_probes >= HUNG_AFTER_FAILED_PROBES
+        if hung and not runtime.hung:
+            process = self.sampler.value(PROCESS, name)
+            log.warning(
+                "target %s: the server process (pid %s) keeps running but its endpoint stopped "
+                "answering (%s, %d probes in a row): hung? phase stays ready, endpoint_up is 0",
+                name,
+                process.root_pid if process is not None else "?",
+                value.detail if value is not None else probe.error,
+                runtime.failed_probes,
+            )
+        elif runtime.hung and ready:
+            log.info("target %s: the endpoint answers again", name)
+        runtime.hung = hung
 
     def _observe(
         self, runtime: TargetRuntime, now: float, disk: DiskSample | None

@@ -45,13 +45,23 @@ def _is_up(value: object) -> bool:
 
 
 class Periodic:
-    """Calls `fn` every `interval` seconds on a daemon thread until stopped."""
+    """Calls `fn` on a daemon thread until stopped, `every()` seconds apart.
 
-    def __init__(self, name: str, interval: float, fn: Callable[[], object]) -> None:
+    `every` is asked after each call, so a source may change its own pace (the endpoint probe
+    slows down while a server is ready and speeds up while it initializes); `wake()` makes the
+    loop ask again at once, for when the pace should change before the current wait is over.
+    Calls are spaced from when each was due, not from when the previous one ended, so a fixed
+    interval does not drift.
+    """
+
+    def __init__(
+        self, name: str, every: float | Callable[[], float], fn: Callable[[], object]
+    ) -> None:
         self.name = name
-        self.interval = interval
+        self._every = every if callable(every) else (lambda: every)
         self._fn = fn
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by wake() and by stop()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> None:
@@ -59,22 +69,46 @@ class Periodic:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
-        next_run = time.monotonic()
+        due = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._fn()
             except Exception:  # a bug in one loop must not kill the thread silently
                 log.exception("%s: unexpected error", self.name)
-            next_run += self.interval
-            now = time.monotonic()
-            if next_run < now:  # overran (a slow probe): start again now, don't burst to catch up
-                next_run = now
-            self._stop.wait(next_run - now)
+            while not self._stop.is_set():
+                now = time.monotonic()
+                next_due = due + self._delay()
+                if next_due <= now:  # overran (a slow probe): again now, no burst to catch up
+                    due = now
+                    break
+                if not self._wake.wait(next_due - now):
+                    due = next_due
+                    break
+                self._wake.clear()  # woken: ask for the delay again
+
+    def _delay(self) -> float:
+        try:
+            return max(0.0, float(self._every()))
+        except Exception:
+            log.exception("%s: cannot tell the next delay", self.name)
+            return 1.0
+
+
+def _loop_name(source: SourceKey[Any], target: str) -> str:
+    return f"{source.name}:{target}" if target else source.name
 
 
 class Sampler:
@@ -85,17 +119,32 @@ class Sampler:
         self._clock = clock
         self._lock = threading.Lock()
         self._latest: dict[tuple[str, str], Reading[Any]] = {}
-        self._loops: list[Periodic] = []
+        self._loops: dict[str, Periodic] = {}
         self._failing: set[tuple[str, str]] = set()
 
-    def add(self, source: SourceKey[T], target: str, fn: Callable[[], T]) -> None:
-        """Register a source; `fn` returns its dataclass or raises."""
-        name = f"{source.name}:{target}" if target else source.name
-        self._loops.append(Periodic(name, self.interval, lambda: self.run_once(source, target, fn)))
+    def add(
+        self,
+        source: SourceKey[T],
+        target: str,
+        fn: Callable[[], T],
+        every: Callable[[], float] | None = None,
+    ) -> None:
+        """Register a source; `fn` returns its dataclass or raises. `every` paces it when the
+        sample interval does not (asked after each sample)."""
+        name = _loop_name(source, target)
+        self._loops[name] = Periodic(
+            name, every or self.interval, lambda: self.run_once(source, target, fn)
+        )
 
     def add_loop(self, name: str, fn: Callable[[], None]) -> None:
         """Register a periodic task that is not a source (the tracker tick)."""
-        self._loops.append(Periodic(name, self.interval, fn))
+        self._loops[name] = Periodic(name, self.interval, fn)
+
+    def wake(self, source: SourceKey[Any], target: str = "") -> None:
+        """Have a source's loop re-ask its pace now (it may be due sooner than planned)."""
+        loop = self._loops.get(_loop_name(source, target))
+        if loop is not None:
+            loop.wake()
 
     def run_once(self, source: SourceKey[T], target: str, fn: Callable[[], T]) -> Reading[T]:
         """Take one sample now and store it; public so tests can step sources by hand."""
@@ -146,13 +195,16 @@ class Sampler:
             return list(self._latest.values())
 
     def start(self) -> None:
-        for loop in self._loops:
+        for loop in self._loops.values():
             loop.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop every loop; a source stuck in a syscall is a daemon thread and is left behind."""
-        for loop in self._loops:
+        for loop in self._loops.values():
             loop.stop()
         deadline = time.monotonic() + timeout
-        for loop in self._loops:
+        for loop in self._loops.values():
             loop.join(max(0.0, deadline - time.monotonic()))
+        stuck = [loop.name for loop in self._loops.values() if loop.alive]
+        if stuck:
+            log.warning("still running after stop: %s", ", ".join(stuck))
