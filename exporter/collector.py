@@ -68,6 +68,9 @@ SOURCE_DURATION = _gauge(
     "source_duration_seconds", "Duration of the last sample of the source.", "source", "target"
 )
 RELOAD_OK = _gauge("config_last_reload_successful", "1 if the last config (re)load succeeded.")
+HISTORY_UP = _gauge(
+    "history_up", "1 when finished loads are kept in the history database (absent when off)."
+)
 # Host
 DISK_READ = _counter(
     "disk_read_bytes_total", "Bytes read from block devices that back weight files.", "device"
@@ -135,7 +138,7 @@ PHASE_DURATION = _histogram(
 )
 
 CATALOG: tuple[MetricSpec, ...] = (
-    BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK,
+    BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK, HISTORY_UP,
     DISK_READ, DISK_RATE, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
@@ -250,11 +253,14 @@ def _exporter(out: Scrape, snap: Snapshot) -> None:
         out.add(SOURCE_UP, [reading.source, reading.target], 1 if reading.ok else 0)
         out.add(SOURCE_DURATION, [reading.source, reading.target], reading.duration_seconds)
     out.add(RELOAD_OK, [], 1 if snap.config_reload_successful else 0)
+    if snap.history_up is not None:
+        out.add(HISTORY_UP, [], 1 if snap.history_up else 0)
 
 
 def _target_info(out: Scrape, view: TargetView) -> None:
     endpoint = view.config.endpoint
-    out.add(TARGET_INFO, [view.name, endpoint.url, endpoint.model or "", view.server], 1)
+    # Credentials in the URL are the probe's, never a label's.
+    out.add(TARGET_INFO, [view.name, endpoint.display_url, endpoint.model or "", view.server], 1)
 
 
 def _gpu_memory(out: Scrape, view: TargetView) -> None:

@@ -3,6 +3,9 @@
 History is a nice-to-have next to the live metrics, so it never takes the exporter down: a corrupt
 file, a database locked by someone else or a read-only location logs one ERROR line and turns
 history off (every method then returns empty or None) instead of raising into the sampler.
+A failed write (a full disk) is different: what is stored stays readable, the record waits in
+memory (a bounded few) and `retry()` writes it once the disk has room again; `up` says whether
+finished loads are being kept.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import sqlite3
 import statistics
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -24,6 +28,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
+MAX_PENDING = 100  # finished loads held in memory while writes fail
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS loads (
@@ -58,8 +63,10 @@ class HistoryStore:
         self.path = path
         self.enabled = False
         self.problem: str | None = None
+        self.write_problem: str | None = None  # why the last write failed, until one succeeds
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._pending: deque[LoadRecord] = deque(maxlen=MAX_PENDING)
         if not path:
             return
         directory = os.path.dirname(os.path.abspath(path))
@@ -84,24 +91,49 @@ class HistoryStore:
         self._db = db
         self.enabled = True
 
+    @property
+    def configured(self) -> bool:
+        return bool(self.path)
+
+    @property
+    def up(self) -> bool:
+        """Finished loads are being kept: the store is open and no write is failing."""
+        return self.enabled and self.write_problem is None
+
     def add(self, record: LoadRecord) -> None:
-        row = (
-            record.target,
-            record.started_at,
-            record.ended_at,
-            record.outcome,
-            record.cache,
-            int(record.partial),
-            json.dumps(dict(record.phase_seconds), sort_keys=True),
-            record.weights_bytes,
-            record.bytes_read,
-            record.gpu_bytes_at_weights_end,
-        )
+        """Store a finished load; if the write fails it waits for retry(), reads go on."""
+        self._pending.append(record)
+        self.retry()
 
-        def insert(db: sqlite3.Connection) -> None:
-            db.execute(f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", row)
-
-        self._run(insert, None)
+    def retry(self) -> None:
+        """Write what earlier writes could not (cheap when nothing waits)."""
+        if not self._pending:
+            return
+        with self._lock:
+            db = self._db
+            if db is None:
+                return
+            while self._pending:
+                try:
+                    db.execute(
+                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                        _row(self._pending[0]),
+                    )
+                except sqlite3.Error as exc:
+                    if self.write_problem is None:
+                        log.error(
+                            "cannot write load history, keeping %d finished load(s) in memory "
+                            "and retrying: %s: %s",
+                            len(self._pending),
+                            self.path,
+                            exc,
+                        )
+                    self.write_problem = f"{self.path}: {exc}"
+                    return
+                self._pending.popleft()
+            if self.write_problem is not None:
+                log.info("load history is writable again: %s", self.path)
+                self.write_problem = None
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         """Finished loads, newest first."""
@@ -159,6 +191,14 @@ class HistoryStore:
                 return default
             try:
                 return query(self._db)
+            except sqlite3.OperationalError as exc:
+                if _transient(exc):  # someone else holds a lock: this read only comes back empty
+                    log.debug("load history busy: %s", exc)
+                    return default
+                self._db.close()
+                self._db = None
+                self._disable(str(exc))
+                return default
             except sqlite3.Error as exc:
                 self._db.close()
                 self._db = None
@@ -170,6 +210,11 @@ class HistoryStore:
         self.enabled = False
         self.problem = f"{self.path}: {reason}"
         log.error("load history disabled, finished loads will not be kept: %s", self.problem)
+
+
+def _transient(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc)
+    return "locked" in text or "busy" in text
 
 
 class _SchemaError(Exception):
@@ -194,6 +239,21 @@ def _migrate(db: sqlite3.Connection) -> None:
     except sqlite3.Error:
         db.execute("ROLLBACK")
         raise
+
+
+def _row(record: LoadRecord) -> tuple[object, ...]:
+    return (
+        record.target,
+        record.started_at,
+        record.ended_at,
+        record.outcome,
+        record.cache,
+        int(record.partial),
+        json.dumps(dict(record.phase_seconds), sort_keys=True),
+        record.weights_bytes,
+        record.bytes_read,
+        record.gpu_bytes_at_weights_end,
+    )
 
 
 def _record(row: _Row) -> LoadRecord:

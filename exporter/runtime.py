@@ -150,6 +150,7 @@ class Runtime:
     def tick(self) -> None:
         """Feed every tracker one observation and file the loads that finished."""
         now = self._clock()
+        self.history.retry()  # loads a full disk could not take yet
         disk = self.sampler.value(DISK)
         for runtime in self.targets.values():
             observation, gpu_memory = self._observe(runtime, now, disk)
@@ -297,8 +298,9 @@ class Runtime:
                 expected_durations=dict(self._expected),
                 last_durations=dict(self._last),
                 history_enabled=self.history.enabled,
-                history_problem=self.history.problem,
+                history_problem=self.history.problem or self.history.write_problem,
                 config_reload_successful=self.reload_successful,
+                history_up=self.history.up if self.history.configured else None,
             )
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:

@@ -66,6 +66,7 @@ class Snapshot:
     history_enabled: bool
     history_problem: str | None
     config_reload_successful: bool
+    history_up: bool | None = None  # None: history_path "" (off by choice, not broken)
 
     def host_reading(self, key: SourceKey[T]) -> Reading[T] | None:
         return _get(self.host, key)

@@ -113,7 +113,11 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
         "version": snap.build["version"],
         "targets": targets,
         "host_sources": host,
-        "history": {"enabled": snap.history_enabled, "problem": snap.history_problem},
+        "history": {
+            "enabled": snap.history_enabled,
+            "up": snap.history_up,
+            "problem": snap.history_problem,
+        },
     }
 
 

@@ -70,7 +70,11 @@ def golden_snapshot() -> Snapshot:
     config = parse_config(
         {
             "targets": [
-                {"name": "kimi-k2", "endpoint": {"url": "http://127.0.0.1:30001", "model": "kimi"}},
+                # Credentials in the URL are the probe's: the label shows them redacted.
+                {
+                    "name": "kimi-k2",
+                    "endpoint": {"url": "http://probe:s3cret@127.0.0.1:30001", "model": "kimi"},
+                },
                 {"name": "qwen", "endpoint": {"url": "http://127.0.0.1:8000", "probe": "health"}},
             ]
         }
@@ -185,6 +189,7 @@ def golden_snapshot() -> Snapshot:
         history_enabled=True,
         history_problem=None,
         config_reload_successful=True,
+        history_up=True,
     )
 
 

@@ -384,8 +384,14 @@ def measure(
             except OSError as exc:
                 if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                     stale = True  # vanished: skip it and rediscover
-                else:
-                    reason = reason or f"cannot open {wf.path}: {exc.strerror}; {ADVICE}"
+                    continue
+                reason = reason or f"cannot open {wf.path}: {exc.strerror}; {ADVICE}"
+                # Still a weight file: its size counts even though its residency cannot.
+                with contextlib.suppress(OSError):
+                    st = os.stat(wf.entry, dir_fd=dir_fd)
+                    if (st.st_dev, st.st_ino) not in seen and stat.S_ISREG(st.st_mode):
+                        seen.add((st.st_dev, st.st_ino))
+                        total += st.st_size
                 continue
             try:
                 st = os.fstat(fd)
@@ -446,7 +452,7 @@ class ResidencySource:
         self._tree: WeightTree | None = None
         self._last: ResidencySample | None = None
         self._reads_at_pass: int | None = None  # device read counter when a pass was last asked
-        self._warned = False
+        self._warned: str | None = None  # the reason last logged: each new one once
 
     def request_full_pass(self) -> None:
         """Make the next sample() measure afresh, whatever the budget says (thread-safe)."""
@@ -488,7 +494,10 @@ class ResidencySource:
             if last is not None and not self._forced.is_set() and last.measured_at <= now:
                 if now < last.next_pass_due:
                     return last
-                if not self._reads.is_set() and now < last.measured_at + QUIET_REFRESH_SECONDS:
+                # Files added, removed or replaced change their directory: worth a pass too.
+                changed = self._tree is None or self._tree.changed()
+                quiet = now < last.measured_at + QUIET_REFRESH_SECONDS
+                if not self._reads.is_set() and not changed and quiet:
                     return last
             self._forced.clear()
             self._reads.clear()
@@ -504,17 +513,25 @@ class ResidencySource:
             self._tree = None
         cost = max(0.0, self._cpu_clock() - cpu_start)
         now = self._clock()
-        if result.reason is not None and not self._warned:
-            log.warning("page-cache residency unknown: %s", result.reason)
-            self._warned = True
+        reason, resident = result.reason, result.resident_bytes
+        if result.files == 0 and reason is None:
+            # Not "0 of 0 bytes cached": deleted or not there yet, which a user must see.
+            reason = (
+                f"no weight files under {', '.join(self._weights.paths)} "
+                f"matching {' '.join(self._weights.include)}"
+            )
+            resident = None
+        if reason is not None and reason != self._warned:
+            log.warning("page-cache residency unknown: %s", reason)
+        self._warned = reason
         return ResidencySample(
             files=result.files,
             total_bytes=result.total_bytes,
-            resident_bytes=result.resident_bytes,
+            resident_bytes=resident,
             per_file=result.per_file,
             method=result.method,
             measured_at=now,
             pass_cpu_seconds=cost,
             next_pass_due=now + cost / self._budget,
-            reason=result.reason,
+            reason=reason,
         )
