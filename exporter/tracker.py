@@ -243,7 +243,7 @@ class Tracker:
             if probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
             elif probe is not None and probe.time > load.started_at and record is None:
-                record = self._finish(load, obs.time, Outcome.READY)
+                record = self._finish(load, probe.time, Outcome.READY)  # the answer, not the tick
         else:
             self._settle(obs)
         self._last_obs = obs

@@ -189,7 +189,7 @@ class WebApp:
         return _json(start_response, status_json(self.runtime.snapshot()))
 
     def _loads(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        query = parse_qs(environ.get("QUERY_STRING", ""))
+        query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
         target = query.get("target", [None])[0]
         text = query.get("limit", ["100"])[0]
         if not text.isdigit() or not 1 <= int(text) <= MAX_LOADS:
