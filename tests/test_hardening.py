@@ -611,6 +611,32 @@ def test_11_methods_limits_and_no_server_header(
 # -- 12. a server frozen while ready ----------------------------------------------------------
 
 
+def settled_ready(url: str, target: str, hold: float = 1.0) -> None:
+    """Wait until the target has been ready, with its process seen, for `hold` seconds.
+
+    A probe may say ready before the process source has run; the process's first sighting
+    then starts a load of its own, which ends only with the next ready probe.
+    """
+
+    def ready() -> bool:
+        text = requests.get(url + "/metrics", timeout=5).text
+        return (
+            sample_value(text, "model_load_process_up", target=target) == 1
+            and sample_value(text, "model_load_phase", target=target, phase="ready") == 1
+        )
+
+    since: list[float] = []
+
+    def held() -> bool:
+        if not ready():
+            since.clear()
+            return False
+        since[:1] = since[:1] or [time.monotonic()]
+        return time.monotonic() - since[0] >= hold
+
+    wait_for(held, timeout=30)
+
+
 @pytest.mark.system
 def test_12_a_hung_ready_server_stays_ready_with_endpoint_down_and_is_logged_once(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -624,10 +650,7 @@ def test_12_a_hung_ready_server_stays_ready_with_endpoint_down_and_is_logged_onc
                                                     "ready_interval": "200ms"},
                           "process": {"pidfile": str(pidfile)}}]}
         )  # fmt: skip
-        metrics_when(
-            running.url,
-            lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1,
-        )
+        settled_ready(running.url, "m")
         caplog.clear()
         caplog.set_level(logging.INFO, logger="exporter.runtime")
         model_server.mode = "hang"
@@ -681,10 +704,7 @@ def test_a_ready_server_is_probed_every_ready_interval_and_a_failure_speeds_up_a
              "targets": [{"name": "m", "endpoint": {"url": server.url, "ready_interval": "1s"},
                           "process": {"pidfile": str(pidfile)}}]}
         )  # fmt: skip
-        metrics_when(
-            running.url,
-            lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1,
-        )
+        settled_ready(running.url, "m")
         time.sleep(0.5)
         before = server.count
         time.sleep(3.0)
