@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # Failed probes in a row before a ready server whose process keeps running is called hung
 # (the same count that starts a load without process matching).
 HUNG_AFTER_FAILED_PROBES = 3
+# A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
+CLOCK_STEP_SECONDS = 1.0
 
 # The temperatures history can expect a duration for (unknown loads have no comparable median).
 EXPECTED_CACHES = (Cache.COLD, Cache.WARM, Cache.MIXED)
@@ -84,6 +86,7 @@ class Runtime:
         self._expected: dict[tuple[str, Cache], float] = {}
         self._last: dict[str, float] = {}
         self._ticked = threading.Event()
+        self._last_tick: float | None = None
         self.targets = {t.name: self._build_target(t, proc_root) for t in config.targets}
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
         self.disk = DiskSource(weights, proc_root=proc_root, sys_root=sys_root)
@@ -97,12 +100,7 @@ class Runtime:
     def _build_target(self, target: TargetConfig, proc_root: str) -> TargetRuntime:
         runtime = TargetRuntime(
             config=target,
-            tracker=Tracker(
-                target.name,
-                stall_after=target.stall_after,
-                expectations=self.history,
-                interval=self.config.sample_interval,
-            ),
+            tracker=self._tracker(target),
             prober=EndpointProber(target.endpoint),
             cadence=ProbeCadence(
                 self.config.sample_interval,
@@ -132,6 +130,14 @@ class Runtime:
             )
         return runtime
 
+    def _tracker(self, target: TargetConfig) -> Tracker:
+        return Tracker(
+            target.name,
+            stall_after=target.stall_after,
+            expectations=self.history,
+            interval=self.config.sample_interval,
+        )
+
     def start(self) -> None:
         self.sampler.start()
 
@@ -150,6 +156,7 @@ class Runtime:
     def tick(self) -> None:
         """Feed every tracker one observation and file the loads that finished."""
         now = self._clock()
+        self._note_clock_step(now)
         self.history.retry()  # loads a full disk could not take yet
         disk = self.sampler.value(DISK)
         for runtime in self.targets.values():
@@ -172,6 +179,25 @@ class Runtime:
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
         self._ticked.set()
+
+    def _note_clock_step(self, now: float) -> None:
+        """A wall clock stepped back (NTP, a VM resumed): start tracking afresh.
+
+        Trackers ignore observations older than their last one, so after a step back of an hour
+        they would freeze for that hour. Fresh trackers pick loads in progress up again from the
+        process start time, exactly as after an exporter restart.
+        """
+        last, self._last_tick = self._last_tick, now
+        if last is None or now >= last - CLOCK_STEP_SECONDS:
+            return
+        log.warning(
+            "wall clock stepped back by %.1fs: load tracking restarts, as after an exporter "
+            "restart",
+            last - now,
+        )
+        for runtime in self.targets.values():
+            runtime.tracker = self._tracker(runtime.config)
+            runtime.started_at = None
 
     def _probe_result(self, name: str) -> ProbeResult | None:
         probe = self.sampler.value(ENDPOINT, name)
@@ -226,7 +252,8 @@ class Runtime:
         observation = Observation(
             time=now,
             endpoint_result=probe_value.result if probe_value is not None else None,
-            endpoint_probe_time=probe.finished_at if probe is not None else None,
+            # A reading stamped before the wall clock stepped back must not look like the future.
+            endpoint_probe_time=min(probe.finished_at, now) if probe is not None else None,
             process_configured=runtime.finder is not None,
             process_found=bool(process and process.found),
             process_pid=process.root_pid if process else None,
@@ -236,7 +263,7 @@ class Runtime:
             process_gpu_bytes=sum(gpu_memory.values()) if gpu_memory else None,
             weights_bytes=residency.total_bytes if residency else None,
             resident_bytes=residency.resident_bytes if residency else None,
-            resident_measured_at=residency.measured_at if residency else None,
+            resident_measured_at=min(residency.measured_at, now) if residency else None,
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
         )
         return observation, gpu_memory

@@ -32,8 +32,10 @@ from helpers.hostile import (
     ExporterProcess,
     IdleClients,
     TrickleServer,
+    fill,
     https_get,
     make_tls,
+    tiny_tmpfs,
     tls_client,
 )
 from helpers.support import ModelServer, free_port, metrics_when, sample_value, wait_for
@@ -530,33 +532,8 @@ def test_10_weights_deleted_mid_run_are_down_with_a_reason_and_come_back(
 
 @pytest.fixture
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 256 KiB tmpfs, to fill up; root only."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True)  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-    try:
+    with tiny_tmpfs(tmp_path / "tiny") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(directory: Path) -> Path:
-    """Take every free byte of the filesystem."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_10_a_full_disk_keeps_history_readable_and_says_so(tiny_fs: Path) -> None:

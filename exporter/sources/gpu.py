@@ -53,6 +53,20 @@ class GpuSample:
     processes: tuple[GpuProcess, ...]  # compute processes on every GPU
     errors: tuple[str, ...]  # per-call errors of this sample, e.g. "gpu 3: GetMemoryInfo: ..."
 
+    @property
+    def up(self) -> bool:
+        """False when NVML answered init but no GPU's memory could be read: no reading at all."""
+        return not self.devices or any(
+            d.memory_used_bytes is not None or d.memory_total_bytes is not None
+            for d in self.devices
+        )
+
+    @property
+    def reason(self) -> str | None:
+        if self.up:
+            return None
+        return f"no GPU could be read: {self.errors[0] if self.errors else 'no memory info'}"
+
 
 class NvmlUnavailable(RuntimeError):
     """No NVML library, no driver or no GPU: the whole source is down, with a one-line reason."""

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +271,39 @@ def https_get(port: int, path: str, context: ssl.SSLContext, timeout: float = 5.
         return connection.getresponse().status
     finally:
         connection.close()
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(mount: Path, size: str = "256k") -> Iterator[Path]:
+    """A small tmpfs to fill up (a full disk); skips the test where mounting is not allowed."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Take every free byte of the filesystem; delete the returned file to give them back."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
 
 
 def timed(fn: Callable[[], object]) -> float:
