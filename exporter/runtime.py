@@ -25,19 +25,20 @@ from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, ENDPOINT, MEMORY, NVML, PAGECACHE, PROCESS
 from exporter.sources.disk import DiskSample, DiskSource
-from exporter.sources.endpoint import EndpointProber
+from exporter.sources.endpoint import EndpointProber, ProbeSample
 from exporter.sources.gpu import NvmlSource, process_gpu_memory
 from exporter.sources.memory import MemorySource
 from exporter.sources.pagecache import ResidencySource
 from exporter.sources.process import ProcessFinder
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
-from exporter.vocabulary import Cache, Phase, ProbeResult
+from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
 log = logging.getLogger(__name__)
 
 # Failed probes in a row before a ready server whose process keeps running is called hung
 # (the same count that starts a load without process matching).
 HUNG_AFTER_FAILED_PROBES = 3
+TRACKER_LOOP = "tracker"
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
@@ -94,7 +95,7 @@ class Runtime:
         self.sampler.add(DISK, "", self.disk.sample)
         self.sampler.add(MEMORY, "", MemorySource(proc_root).sample)
         self.sampler.add(NVML, "", self.nvml.sample)
-        self.sampler.add_loop("tracker", self.tick)
+        self.sampler.add_loop(TRACKER_LOOP, self.tick)
         self._refresh_expectations()
 
     def _build_target(self, target: TargetConfig, proc_root: str) -> TargetRuntime:
@@ -119,6 +120,7 @@ class Runtime:
             target.name,
             runtime.prober.sample,
             every=lambda: runtime.cadence.delay(self._probe_result(target.name)),
+            after=lambda reading: self._after_probe(runtime, reading),
         )
         if runtime.finder is not None:
             self.sampler.add(PROCESS, target.name, runtime.finder.sample)
@@ -198,6 +200,14 @@ class Runtime:
         for runtime in self.targets.values():
             runtime.tracker = self._tracker(runtime.config)
             runtime.started_at = None
+
+    def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
+        """The first ready answer of a load in progress ends it: tick now, not up to an
+        interval later, so the load ends at that answer and /metrics says ready at once."""
+        value = reading.good
+        ready = value is not None and value.result is ProbeResult.READY
+        if ready and runtime.cadence.phase in IN_PROGRESS:
+            self.sampler.run_soon(TRACKER_LOOP)
 
     def _probe_result(self, name: str) -> ProbeResult | None:
         probe = self.sampler.value(ENDPOINT, name)

@@ -61,7 +61,8 @@ class Periodic:
         self._every = every if callable(every) else (lambda: every)
         self._fn = fn
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by wake() and by stop()
+        self._wake = threading.Event()  # set by wake(), run_soon() and stop()
+        self._soon = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> None:
@@ -72,6 +73,11 @@ class Periodic:
         self._wake.set()
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def run_soon(self) -> None:
+        """Call `fn` now rather than when it is next due (the schedule goes on from there)."""
+        self._soon = True
         self._wake.set()
 
     def join(self, timeout: float) -> None:
@@ -97,7 +103,11 @@ class Periodic:
                 if not self._wake.wait(next_due - now):
                     due = next_due
                     break
-                self._wake.clear()  # woken: ask for the delay again
+                self._wake.clear()  # woken: ask for the delay again, or run now
+                if self._soon:
+                    self._soon = False
+                    due = time.monotonic()
+                    break
 
     def _delay(self) -> float:
         try:
@@ -128,17 +138,28 @@ class Sampler:
         target: str,
         fn: Callable[[], T],
         every: Callable[[], float] | None = None,
+        after: Callable[[Reading[T]], None] | None = None,
     ) -> None:
         """Register a source; `fn` returns its dataclass or raises. `every` paces it when the
-        sample interval does not (asked after each sample)."""
+        sample interval does not (asked after each sample); `after` sees each stored reading."""
         name = _loop_name(source, target)
-        self._loops[name] = Periodic(
-            name, every or self.interval, lambda: self.run_once(source, target, fn)
-        )
+
+        def sample() -> None:
+            reading = self.run_once(source, target, fn)
+            if after is not None:
+                after(reading)
+
+        self._loops[name] = Periodic(name, every or self.interval, sample)
 
     def add_loop(self, name: str, fn: Callable[[], None]) -> None:
         """Register a periodic task that is not a source (the tracker tick)."""
         self._loops[name] = Periodic(name, self.interval, fn)
+
+    def run_soon(self, name: str) -> None:
+        """Run a loop added with add_loop (the tracker tick) now rather than when due."""
+        loop = self._loops.get(name)
+        if loop is not None:
+            loop.run_soon()
 
     def wake(self, source: SourceKey[Any], target: str = "") -> None:
         """Have a source's loop re-ask its pace now (it may be due sooner than planned)."""
