@@ -36,7 +36,7 @@ DEFAULT_READY_INTERVAL = 10.0
 DEFAULT_RESIDENCY_CPU_BUDGET = 0.01
 # Longer than any sensible setting and far below what timers accept (threading.TIMEOUT_MAX), so
 # a typo like 99999999999h is an error here instead of an OverflowError in every sampler thread.
-MAX_DURATION = 365 * 86400.0
+MAX_DURATION = 3650 * 86400.0
 MAX_SAMPLE_INTERVAL = 3600.0
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
