@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import builtins
 import contextlib
+import functools
 import multiprocessing
 import os
 import resource
@@ -261,8 +263,16 @@ def scrapers(port: int, clients: int, seconds: float) -> list[float | None]:
 
 
 def sequential(port: int, count: int, context: ssl.SSLContext | None = None) -> list[float | None]:
+    """`count` scrapes one after another; after 3 failures in a row the rest count as failed
+    (each failure is a 10 s timeout: a blocked server would take minutes to say the same)."""
+
     async def run() -> list[float | None]:
-        return [await _scrape(port, context) for _ in range(count)]
+        results: list[float | None] = []
+        while len(results) < count:
+            results.append(await _scrape(port, context))
+            if results[-3:] == [None, None, None]:
+                results += [None] * (count - len(results))
+        return results
 
     return asyncio.run(run())
 
@@ -443,7 +453,8 @@ def _summary(values: list[float | None]) -> str:
     return text + (f", {errors} failed" if errors else "")
 
 
-def report(results: list[Result], seconds: float) -> None:
+def report(results: list[Result], seconds: float, out: Any = None) -> None:
+    print = functools.partial(builtins.print, file=out or sys.stdout)
     print(f"\n/metrics under closed-loop scrapers ({seconds:g} s each, new connection per scrape)")
     print(f"{'server':<14} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'errors':>7}")
     node = next((r for r in results if r.name == "node_exporter"), None)
@@ -516,6 +527,7 @@ def main() -> int:
                 continue
             print(f"measuring {name} ...", file=sys.stderr, flush=True)
             results.append(measure(name, args.seconds, tls, Path(tmp)))
+            report(results[-1:], args.seconds, out=sys.stderr)  # progress, for long runs
     report(results, args.seconds)
     return 0
 

@@ -743,4 +743,7 @@ def test_readiness_is_seen_within_a_fraction_of_the_sample_interval(tmp_path: Pa
         text, "model_load_endpoint_probes_total", target="m", result="http_error"
     )
     assert answered_503 is not None and answered_503 >= 8, answered_503
-    assert 0 <= load["ended_at"] - ready_at < 0.4, (load["ended_at"], ready_at)  # probes 0.25 s apart
+    assert 0 <= load["ended_at"] - ready_at < 0.4, (
+        load["ended_at"],
+        ready_at,
+    )  # probes 0.25 s apart
