@@ -13,9 +13,10 @@ Measured, one scenario after another:
 
 * scrapers: 20 and 50 closed-loop clients, a new connection per scrape, `Accept-Encoding: gzip`
   as Prometheus sends it: p50, p99, requests/s, errors (10 s timeout);
-* 1,000 idle connections held open, then 20 scrapes one after another;
-* slowloris: 200 connections sending their request head one byte a second, then 20 scrapes, and
-  the server's thread count meanwhile;
+* 1,000 idle connections held open, then 20 scrapes one after another, and how many of the 1,000
+  the server still holds 15 s later;
+* slowloris: 200 connections sending their request head one byte a second, then 20 scrapes, the
+  server's thread count meanwhile, and how many it still holds 15 s later;
 * one idle client inside the TLS handshake (connected, silent), then 5 HTTPS scrapes;
 * SIGTERM latency with those clients still connected;
 * peak RSS and thread count over the whole run.
@@ -57,6 +58,7 @@ REQUEST = (
 )
 TIMEOUT = 10.0
 NOFILE = 1024  # systemd's default soft and hard limit for a service
+HELD_FOR = 15.0  # hostile connections are counted again after this long: did the server close them?
 
 
 # -- the candidates, each serving the exporter's app in its own process ------------------------
@@ -300,6 +302,19 @@ class Held:
                     sock.send(head[i : i + 1])
             i += 1
 
+    def still_open(self) -> int:
+        """How many the server has not closed (a closed one reads EOF or an error)."""
+        count = 0
+        for sock in self.socks:
+            sock.setblocking(False)
+            try:
+                count += sock.recv(1, socket.MSG_PEEK) != b""
+            except BlockingIOError:
+                count += 1
+            except OSError:
+                pass
+        return count
+
     def close(self) -> None:
         self._stop.set()
         for sock in self.socks:
@@ -314,8 +329,10 @@ class Result:
     name: str
     load: dict[int, list[float | None]] = field(default_factory=dict)
     idle: list[float | None] = field(default_factory=list)
+    idle_open_after: int = 0  # of the 1000 idle connections, still open after HELD_FOR s
     slowloris: list[float | None] = field(default_factory=list)
     slowloris_threads: int = 0
+    slowloris_open_after: int = 0
     tls_idle: list[float | None] | None = None
     sigterm_seconds: float | None = None
     rss_mb: float = 0.0
@@ -409,13 +426,19 @@ def measure(name: str, seconds: float, tls: tuple[str, str], workdir: Path) -> R
         for clients in (20, 50):
             result.load[clients] = scrapers(proc.port, clients, seconds)
         held = Held(proc.port, 1000)
+        opened = time.monotonic()
         time.sleep(0.5)
         result.idle = sequential(proc.port, 20)
+        time.sleep(max(0.0, opened + HELD_FOR - time.monotonic()))
+        result.idle_open_after = held.still_open()
         held.close()
         slow = Held(proc.port, 200, trickle=True)
+        opened = time.monotonic()
         time.sleep(2.5)
         result.slowloris = sequential(proc.port, 20)
         result.slowloris_threads = proc.stats()[1]
+        time.sleep(max(0.0, opened + HELD_FOR - time.monotonic()))
+        result.slowloris_open_after = slow.still_open()
         slow.close()
     finally:
         result.rss_mb, result.threads = proc.rss_mb, proc.threads
@@ -479,9 +502,13 @@ def report(results: list[Result], seconds: float, out: Any = None) -> None:
         if r.tls_idle is None:
             sigterm = "n/a"
         print(f"{r.name}:")
-        print(f"  1000 idle connections:      {_summary(r.idle)}")
         print(
-            f"  200 slowloris clients:      {_summary(r.slowloris)}; {r.slowloris_threads} threads"
+            f"  1000 idle connections:      {_summary(r.idle)}; "
+            f"{r.idle_open_after} still open after {HELD_FOR:g} s"
+        )
+        print(
+            f"  200 slowloris clients:      {_summary(r.slowloris)}; {r.slowloris_threads} "
+            f"threads; {r.slowloris_open_after} still open after {HELD_FOR:g} s"
         )
         print(f"  1 idle client in TLS hello: {tls}")
         print(f"  SIGTERM to exit (TLS idle): {sigterm}")
