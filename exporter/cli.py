@@ -7,6 +7,7 @@ default subcommand so `model-load-exporter --config.file=...` works like every o
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -15,7 +16,14 @@ from exporter import __version__, demo, simulate
 from exporter.logsetup import LEVELS
 from exporter.serve import run_serve
 
-SUBCOMMANDS = ("serve", "simulate", "demo")
+# Operator commands, imported only when chosen: `serve` must not pay for (or import) rich.
+CLIENT_COMMANDS = {
+    "wait": ("exporter.wait", "block until a target is ready (0), failed (1) or timed out (124)"),
+    "status": ("exporter.status", "one table of every target of a running exporter"),
+    "prewarm": ("exporter.prewarm", "pull weight files into the page cache (or --evict them)"),
+    "history": ("exporter.history_cmd", "past loads from a running exporter or its SQLite file"),
+}
+SUBCOMMANDS = ("serve", "simulate", "demo", *CLIENT_COMMANDS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +84,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), default="logfmt")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="model-load-exporter",
         description="Prometheus exporter for large-model server loads.",
@@ -93,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         add(p)
         p.set_defaults(func=run)
+    for name, (module_name, help_text) in CLIENT_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
     return parser
 
 
@@ -102,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args_list[0] not in SUBCOMMANDS and args_list[0] not in ("-h", "--help", "--version")
     ):
         args_list.insert(0, "serve")
-    args = build_parser().parse_args(args_list)
+    args = build_parser(args_list[0]).parse_args(args_list)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

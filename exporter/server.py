@@ -20,7 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from exporter import __version__
+from exporter import livepage
 from exporter.app import Exporter, Snapshot
 from exporter.collector import ExporterCollector
 from exporter.tracker import LoadRecord
@@ -29,18 +29,6 @@ from exporter.webconfig import WebConfig
 log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
-
-LANDING = """<!doctype html>
-<html><head><title>model-load-exporter</title></head>
-<body><h1>model-load-exporter {version}</h1>
-<p>What each model server on this host is doing while it loads.</p>
-<ul>
-<li><a href="/metrics">/metrics</a>: Prometheus metrics</li>
-<li><a href="/api/v1/status">/api/v1/status</a>: per target phase, progress, ETA, stall</li>
-<li><a href="/api/v1/loads">/api/v1/loads</a>: history of finished loads</li>
-<li><a href="/-/healthy">/-/healthy</a>, <a href="/-/ready">/-/ready</a></li>
-</ul></body></html>
-"""
 
 
 def _json_default(value: object) -> object:
@@ -55,6 +43,31 @@ def record_json(record: LoadRecord) -> dict[str, Any]:
     data = dataclasses.asdict(record)
     data["duration_seconds"] = record.duration_seconds
     return data
+
+
+def _operator_view(snap: Snapshot, name: str) -> dict[str, Any]:
+    """What `status`, `wait` and the live page show beside the state: GPU memory the target holds
+    per device, and what history expects of a load at each cache temperature."""
+    gpu = snap.value("nvml")
+    devices = {d.index: d for d in getattr(gpu, "devices", ())}
+    gpu_memory = []
+    for index, used in sorted(snap.process_gpu_bytes.get(name, {}).items()):
+        device = devices.get(index)
+        gpu_memory.append(
+            {
+                "gpu": index,
+                "name": device.name if device else None,
+                "used_bytes": used,
+                "total_bytes": device.memory_total_bytes if device else None,
+            }
+        )
+    return {
+        "gpu_memory": gpu_memory,
+        "expected_duration_seconds": {
+            cache: seconds for (t, cache), seconds in snap.expected_durations.items() if t == name
+        },
+        "last_duration_seconds": snap.last_durations.get(name),
+    }
 
 
 def status_json(snap: Snapshot) -> dict[str, Any]:
@@ -93,6 +106,7 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 "last_full_pass_cpu_seconds": value.pass_cpu_seconds,
                 "reason": value.reason,
             }
+        entry.update(_operator_view(snap, name))
         disk = snap.value("disk")
         if disk is not None:
             entry["block_devices"] = list(getattr(disk, "devices_by_target", {}).get(name, ()))
@@ -112,6 +126,7 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
     return {
         "time": snap.time,
         "version": snap.build["version"],
+        "sample_interval_seconds": snap.config.sample_interval,
         "targets": targets,
         "host_sources": host,
         "history": {"enabled": snap.history_enabled, "problem": snap.history_problem},
@@ -142,8 +157,8 @@ class ExporterApp:
         if path == "/metrics":
             return self._metrics(environ, start_response)
         if path == "/":
-            body = LANDING.format(version=__version__).encode()
-            return self._reply(start_response, "200 OK", body, "text/html; charset=utf-8")
+            body, headers = livepage.page()
+            return self._reply(start_response, "200 OK", body, livepage.CONTENT_TYPE, headers)
         if path == "/-/healthy":
             return self._reply(start_response, "200 OK", b"Healthy\n", "text/plain")
         if path == "/-/ready":
