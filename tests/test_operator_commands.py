@@ -9,8 +9,10 @@ import pty
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -302,3 +304,59 @@ def test_serve_does_not_import_the_client_commands() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+class ScriptedExporter:
+    """An HTTP server answering /api/v1/status from a script over time: the one race a real
+    exporter cannot be made to show on demand (asked just before it saw a restart)."""
+
+    def __init__(self, script: Any) -> None:
+        self.began = time.time()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = json.dumps(script(time.time() - outer.began, outer.began)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def restart(elapsed: float, began: float) -> dict[str, Any]:
+    """The previous run's ready for 0.6 s (the exporter has not seen the restart), then the new
+    load: starting until 1.2 s, ready after that."""
+    state: dict[str, Any] = {"target": "sim", "phase": "ready", "in_progress": False}
+    old = {"started_at": began - 100.0, "ended_at": began - 40.0, "outcome": "ready"}
+    state["last_record"] = old
+    if elapsed >= 0.6:
+        state.update(phase="starting", in_progress=True, elapsed_seconds=elapsed - 0.6)
+    if elapsed >= 1.2:
+        new = {"started_at": began + 0.6, "ended_at": began + 1.2, "outcome": "ready"}
+        state.update(phase="ready", in_progress=False, last_record=new)
+    return {"time": began + elapsed, "sample_interval_seconds": 1.0, "targets": [state]}
+
+
+def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
+    server = ScriptedExporter(restart)
+    try:
+        result = cli("wait", "--exporter", server.url, "--target", "sim", timeout=10)
+    finally:
+        server.close()
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "sim: ready after 1m00s"  # shown, but not taken as the answer
+    assert lines[1].startswith("sim: starting")
+    assert re.fullmatch(r"sim: ready after 0\.6s; waited \d+\.\ds", lines[2]), lines
