@@ -109,7 +109,7 @@ def test_status_landing_health_and_ready(start_exporter: Any, model_server: Mode
     assert entry["target"] == "m" and entry["phase"] == "ready"
     assert entry["sources"]["endpoint"]["up"] is True
     landing = requests.get(running.url + "/", timeout=5)
-    assert landing.status_code == 200 and 'href="/metrics"' in landing.text
+    assert landing.status_code == 200 and 'href="metrics"' in landing.text
     assert requests.get(running.url + "/-/healthy", timeout=5).status_code == 200
     assert requests.get(running.url + "/-/ready", timeout=5).status_code == 200
     assert requests.get(running.url + "/api/v1/loads", timeout=5).json() == {"loads": []}
