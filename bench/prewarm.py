@@ -135,6 +135,16 @@ def main() -> int:
     return 0
 
 
+def startup_seconds(argv: list[str], reps: int = 5) -> float:
+    """Median wall time of a command that does no I/O (`--help`): the interpreter and imports."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def report(tools: list[Tool], size: int, rounds: int) -> None:
     medians = {t.name: statistics.median(t.walls) for t in tools}
     baseline = min(medians["vmtouch -t"], medians["cat > /dev/null"])
@@ -151,6 +161,8 @@ def report(tools: list[Tool], size: int, rounds: int) -> None:
     print(
         f"target: {tools[0].name} at least as fast as the faster of vmtouch -t and cat: {verdict}"
     )
+    startup = startup_seconds([sys.executable, "-m", "exporter", "prewarm", "--help"])
+    print(f"of each prewarm time, {startup:.2f}s is Python start-up and imports (prewarm --help)")
 
 
 if __name__ == "__main__":

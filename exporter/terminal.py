@@ -12,13 +12,15 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from exporter.client import LoadView, TargetView
+if TYPE_CHECKING:  # only their attributes are read here; prewarm need not import requests
+    from exporter.client import LoadView, TargetView
 
 PHASE_STYLES = {
     "ready": "bold green",

@@ -160,8 +160,8 @@ def scene(tmp_path: Path) -> Iterator[tuple[RunningExporter, FakeNvml, Path, int
 def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> None:
     running, nvml, weights, port = scene
     evict_dir(weights)
-    rates = ("--read-rate", "32MB/s", "--cached-read-rate", "32MB/s", "--init-seconds", "1.5")
-    first = Simulator(tmp_path, weights, port, *rates)  # history for "expected" and recent loads
+    fast = ("--read-rate", "64MB/s", "--init-seconds", "1.5")
+    first = Simulator(tmp_path, weights, port, *fast)  # history for "expected" and recent loads
     first.result()
     first.stop()
     evict_dir(weights)
@@ -170,7 +170,9 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
     page.goto(running.url + "/")
     watch.until(lambda s: s["phase"] == "down" and len(s["recent"]) == 2)
 
-    sim = Simulator(tmp_path, weights, port, *rates, "--stall-at", "0.6", "--stall-for", "3s")
+    # About 4 s of weights, so the page (refreshed every second) sees the bar move several times.
+    slow = ("--read-rate", "16MB/s", "--cached-read-rate", "16MB/s", "--init-seconds", "1.5")
+    sim = Simulator(tmp_path, weights, port, *slow, "--stall-at", "0.6", "--stall-for", "3s")
     feed = GpuFeed(nvml, running, sim.proc.pid)
     try:
         loading = watch.until(lambda s: s["phase"] == "loading_weights" and s["progress"] >= 30)

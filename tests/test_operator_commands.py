@@ -16,11 +16,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import bcrypt
 import pytest
 from processes import CLI, ExitClock, Exporter, Simulator, cli, evict_dir
 from support import free_port
 
 from exporter.shards import generate_shards
+from exporter.webconfig import WebConfig
 
 pytestmark = pytest.mark.system
 
@@ -360,3 +362,42 @@ def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
     assert lines[0] == "sim: ready after 1m00s"  # shown, but not taken as the answer
     assert lines[1].startswith("sim: starting")
     assert re.fullmatch(r"sim: ready after 0\.6s; waited \d+\.\ds", lines[2]), lines
+
+
+def test_client_commands_speak_tls_and_basic_auth(
+    start_exporter: Any, model_server: Any, tmp_path: Path
+) -> None:
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    web = WebConfig(
+        cert_file=str(cert),
+        key_file=str(key),
+        basic_auth_users={"ops": bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4))},
+    )
+    running = start_exporter(
+        {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]}, web
+    )
+    url = running.url.replace("https://", "https://ops@")
+    env = {**os.environ, "MODEL_LOAD_EXPORTER_PASSWORD": "s3cret"}
+    ca = ("--exporter.ca-file", str(cert))
+    ok = cli("status", "--exporter", url, *ca, "--json", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["targets"][0]["target"] == "m"
+    ready = cli("wait", "--exporter", url, *ca, "--timeout", "20s", env=env)
+    assert ready.returncode == 0 and ready.stdout.startswith("m: "), ready.stderr
+    problems = {
+        "unset": cli("status", "--exporter", url, *ca),
+        "wrong": cli("status", "--exporter", url, *ca,
+                     env={**env, "MODEL_LOAD_EXPORTER_PASSWORD": "nope"}),
+        "untrusted": cli("status", "--exporter", url, env=env),
+    }  # fmt: skip
+    assert {k: r.returncode for k, r in problems.items()} == dict.fromkeys(problems, 2)
+    assert "names user 'ops': set $MODEL_LOAD_EXPORTER_PASSWORD" in problems["unset"].stderr
+    assert "401 Unauthorized" in problems["wrong"].stderr
+    assert "TLS certificate not trusted" in problems["untrusted"].stderr
+    assert all(r.stderr.count("\n") == 1 and "s3cret" not in r.stderr for r in problems.values())
