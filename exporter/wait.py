@@ -21,6 +21,8 @@ from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
 import requests
+from rich.console import Console
+from rich.live import Live
 
 from exporter import terminal
 from exporter.client import (
@@ -142,7 +144,6 @@ class UrlWatch:
 
     def __init__(self, config: EndpointConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.target = config.url
         self._session = requests.Session()
         self._session.trust_env = False
         self._clock = clock
@@ -275,9 +276,6 @@ class LiveOutput:
     """A terminal: a live rich display, then the outcome as one line."""
 
     def __init__(self) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
         self._console = Console()
         self._live = Live(console=self._console, refresh_per_second=8, transient=False)
         self._live.start()
