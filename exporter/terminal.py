@@ -78,7 +78,7 @@ def duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "-"
     seconds = max(0.0, seconds)
-    if seconds < 10:
+    if round(seconds, 1) < 10:
         return f"{seconds:.1f}s"
     whole = round(seconds)
     if whole < 60:
