@@ -34,8 +34,8 @@ from exporter.vocabulary import Cache
 
 log = logging.getLogger(__name__)
 
-# The temperatures history can expect a duration for (unknown loads have no comparable median).
-EXPECTED_CACHES = (Cache.COLD, Cache.WARM, Cache.MIXED)
+# Every temperature, unknown too: where residency cannot be measured all loads are unknown.
+EXPECTED_CACHES = tuple(Cache)
 
 
 @dataclass

@@ -8,10 +8,16 @@ Rules, because every number on the dashboard comes from them:
 * A load starts when a new server process (pid, start time) appears, at that process's own start
   time. Without process matching: when a ready endpoint fails 3 distinct probes in a row (start =
   the first failure), or when a never-ready endpoint answers "up but not ready" (503, timeout,
-  bad response). A load first seen more than 2 intervals + 1 s after its start, or the latter
-  endpoint-only kind, is `partial`: its start and the residency at its start were not seen.
-  A partial process load whose first fresh probe already says ready is dropped: nothing of it was
-  watched.
+  bad response). That last kind, and a process whose start time cannot be read, is `partial`:
+  its start is unknown, so it is kept in history but never observed into the histograms.
+* A process load first seen more than 2 intervals + 1 s after its start (the exporter started or
+  restarted mid-load) is `seen_late`: its duration is exact (the process's start time) and it is
+  observed like any other. Its residency at the start is rebuilt as the first pass's residency
+  less what the tree has read from storage since it started (/proc/PID/io counts from the
+  process start), and is unknown when those counters cannot be read. Phase boundaries it
+  crossed before its first tick are unknown, and the phases beside them are left out of its
+  record rather than reported as 0 s. A late load whose first fresh probe already says ready is
+  dropped: nothing of it was watched.
 * It ends `ready` on the first probe finished after the start that says ready; `failed` when the
   process is gone first (or replaced by another one). `failed` stays until the next load.
 * Weights progress is the highest ratio among the signals that may drive it, clamped to 0..1,
@@ -51,7 +57,9 @@ Rules, because every number on the dashboard comes from them:
   progress and nothing moved for `stall_after`.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
   driving signal. ETA = remaining weights / throughput + the medians history has for the phases
-  still ahead; None whenever a part has no basis.
+  still ahead, from loads of the same cache temperature; the phases after the weights do not
+  depend on the page cache, so where those loads have none, loads of any temperature give them.
+  None whenever a part has no basis.
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ QUIET_INTERVALS = 5
 RATE_WINDOW_SECONDS = 10.0
 RATE_MIN_INTERVALS = 3
 MOVE_BYTES = 1 << 20
+# Phases whose length does not depend on the page cache: ETAs may take them from any load.
+CACHE_INDEPENDENT = (Phase.INITIALIZING,)
 
 _STORAGE = ("page_cache", "process_reads", "disk_reads")
 _WHOLE = ("gpu_memory", "process_read_chars")
@@ -115,11 +125,12 @@ class LoadRecord:
     ended_at: float
     outcome: Outcome
     cache: Cache | None  # None when residency at the start is unknown
-    partial: bool  # start not observed: kept out of histograms
+    partial: bool  # start not known (no process matching): kept out of histograms
     phase_seconds: Mapping[str, float]  # the in-progress phases the load went through
     weights_bytes: int | None
     bytes_read: int | None  # storage bytes the process tree read during the load
     gpu_bytes_at_weights_end: int | None  # the GPU size to expect next time
+    seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
 
     @property
     def duration_seconds(self) -> float:
@@ -143,6 +154,7 @@ class TargetState:
     stalled: bool
     cache: Cache | None
     partial: bool
+    seen_late: bool
     progress_source: str | None  # the signal that last drove progress (PROGRESS_SOURCES)
     signals: Mapping[str, float | int | None]  # the raw evidence, for /api/v1/status
     last_record: LoadRecord | None
@@ -151,7 +163,9 @@ class TargetState:
 class Expectations(Protocol):
     """What history expects of a target's next load (implemented by history.HistoryStore)."""
 
-    def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]: ...
+    def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]:
+        """Median seconds per phase of recent good loads of this cache temperature (None: any)."""
+        ...
 
     def expected_weights_gpu_bytes(self, target: str) -> int | None: ...
 
@@ -171,7 +185,9 @@ class _Load:
     """Mutable bookkeeping of the current (or last) load."""
 
     started_at: float
+    seen_at: float  # the first tick of this load
     partial: bool
+    seen_late: bool
     seen_failing: bool
     expected_gpu: int | None
     disk_base: int | None
@@ -179,6 +195,9 @@ class _Load:
     last_move: float
     weights_began: float | None = None
     weights_ended: float | None = None
+    # Whether those boundaries were watched; a load seen late may have crossed them before.
+    weights_began_seen: bool = False
+    weights_ended_seen: bool = False
     progress: float | None = None
     source: str | None = None
     basis: float | None = None
@@ -268,6 +287,7 @@ class Tracker:
                 stalled=False,
                 cache=load.cache if load else None,
                 partial=load.partial if load else False,
+                seen_late=load.seen_late if load else False,
                 progress_source=load.source if load and phase is Phase.FAILED else None,
                 signals=self._signals(load),
                 last_record=self._last_record,
@@ -294,6 +314,7 @@ class Tracker:
             stalled=since >= self.stall_after,
             cache=load.cache,
             partial=load.partial,
+            seen_late=load.seen_late,
             progress_source=load.source,
             signals=self._signals(load),
             last_record=self._last_record,
@@ -336,7 +357,7 @@ class Tracker:
         self._proc_key = key
         late = obs.time - start > START_GRACE_INTERVALS * self.interval + START_GRACE_SECONDS
         unknown_age = obs.process_start_time is None and self._last_obs is None
-        self._begin(obs, start, partial=late or unknown_age, seen_failing=False)
+        self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
 
     def _track_endpoint(self, obs: Observation, probe: _Probe | None) -> None:
@@ -355,40 +376,51 @@ class Tracker:
         elif probe.result in _UP_NOT_READY:
             self._begin(obs, probe.time, partial=True, seen_failing=True)
 
-    def _begin(self, obs: Observation, start: float, partial: bool, seen_failing: bool) -> None:
+    def _begin(
+        self,
+        obs: Observation,
+        start: float,
+        partial: bool,
+        seen_failing: bool,
+        seen_late: bool = False,
+    ) -> None:
         expected_gpu = (
             self.expectations.expected_weights_gpu_bytes(self.target) if self.expectations else None
         )
+        unseen = partial or seen_late
         self._load = _Load(
             started_at=start,
+            seen_at=obs.time,
             partial=partial,
+            seen_late=seen_late,
             seen_failing=seen_failing,
             expected_gpu=expected_gpu,
             disk_base=_value_at([*self._recent, obs], start),
-            # A partial load's GPU memory already holds weights: count all of it.
-            gpu_base=0 if partial else None,
-            last_move=obs.time if partial else start,
+            # A load seen late already holds weights on its GPUs: count all of it.
+            gpu_base=0 if unseen else None,
+            last_move=obs.time if unseen else start,
             last_rise=start,
             flat_time=start,
         )
         self._phase = Phase.STARTING
 
     def _finish(self, load: _Load, at: float, outcome: Outcome) -> LoadRecord | None:
-        if outcome is Outcome.READY and load.partial and not load.seen_failing:
+        if outcome is Outcome.READY and (load.partial or load.seen_late) and not load.seen_failing:
             # Ready at the first chance to ask: the exporter watched no load at all.
             self._load = None
             self._phase = Phase.READY
             return None
+        # (phase, its start, whether that start was watched); the load's start always is.
         marks = [
-            (name, mark)
-            for name, mark in (
-                (Phase.STARTING, load.started_at),
-                (Phase.LOADING_WEIGHTS, load.weights_began),
-                (Phase.INITIALIZING, load.weights_ended),
+            (name, mark, seen)
+            for name, mark, seen in (
+                (Phase.STARTING, load.started_at, True),
+                (Phase.LOADING_WEIGHTS, load.weights_began, load.weights_began_seen),
+                (Phase.INITIALIZING, load.weights_ended, load.weights_ended_seen),
             )
             if mark is not None
         ]
-        ends = [mark for _, mark in marks[1:]] + [at]
+        ends = [(mark, seen) for _, mark, seen in marks[1:]] + [(at, True)]
         record = LoadRecord(
             target=self.target,
             started_at=load.started_at,
@@ -396,12 +428,17 @@ class Tracker:
             outcome=outcome,
             cache=load.cache,
             partial=load.partial,
+            seen_late=load.seen_late,
+            # A boundary the exporter was not there to see is unknown, and so are both phases
+            # beside it: left out rather than reported as 0 s.
             phase_seconds={
-                name: max(0.0, end - mark) for (name, mark), end in zip(marks, ends, strict=True)
+                name: max(0.0, end - mark)
+                for (name, mark, seen), (end, end_seen) in zip(marks, ends, strict=True)
+                if seen and end_seen
             },
             weights_bytes=load.weights_bytes,
             bytes_read=load.bytes_read,
-            gpu_bytes_at_weights_end=load.gpu_at_weights_end,
+            gpu_bytes_at_weights_end=load.gpu_at_weights_end if load.weights_ended_seen else None,
         )
         self._phase = Phase(outcome)
         self._last_record = record
@@ -447,16 +484,22 @@ class Tracker:
         load.gpu_prev = obs.process_gpu_bytes
 
     def _note_residency(self, load: _Load, obs: Observation) -> None:
-        """Cache temperature and the storage baseline come from the first pass after the start."""
+        """Cache temperature and the storage baseline come from the first pass after the start.
+
+        The pass lands up to a couple of intervals after the start (or, for a load first seen
+        mid-way, long after it). What the tree has read from storage since it started was not
+        cached at the start, so it is taken back out: otherwise the first second of a cold load
+        at 240 MB/s would already read as "mixed", and a cold load seen half-way as "mixed" too.
+        A load seen late whose tree's storage reads are unknown keeps an unknown temperature.
+        """
         if load.resident_start is not None or load.partial or obs.resident_bytes is None:
             return
         measured = obs.resident_measured_at if obs.resident_measured_at is not None else obs.time
         if measured < load.started_at:
             return
-        # The pass lands up to a couple of intervals after the start. What the tree has read from
-        # storage since it started was not cached at the start, so take it back out: otherwise
-        # the first second of a cold load at 240 MB/s would already read as "mixed".
         read_since_start = obs.process_read_bytes if obs.process_found else None
+        if load.seen_late and read_since_start is None:
+            return
         load.resident_start = max(0, obs.resident_bytes - (read_since_start or 0))
         if load.weights_bytes:
             load.cache = temperature(load.resident_start / load.weights_bytes)
@@ -533,6 +576,8 @@ class Tracker:
             return
         if self._phase is Phase.STARTING and progress >= BEGIN_RATIO:
             load.weights_began = max(load.flat_time, load.started_at)
+            # Backdated to the last flat tick: watched if that tick was.
+            load.weights_began_seen = not load.seen_late or load.weights_began >= load.seen_at
             load.rate = deque([(load.weights_began, load.flat_progress)])
             self._enter(load, Phase.LOADING_WEIGHTS, now)
         if self._phase is not Phase.LOADING_WEIGHTS:
@@ -553,6 +598,8 @@ class Tracker:
             while len(load.rate) >= 2 and load.rate[1][0] <= horizon:
                 load.rate.popleft()
             return
+        # A rise or a finish first seen on the load's first tick may have happened long before.
+        load.weights_ended_seen = not load.seen_late or load.weights_ended > load.seen_at
         self._enter(load, Phase.INITIALIZING, now)
 
     def _enter(self, load: _Load, phase: Phase, now: float) -> None:
@@ -585,13 +632,21 @@ class Tracker:
         return max(0.0, starting - (now - load.started_at)) + weights + init
 
     def _expected(self, load: _Load) -> Mapping[str, float]:
-        """History's phase medians for this load's cache, read once per load and cache value."""
-        if self.expectations is None:
+        """History's phase medians for this load's cache, read once per load and cache value.
+
+        The phases after the weights do not depend on the page cache, so where loads of this
+        temperature have none, loads of any temperature give them.
+        """
+        history = self.expectations
+        if history is None:
             return {}
         if load.cache not in load.expected:
-            load.expected[load.cache] = dict(
-                self.expectations.expected_phase_seconds(self.target, load.cache)
-            )
+            same = history.expected_phase_seconds(self.target, load.cache or Cache.UNKNOWN)
+            anywhere = history.expected_phase_seconds(self.target, None)
+            load.expected[load.cache] = {
+                **{p: anywhere[p] for p in CACHE_INDEPENDENT if p in anywhere},
+                **same,
+            }
         return load.expected[load.cache]
 
     def _signals(self, load: _Load | None) -> dict[str, float | int | None]:

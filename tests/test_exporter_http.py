@@ -152,11 +152,37 @@ def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_
     assert ok.status_code == 200 and "model_load_exporter_build_info" in ok.text
 
 
+def test_a_partial_load_is_kept_in_history_and_adds_nothing_to_metrics(
+    start_exporter: Any, model_server: ModelServer, tmp_path: Path
+) -> None:
+    """Seen loading (503) with no process to date it: its start is unknown, so no histogram."""
+    model_server.mode = "503"
+    running = start_exporter(
+        {
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [target("late", model_server.url)],
+        }
+    )
+    wait_for(lambda: running.status()["targets"][0].get("partial"))
+    model_server.mode = "ready"
+    loads = wait_for(lambda: requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"])
+    assert [(r["outcome"], r["partial"]) for r in loads] == [("ready", True)]
+    text = running.metrics()
+    assert sample_value(text, "model_load_last_duration_seconds", target="late") is not None
+    assert "model_load_duration_seconds_count" not in text
+    assert "model_load_phase_duration_seconds_count" not in text
+
+
 @pytest.mark.system
 def test_real_prometheus_scrapes_the_exporter(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
-    running = start_exporter({"targets": [target("scraped", model_server.url)]})
+    running = start_exporter(
+        {
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [target("scraped", model_server.url)],
+        }
+    )
     prom_port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -179,11 +205,11 @@ def test_real_prometheus_scrapes_the_exporter(
     )  # fmt: skip
     try:
 
-        def query() -> list[dict[str, Any]] | None:
+        def query(promql: str) -> list[dict[str, Any]] | None:
             try:
                 response = requests.get(
                     f"http://127.0.0.1:{prom_port}/api/v1/query",
-                    params={"query": 'model_load_endpoint_up{target="scraped"}'},
+                    params={"query": promql},
                     timeout=5,
                 )
             except requests.ConnectionError:
@@ -191,9 +217,30 @@ def test_real_prometheus_scrapes_the_exporter(
             result: list[dict[str, Any]] = response.json()["data"]["result"]
             return result or None
 
-        result = wait_for(query, timeout=60, interval=0.5)
+        result = wait_for(lambda: query('model_load_endpoint_up{target="scraped"}'), 60, 0.5)
         assert result[0]["metric"]["job"] == "model-load"
         assert result[0]["value"][1] == "1"
+
+        # A load: the ready endpoint fails three probes, then answers again.
+        model_server.mode = "503"
+        wait_for(lambda: query('model_load_in_progress{target="scraped"} == 1'), 30, 0.2)
+        model_server.mode = "ready"
+        count = 'model_load_duration_seconds_count{target="scraped",outcome="ready"}'
+        wait_for(lambda: query(f"{count} == 1"), 30, 0.5)
+        [load] = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+        assert 0 < load["duration_seconds"] <= 5 and not load["partial"]
+        buckets = query('model_load_duration_seconds_bucket{target="scraped"}')
+        assert buckets is not None
+        by_le = {b["metric"]["le"]: float(b["value"][1]) for b in buckets}
+        assert by_le["5.0"] == by_le["+Inf"] == 1 and len(by_le) == 21
+        [median] = query(
+            "histogram_quantile(0.5, sum by (le) "
+            '(model_load_duration_seconds_bucket{target="scraped"}))'
+        ) or [None]
+        assert median is not None and 0 < float(median["value"][1]) <= 5
+        [total] = query('model_load_duration_seconds_sum{target="scraped"}') or [None]
+        assert total is not None
+        assert float(total["value"][1]) == pytest.approx(load["duration_seconds"])
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)

@@ -58,6 +58,7 @@ def state(target: str, phase: Phase, **fields: Any) -> TargetState:
         "stalled": False,
         "cache": None,
         "partial": False,
+        "seen_late": False,
         "progress_source": None,
         "signals": {},
         "last_record": None,
@@ -243,3 +244,30 @@ def test_every_exposed_name_is_in_the_readme_catalog() -> None:
 def test_every_exposed_name_is_in_the_design_catalog() -> None:
     missing = exposed_names() - catalog_names(DESIGN.read_text())
     assert not missing, f"not in DESIGN.md's metric catalog: {sorted(missing)}"
+
+
+def test_histogram_buckets_are_cumulative_and_upper_bounds_inclusive() -> None:
+    """Observed 5.0, 5.0001, 7200 and 8000 s: `le` includes its bound, +Inf holds all four."""
+    families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
+    buckets = {
+        s.labels["le"]: s.value
+        for s in families["model_load_duration_seconds"].samples
+        if s.name.endswith("_bucket") and s.labels["target"] == "qwen"
+    }
+    expected = {"5.0": 1, "10.0": 2, "5400.0": 2, "7200.0": 3, "+Inf": 4}
+    assert {le: buckets[le] for le in expected} == expected
+    assert list(buckets.values()) == sorted(buckets.values())
+    assert len(buckets) == 21  # the 20 bounds of DESIGN, then +Inf
+    count = sample_of(families, "model_load_duration_seconds_count", target="qwen")
+    total = sample_of(families, "model_load_duration_seconds_sum", target="qwen")
+    assert (count, total) == (4, 5.0 + 5.0001 + 7200.0 + 8000.0)
+
+
+def sample_of(families: dict[str, Any], name: str, **labels: str) -> float:
+    family = families[name.removesuffix("_count").removesuffix("_sum")]
+    [value] = [
+        s.value
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    return float(value)
