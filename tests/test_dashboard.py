@@ -164,3 +164,13 @@ def test_every_alert_is_tested_firing_and_quiet() -> None:
     for name, rule in alerts.items():
         assert "for" in rule and rule["labels"]["severity"] in ("critical", "warning"), name
         assert {"summary", "description", "runbook"} <= set(rule["annotations"]), name
+
+
+def test_readme_lists_every_panel_and_alert() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Dashboard and alerts", 1)[1].split("\n## ", 1)[0]
+    titles = [p["title"] for p in committed()["panels"] if p["type"] != "row"]
+    rules = yaml.safe_load(RULES.read_text())
+    names = [r.get("alert") or r["record"] for g in rules["groups"] for r in g["rules"]]
+    missing = [name for name in titles + names if name not in section]
+    assert not missing, f"README's 'Dashboard and alerts' does not mention {missing}"
