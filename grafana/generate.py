@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import metadata
@@ -48,6 +48,8 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from exporter.vocabulary import Cache, Phase
+
 OUTPUT = Path(__file__).resolve().parent / "dashboards" / "model-load.json"
 DS_INPUT = "DS_PROMETHEUS"
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -63,10 +65,22 @@ MODEL_INFO = (
     'label_replace(model_load_target_info{model=""}, "model", "$1", "target", "(.+)")'
     ' or model_load_target_info{model!=""})'
 )
-PHASES = ("down", "starting", "loading_weights", "initializing", "ready", "failed")
-PHASE_COLORS = ("text", "blue", "purple", "yellow", "green", "red")
-CACHES = ("cold", "warm", "mixed", "unknown")
-CACHE_COLORS = ("blue", "orange", "yellow", "text")
+PHASE_COLORS: dict[str, str] = {
+    Phase.DOWN: "text",
+    Phase.STARTING: "blue",
+    Phase.LOADING_WEIGHTS: "purple",
+    Phase.INITIALIZING: "yellow",
+    Phase.READY: "green",
+    Phase.FAILED: "red",
+}
+CACHE_COLORS: dict[str, str] = {
+    Cache.COLD: "blue",
+    Cache.WARM: "orange",
+    Cache.MIXED: "yellow",
+    Cache.UNKNOWN: "text",
+}
+READY_COLORS = {"not ready": "orange", "ready": "green"}
+STALL_COLORS = {"moving": "green", "STALLED": "red"}
 PER_TARGET = "{{target}} · {{instance}}"
 S, TABLE, HEATMAP = "s", PromQueryFormat.TABLE, PromQueryFormat.HEATMAP
 
@@ -128,8 +142,8 @@ def host(metric: str) -> str:
     return f'{metric}{{instance=~"$instance"}} {HOSTS}'
 
 
-def codes(metric: str, label: str, values: Sequence[str]) -> str:
-    """A state set as one number per target: the index of the value that is 1."""
+def codes(metric: str, label: str, values: Iterable[str]) -> str:
+    """A state set as one number per target: the index of the value that is 1 (see `mapping`)."""
     states = []
     for code, value in enumerate(values):
         selector = t(metric, f'{label}="{value}"')
@@ -142,11 +156,10 @@ def by_model(aggregation: str, expr: str) -> str:
     return f"{aggregation} by (model) ({expr} * {join})"
 
 
-def ratio(numerator: str, denominator: str, on: str = "job, instance, target") -> str:
-    return f"{numerator} / on ({on}) {denominator}"
-
-
-SHARE_CACHED = ratio(t("model_load_weights_resident_bytes"), t("model_load_weights_bytes"))
+SHARE_CACHED = (
+    f"{t('model_load_weights_resident_bytes')} / on (job, instance, target) "
+    f"{t('model_load_weights_bytes')}"
+)
 # The median of recent loads of the cache temperature the current (or last) load has.
 EXPECTED_NOW = (
     f"{t('model_load_expected_duration_seconds')} * on (job, instance, target, cache) "
@@ -154,12 +167,13 @@ EXPECTED_NOW = (
 )
 
 
-def mapping(values: Sequence[str], colors: Sequence[str]) -> list[model.ValueMapping]:
+def mapping(colors: Mapping[str, str]) -> list[model.ValueMapping]:
+    """Value i shows as the i-th name (underscores as spaces) in its color."""
     return [
         model.ValueMap(
             options={
-                str(i): model.ValueMappingResult(text=v.replace("_", " "), color=c, index=i)
-                for i, (v, c) in enumerate(zip(values, colors, strict=True))
+                str(i): model.ValueMappingResult(text=name.replace("_", " "), color=color, index=i)
+                for i, (name, color) in enumerate(colors.items())
             }
         )
     ]
@@ -279,11 +293,11 @@ def label_values(name: str, label: str, series: str) -> QueryVariable:
 def load_progress(b: Board) -> None:
     """Per target, now: where each load stands."""
     b.row("Load progress")
-    phase = codes("model_load_phase", "phase", PHASES)
+    phase = codes("model_load_phase", "phase", PHASE_COLORS)
     b.add(
         "Phase",
         big()
-        .mappings(mapping(PHASES, PHASE_COLORS))
+        .mappings(mapping(PHASE_COLORS))
         .color_mode(common.BigValueColorMode.BACKGROUND),
         6, 5,
         now(phase, PER_TARGET, Moment.WATCHING),
@@ -311,7 +325,7 @@ def load_progress(b: Board) -> None:
     b.add(
         "Stalled",
         big()
-        .mappings(mapping(("moving", "STALLED"), ("green", "red")))
+        .mappings(mapping(STALL_COLORS))
         .color_mode(common.BigValueColorMode.BACKGROUND),
         4, 4,
         now(t("model_load_stalled"), PER_TARGET, Moment.WATCHING),
@@ -321,11 +335,15 @@ def load_progress(b: Board) -> None:
         now(t("model_load_seconds_since_progress"), PER_TARGET, Moment.LOADING),
     )  # fmt: skip
     b.add(
-        "Cache temperature of this load", big().mappings(mapping(CACHES, CACHE_COLORS)), 6, 4,
-        now(codes("model_load_cache_temperature", "cache", CACHES), PER_TARGET, Moment.LOADING),
+        "Cache temperature of this load", big().mappings(mapping(CACHE_COLORS)), 6, 4,
+        now(
+            codes("model_load_cache_temperature", "cache", CACHE_COLORS),
+            PER_TARGET,
+            Moment.LOADING,
+        ),
     )  # fmt: skip
     b.add(
-        "Endpoint", big().mappings(mapping(("not ready", "ready"), ("orange", "green"))), 5, 4,
+        "Endpoint", big().mappings(mapping(READY_COLORS)), 5, 4,
         now(t("model_load_endpoint_up"), PER_TARGET, Moment.WATCHING),
     )  # fmt: skip
     b.add(
@@ -352,7 +370,7 @@ def fleet(b: Board) -> None:
     )  # fmt: skip
     b.add(
         "Models ready on every host",
-        big().mappings(mapping(("not ready", "ready"), ("orange", "green"))),
+        big().mappings(mapping(READY_COLORS)),
         7, 6,
         now(by_model("min", t("model_load_phase", 'phase="ready"')), "{{model}}", Moment.WATCHING),
     )  # fmt: skip
@@ -372,13 +390,13 @@ def over_time(b: Board) -> None:
     b.add(
         "Phases",
         statetimeline.Panel()
-        .mappings(mapping(PHASES, PHASE_COLORS))
+        .mappings(mapping(PHASE_COLORS))
         .show_value(common.VisibilityMode.NEVER)
         .merge_values(True)
         .line_width(0)
         .fill_opacity(70),
         24, 7,
-        over(codes("model_load_phase", "phase", PHASES), PER_TARGET, Moment.WATCHING),
+        over(codes("model_load_phase", "phase", PHASE_COLORS), PER_TARGET, Moment.WATCHING),
     )  # fmt: skip
     b.add(
         "Weights progress and ETA", graph("percentunit", B=S, C=S), 12, 8,

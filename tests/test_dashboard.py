@@ -19,6 +19,8 @@ from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models import prometheus as prometheus_model
 from grafana_foundation_sdk.models.dashboard import Dashboard, Panel
 
+from exporter.vocabulary import Cache, Phase
+
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "grafana" / "dashboards" / "model-load.json"
 RULES = REPO / "prometheus" / "rules" / "model-load.yml"
@@ -103,6 +105,12 @@ def test_every_query_is_tagged_with_a_moment_and_honours_the_variables() -> None
     assert len(titles) == len(set(titles)), "panel titles identify queries: keep them unique"
     for title, ref_id, expr, _ in in_json:
         assert '=~"$instance"' in expr and '=~"$target"' in expr, (title, ref_id)
+
+
+def test_state_panels_know_every_phase_and_cache_temperature() -> None:
+    generator = load_generator()
+    assert list(generator.PHASE_COLORS) == list(Phase)
+    assert list(generator.CACHE_COLORS) == list(Cache)
 
 
 def test_importable_into_a_fresh_grafana() -> None:
