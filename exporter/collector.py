@@ -30,7 +30,7 @@ from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.vocabulary import Phase, ProbeResult
+from exporter.vocabulary import Cache, Phase, ProbeResult
 
 NS = "model_load"
 T = TypeVar("T")
@@ -108,6 +108,12 @@ PROCESS_GPU = _gauge(
 )
 # Per target: the load
 PHASE = _gauge("phase", "1 for the current load phase of the target.", "target", "phase")
+CACHE_TEMPERATURE = _gauge(
+    "cache_temperature",
+    "1 for the cache temperature of the current (or last) load.",
+    "target",
+    "cache",
+)
 IN_PROGRESS = _gauge("in_progress", "1 while a load is in progress.", "target")
 STARTED = _gauge("started_timestamp_seconds", "Start of the current or last load.", "target")
 ELAPSED = _gauge("elapsed_seconds", "Seconds since the current load started.", "target")
@@ -139,7 +145,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     DISK_READ, DISK_RATE, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
-    PHASE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT, WEIGHTS_ETA, ETA,
+    PHASE, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT, WEIGHTS_ETA, ETA,
     SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LOAD_DURATION, PHASE_DURATION,
 )  # fmt: skip
 
@@ -268,6 +274,10 @@ def _load(out: Scrape, view: TargetView) -> None:
         return
     for phase in Phase:
         out.add(PHASE, [name, phase], 1 if state.phase == phase else 0)
+    if state.started_at is not None:  # no temperature before a target's first load
+        temperature = state.cache or Cache.UNKNOWN
+        for cache in Cache:
+            out.add(CACHE_TEMPERATURE, [name, cache], 1 if temperature == cache else 0)
     out.add(IN_PROGRESS, [name], 1 if state.in_progress else 0)
     out.add(STARTED, [name], state.started_at)
     out.add(ELAPSED, [name], state.elapsed_seconds)
