@@ -18,8 +18,10 @@ A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a
 Event time: the line's own timestamp where the format has one, else the reference time the caller
 gives (journald's `__REALTIME_TIMESTAMP`, or when the line was read). A stamp is corrected by a
 whole number of quarter hours towards the reference (a container logging in UTC beside an exporter
-in local time) and used only within `MAX_SKEW` of it, never later than it; vLLM and Triton stamps
-carry no year, so the reference's year is taken (the previous one across New Year).
+in local time) and used only within `MAX_SKEW` of it; a whole-second stamp is refined by the
+reference within its second (journald's time is exact to the microsecond). vLLM and Triton stamps
+carry no year, so the reference's year is taken (the previous one across New Year). Event times
+never go back.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class _Prefix:
     """What a line's prefix says: its stamp (unix seconds, uncorrected) and who wrote it."""
 
     stamp: float | None
+    resolution: float  # a whole-second stamp says "some time within this second"
     who: str | None
     message: str
 
@@ -294,7 +297,7 @@ LLAMACPP = _Format(
     stamp=None,
     rules=(
         _rule(EventKind.WEIGHTS_BEGIN, "load_tensors: ", r"^(?:llm_)?load_tensors: "),
-        # Progress: one `.` per percent on a line of its own, redrawn in place as it grows.
+        # Progress: a line of dots that grows while the tensors load and ends at 100 %.
         _rule(EventKind.WEIGHTS_PROGRESS, "..", r"^(?P<dots>\.{2,100})$"),
         _rule(EventKind.WEIGHTS_END, "llama_context: constructing", r"^llama_context: constructing"),
         _rule(EventKind.WEIGHTS_END, "llama_new_context_with_model", r"^llama_new_context_with_model: "),
@@ -457,6 +460,7 @@ class MarkerParser:
         self._seq = 0
         self._line_no = 0
         self._cause: tuple[int, str] | None = None
+        self._last_at = 0.0  # event times never go back: the log is written in order
 
     @property
     def seq(self) -> int:
@@ -561,7 +565,7 @@ class MarkerParser:
             if rule.kind == _CAUSE:
                 self._cause = (self._line_no, prefix.message.strip())
                 continue
-            self._fire(EventKind(rule.kind), match, prefix, ref, events)
+            self._fire(EventKind(rule.kind), match, prefix, ref, events, partial=progress_only)
             return
 
     def _fire(
@@ -571,6 +575,7 @@ class MarkerParser:
         prefix: _Prefix,
         ref: float,
         events: list[LogEvent],
+        partial: bool = False,
     ) -> None:
         groups = match.groupdict()
         who = groups.get("who") or prefix.who
@@ -581,10 +586,10 @@ class MarkerParser:
             cycle = self._cycle = _Cycle()
             self._cause = None
         detail = prefix.message.strip()
-        at = _event_time(prefix.stamp, ref)
+        at = self._last_at = max(_event_time(prefix.stamp, prefix.resolution, ref), self._last_at)
         done = total = None
         if kind in _PROGRESS:
-            done, total = _progress(groups)
+            done, total = _progress(groups, partial)
             if done is None or total is None:
                 return
             begin = _BEGIN_OF_PROGRESS[kind]
@@ -636,6 +641,7 @@ def _fraction(progress: tuple[int, int]) -> float:
 
 def _split_prefix(spec: _Format, line: str, ref: float) -> _Prefix:
     stamp = who = None
+    resolution = 1.0
     message = line
     if spec.prefix is not None:
         m = spec.prefix.match(line)
@@ -645,11 +651,13 @@ def _split_prefix(spec: _Format, line: str, ref: float) -> _Prefix:
             who = groups.get("who")
             if spec.stamp is not None:
                 stamp = spec.stamp(m, ref)
+                fraction = groups.get("f")
+                resolution = 10.0 ** -len(fraction) if fraction else 1.0
     if spec.rank_in_message:
         r = _TGI_RANK_RE.search(message)
         if r is not None:
             who = r.group(0)
-    return _Prefix(stamp, who, message)
+    return _Prefix(stamp, resolution, who, message)
 
 
 def _rank(who: str | None) -> int | None:
@@ -662,23 +670,27 @@ def _rank(who: str | None) -> int | None:
     return None
 
 
-def _progress(groups: dict[str, str | None]) -> tuple[int | None, int | None]:
+def _progress(groups: dict[str, str | None], partial: bool) -> tuple[int | None, int | None]:
+    """(done, total) of a bar. llama.cpp prints a dot each time the load's percentage rises and
+    ends the line at 100 %: an open line's dots approximate the percentage (well for models of
+    more than 100 tensors), a finished line is 100 %."""
     dots = groups.get("dots")
     if dots is not None:
-        return len(dots), 100
+        return (min(len(dots), 99) if partial else 100), 100
     done, total = groups.get("done"), groups.get("total")
     if done is None or total is None:
         return None, None
     return int(done), int(total)
 
 
-def _event_time(stamp: float | None, ref: float) -> float:
+def _event_time(stamp: float | None, resolution: float, ref: float) -> float:
+    """The line's stamp, made as precise as the reference allows (see the module docstring)."""
     if stamp is None:
         return ref
     stamp += round((ref - stamp) / _QUARTER_HOUR) * _QUARTER_HOUR
     if abs(ref - stamp) > MAX_SKEW:
         return ref
-    return min(stamp, ref)
+    return min(max(ref, stamp), stamp + resolution)
 
 
 # --- fine steps from events ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.logmarkers import LogEvent, MarkerParser, Step, StepTimeline, clean
+from exporter.sources.logs import parse_journal_json
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
 
@@ -93,4 +94,18 @@ def replay_fixture(name: str, fmt: str = "auto", **kwargs: float) -> Replay:
     return replay((FIXTURES / name).read_text(encoding="utf-8"), fmt, **kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["FIXTURES", "Replay", "Step", "replay", "replay_fixture", "segments"]
+__all__ = ["FIXTURES", "Replay", "Step", "replay", "replay_fixture", "replay_journal", "segments"]
+
+
+def replay_journal(name: str, fmt: str = "auto") -> Replay:
+    """Feed a `journalctl -o json` export entry by entry, each at its __REALTIME_TIMESTAMP."""
+    parser = MarkerParser(fmt)
+    timeline = StepTimeline()
+    events: list[LogEvent] = []
+    for raw in (FIXTURES / name).read_bytes().splitlines():
+        entry = parse_journal_json(raw)
+        assert entry is not None and entry.realtime is not None, raw[:200]
+        new = parser.feed(entry.message, entry.realtime)
+        timeline.apply_all(new)
+        events += new
+    return Replay(events, timeline, parser)
