@@ -34,8 +34,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-MAX_SKEW = 300.0  # seconds a line's stamp may differ from its reference time and still be used
+MAX_SKEW = 120.0  # seconds a line's stamp may differ from its reference time and still be used
 _QUARTER_HOUR = 900.0
+_MAX_ZONE_OFFSET = 14 * 3600.0
 DETECT_ANNOUNCE_LINES = 2000  # lines without a recognisable one before `auto` says "unknown"
 DETECT_BACKLOG = 256  # lines kept while undecided, replayed once the format is known
 CAUSE_WINDOW = 200  # a fatal line takes the last error line seen at most this many lines before
@@ -298,7 +299,7 @@ LLAMACPP = _Format(
     rules=(
         _rule(EventKind.WEIGHTS_BEGIN, "load_tensors: ", r"^(?:llm_)?load_tensors: "),
         # Progress: a line of dots that grows while the tensors load and ends at 100 %.
-        _rule(EventKind.WEIGHTS_PROGRESS, "..", r"^(?P<dots>\.{2,100})$"),
+        _rule(EventKind.WEIGHTS_PROGRESS, "..", r"^(?P<dots>\.{2,})$"),
         _rule(EventKind.WEIGHTS_END, "llama_context: constructing", r"^llama_context: constructing"),
         _rule(EventKind.WEIGHTS_END, "llama_new_context_with_model", r"^llama_new_context_with_model: "),
         _rule(EventKind.KV_CACHE, "KV buffer size", r"^llama_kv_cache\w*:\s+\S+ KV buffer size"),
@@ -687,8 +688,9 @@ def _event_time(stamp: float | None, resolution: float, ref: float) -> float:
     """The line's stamp, made as precise as the reference allows (see the module docstring)."""
     if stamp is None:
         return ref
-    stamp += round((ref - stamp) / _QUARTER_HOUR) * _QUARTER_HOUR
-    if abs(ref - stamp) > MAX_SKEW:
+    zone = round((ref - stamp) / _QUARTER_HOUR) * _QUARTER_HOUR
+    stamp += zone
+    if abs(zone) > _MAX_ZONE_OFFSET or abs(ref - stamp) > MAX_SKEW:
         return ref
     return min(max(ref, stamp), stamp + resolution)
 

@@ -21,6 +21,7 @@ import logging
 import os
 import select
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -161,6 +162,9 @@ class _FileReader:
         except OSError as exc:
             return f"cannot open {self.path}: {exc.strerror}"
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return f"{self.path} is not a regular file"
         self._fd, self._identity = fd, (st.st_dev, st.st_ino)
         self._offset = st.st_size if self._from_end else 0
         self._from_end = False
@@ -257,9 +261,11 @@ class _JournalReader:
         unit: str,
         since: float,
         journalctl: str = "journalctl",
+        restart_after: float = JOURNAL_RESTART_SECONDS,
     ) -> None:
         self.unit = unit
         self._since = since
+        self._restart_after = restart_after
         self._journalctl = journalctl
         self._child: subprocess.Popen[bytes] | None = None
         self._cursor: str | None = None
@@ -316,7 +322,7 @@ class _JournalReader:
         path = shutil.which(self._journalctl)
         if path is None:
             self._reason = f"{self._journalctl} not found; cannot read the journal"
-            self._next_start = time.monotonic() + JOURNAL_RESTART_SECONDS
+            self._next_start = time.monotonic() + self._restart_after
             return None
         command = journalctl_command(self.unit, self._since, self._cursor, path)
         try:
@@ -329,7 +335,7 @@ class _JournalReader:
             )
         except OSError as exc:
             self._reason = f"cannot start journalctl: {exc.strerror}"
-            self._next_start = time.monotonic() + JOURNAL_RESTART_SECONDS
+            self._next_start = time.monotonic() + self._restart_after
             return None
         assert child.stdout is not None and child.stderr is not None
         for stream in (child.stdout, child.stderr):
@@ -349,7 +355,7 @@ class _JournalReader:
         words = said.decode("utf-8", "replace").strip().splitlines()
         self._reason = f"journalctl exited with {code}" + (f": {words[-1]}" if words else "")
         self._child = None
-        self._next_start = time.monotonic() + JOURNAL_RESTART_SECONDS
+        self._next_start = time.monotonic() + self._restart_after
         log.warning("journal of %s: %s", self.unit, self._reason)
 
     def fileno(self) -> int | None:
@@ -386,6 +392,7 @@ class LogSource:
         clock: Callable[[], float] = time.time,
         journalctl: str = "journalctl",
         read_budget: int = READ_BUDGET,
+        restart_after: float = JOURNAL_RESTART_SECONDS,
     ) -> None:
         self._clock = clock
         self._budget = read_budget
@@ -402,7 +409,7 @@ class LogSource:
         if config.journald_unit:
             self.source = f"journald:{config.journald_unit}"
             start = clock() if since is None else since
-            self._journal = _JournalReader(config.journald_unit, start, journalctl)
+            self._journal = _JournalReader(config.journald_unit, start, journalctl, restart_after)
         elif config.file:
             self.source = f"file:{config.file}"
             self._file = _FileReader(config.file, self._lines)
@@ -414,6 +421,11 @@ class LogSource:
         """Read what arrived since the last call (bounded), then report. Never raises for data."""
         with self._lock:
             self._poll()
+            return self._snapshot()
+
+    def report(self) -> LogSample:
+        """What has been read so far, without reading: for a sampler while `follow` runs."""
+        with self._lock:
             return self._snapshot()
 
     def poll(self) -> None:
