@@ -7,6 +7,8 @@
 2. Follower cost: a child process appends `--rate` lines/s to a file for `--seconds`; a LogSource
    samples it once a second; the CPU time of sampling (thread CPU clock) over wall time is the share
    of one core it costs, quoted beside `tail -F` following the same file (its CPU from /proc).
+   As root with journald running, the same lines through `systemd-cat` into the journal, followed by
+   unit (its `journalctl` child's CPU counted separately).
 
 Run: `.venv/bin/python bench/logparse.py [--lines N] [--rate 2000] [--seconds 20]`
 """
@@ -14,6 +16,7 @@ Run: `.venv/bin/python bench/logparse.py [--lines N] [--rate 2000] [--seconds 20
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import subprocess
@@ -64,7 +67,8 @@ def _noise(fmt: str, rng: random.Random, i: int) -> str:
 def _bar(rng: random.Random, i: int) -> str:
     """A tqdm redraw that is no marker: a download or a dataset bar, `\\r`-terminated."""
     done = i % 1000
-    return f"Downloading shards: {done // 10:3d}%|{'█' * (done // 100):10s}| {done}/1000 [00:01<00:09]\r"
+    meter = f"{done // 10:3d}%|{'█' * (done // 100):10s}| {done}/1000 [00:01<00:09]"
+    return f"Downloading shards: {meter}\r"
 
 
 def _garbage(rng: random.Random) -> str:
@@ -72,7 +76,7 @@ def _garbage(rng: random.Random) -> str:
 
 
 def build_streams(total_lines: int, seed: int = 1) -> dict[str, str]:
-    """Per format: its startup fixture repeated among noise, bars and garbage; `total_lines` in all."""
+    """Per format: its startup fixture, again now and then, among noise, bars and garbage."""
     rng = random.Random(seed)
     fixtures = {
         "sglang": "sglang-0.5-tp2.log",
@@ -113,7 +117,10 @@ def _lines(text: str) -> int:
 def parse_throughput(total_lines: int) -> None:
     streams = build_streams(total_lines)
     lines = sum(_lines(text) for text in streams.values())
-    chunks = {fmt: [text[i : i + CHUNK] for i in range(0, len(text), CHUNK)] for fmt, text in streams.items()}  # fmt: skip
+    chunks = {
+        fmt: [text[i : i + CHUNK] for i in range(0, len(text), CHUNK)]
+        for fmt, text in streams.items()
+    }
 
     started = time.process_time()
     for parts in chunks.values():
@@ -134,28 +141,26 @@ def parse_throughput(total_lines: int) -> None:
         events += len(parser.feed(tail, 0.0))
     spent = time.process_time() - started
     rate = lines / spent
-    print(
-        f"parser: {lines:,} lines ({sum(map(len, streams.values())) / 1e6:.0f} MB) in {spent:.2f} s CPU"
-    )
-    print(
-        f"  {rate:,.0f} lines/s on one core (target >= {TARGET_LINES_PER_SECOND:,}): "
-        f"{'OK' if rate >= TARGET_LINES_PER_SECOND else 'BELOW TARGET'}; {events:,} events"
-    )
-    print(f"  str.splitlines() alone: {lines / floor:,.0f} lines/s; the parser costs "
-          f"{spent / floor:.1f}x a bare split")  # fmt: skip
+    megabytes = sum(map(len, streams.values())) / 1e6
+    verdict = "OK" if rate >= TARGET_LINES_PER_SECOND else "BELOW TARGET"
+    print(f"parser: {lines:,} lines ({megabytes:.0f} MB) in {spent:.2f} s CPU, {events:,} events")
+    print(f"  {rate:,.0f} lines/s on one core (target >= {TARGET_LINES_PER_SECOND:,}): {verdict}")
+    print(f"  str.splitlines() alone: {lines / floor:,.0f} lines/s ({spent / floor:.1f}x cheaper)")
 
 
 _WRITER = r"""
 import sys, time
-rate, seconds, path = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-line = "[2026-11-30 08:13:23 TP0] Decode batch. #running-req: 12, #token: 4312, token usage: 0.05, gen throughput (token/s): 812.44, #queue-req: 0, \n"
-with open(path, "a", buffering=1) as f:
-    start = time.monotonic(); n = 0
-    while time.monotonic() - start < seconds:
-        due = int((time.monotonic() - start) * rate)
-        while n < due:
-            f.write(line); n += 1
-        time.sleep(0.01)
+rate, seconds = float(sys.argv[1]), float(sys.argv[2])
+out = open(sys.argv[3], "a", buffering=1) if len(sys.argv) > 3 else sys.stdout
+line = "[2026-11-30 08:13:23 TP0] Decode batch. #running-req: 12, #token: 4312, "
+line += "token usage: 0.05, gen throughput (token/s): 812.44, #queue-req: 0, \n"
+start = time.monotonic(); n = 0
+while time.monotonic() - start < seconds:
+    due = int((time.monotonic() - start) * rate)
+    while n < due:
+        out.write(line); n += 1
+    out.flush()
+    time.sleep(0.01)
 """
 
 
@@ -164,11 +169,38 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def follow_cost(rate: float, seconds: float) -> None:
+def _children_cpu(pid: int) -> float:
+    """CPU of `pid`'s direct children (journalctl under the LogSource)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                total += _proc_cpu(int(child))
+    return total
+
+
+def _sample_for(source: LogSource, writer: subprocess.Popen[bytes]) -> tuple[float, float, int]:
+    """Sample once a second until the writer ends; (own CPU s, wall s, lines read)."""
+    cpu, started, lines = 0.0, time.monotonic(), 0
+    while True:
+        done = writer.poll() is not None
+        time.sleep(1.0)
+        before = time.thread_time()
+        lines = source.sample().lines_total
+        cpu += time.thread_time() - before
+        if done:
+            return cpu, time.monotonic() - started, lines
+
+
+def _share(label: str, cpu: float, wall: float) -> None:
+    print(f"  {label}: {cpu * 1000:.0f} ms CPU = {100 * cpu / wall:.2f} % of one core")
+
+
+def follow_file(rate: float, seconds: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "server.log"
         path.write_text("[2026-11-30 08:13:22] server_args=ServerArgs(model_path='/m')\n")
-        source = LogSource(LogConfig(file=str(path), format="auto"))
+        source = LogSource(LogConfig(file=str(path)))
         source.sample()
         tail = subprocess.Popen(
             ["tail", "-F", "-n", "0", str(path)],
@@ -178,28 +210,37 @@ def follow_cost(rate: float, seconds: float) -> None:
         writer = subprocess.Popen(
             [sys.executable, "-c", _WRITER, str(rate), str(seconds), str(path)]
         )
-        cpu = 0.0
-        started = time.monotonic()
-        lines = 0
-        while writer.poll() is None:
-            time.sleep(1.0)
-            before = time.thread_time()
-            sample = source.sample()
-            cpu += time.thread_time() - before
-            lines = sample.lines_total
-        wall = time.monotonic() - started
-        before = time.thread_time()
-        lines = source.sample().lines_total
-        cpu += time.thread_time() - before
+        cpu, wall, lines = _sample_for(source, writer)
         tail_cpu = _proc_cpu(tail.pid)
         tail.terminate()
         tail.wait()
         source.close()
-    print(
-        f"follower: {lines:,} lines at {rate:,.0f} lines/s over {wall:.1f} s, sampled once a second"
-    )
-    print(f"  LogSource: {cpu * 1000:.0f} ms CPU = {100 * cpu / wall:.2f} % of one core")
-    print(f"  tail -F on the same file: {tail_cpu * 1000:.0f} ms CPU = {100 * tail_cpu / wall:.2f} % of one core")  # fmt: skip
+    print(f"file follower: {lines:,} lines at {rate:,.0f} lines/s over {wall:.1f} s, 1 sample/s")
+    _share("LogSource", cpu, wall)
+    _share("tail -F on the same file", tail_cpu, wall)
+
+
+def follow_journal(rate: float, seconds: float) -> None:
+    """The same through journald (root, a running journald): the LogSource plus its journalctl."""
+    if os.geteuid() != 0 or not Path("/run/systemd/journal/socket").exists():
+        print("journal follower: skipped (needs root and a running journald)")
+        return
+    tag = f"mle-bench-{os.getpid()}"
+    source = LogSource(LogConfig(journald_unit=f"{tag}.service"), since=time.time())
+    cgroup = Path("/sys/fs/cgroup/unified/system.slice") / f"{tag}.service"
+    if not Path("/sys/fs/cgroup/unified/cgroup.procs").exists():
+        cgroup = Path("/sys/fs/cgroup/system.slice") / f"{tag}.service"
+    cgroup.mkdir(parents=True)
+    source.sample()
+    script = f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t {tag} {sys.executable} -c"
+    writer = subprocess.Popen(["sh", "-c", f'{script} "$0" {rate} {seconds}', _WRITER])
+    cpu, wall, lines = _sample_for(source, writer)
+    child_cpu = _children_cpu(os.getpid())
+    source.close()
+    cgroup.rmdir()
+    print(f"journal follower: {lines:,} lines at {rate:,.0f} lines/s over {wall:.1f} s")
+    _share("LogSource", cpu, wall)
+    _share("its journalctl --follow -o json", child_cpu, wall)
 
 
 def main() -> int:
@@ -209,7 +250,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     parse_throughput(args.lines)
-    follow_cost(args.rate, args.seconds)
+    follow_file(args.rate, args.seconds)
+    follow_journal(args.rate, args.seconds)
     return 0
 
 

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 import yaml
 
 ProbeKind = Literal["completion", "health", "models", "tcp"]
-LogFormat = Literal["auto", "sglang", "vllm", "llamacpp", "tgi"]
+LogFormat = Literal["auto", "sglang", "vllm", "llamacpp", "tgi", "triton"]
 
 PROBE_KINDS: tuple[str, ...] = ("completion", "health", "models", "tcp")
-LOG_FORMATS: tuple[str, ...] = ("auto", "sglang", "vllm", "llamacpp", "tgi")
+LOG_FORMATS: tuple[str, ...] = ("auto", "sglang", "vllm", "llamacpp", "tgi", "triton")
 DEFAULT_PROBE_PATHS: Mapping[str, str] = {
     "completion": "/v1/completions",
     "health": "/health",

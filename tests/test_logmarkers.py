@@ -10,6 +10,7 @@ import time
 import pytest
 from logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
+from exporter.config import LOG_FORMATS as CONFIG_LOG_FORMATS
 from exporter.logmarkers import (
     DETECT_ANNOUNCE_LINES,
     EventKind,
@@ -303,3 +304,7 @@ def test_simulator_output_is_recognised(kind: str, crash: str | None) -> None:
     else:
         assert kinds[-1] == "fatal"
         assert f"boom in {crash}" in result.events[-1].detail
+
+
+def test_config_accepts_exactly_the_parsers_formats() -> None:
+    assert set(CONFIG_LOG_FORMATS) == {f.value for f in LogFormat}
