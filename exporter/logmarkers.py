@@ -11,7 +11,10 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   named rank that began has ended (the last one; an unprefixed line, such as a tqdm redraw, names
   none); a span that ended and begins again (a draft model's weights) fires again;
 * progress (shard k of n, CUDA graph batches) is the slowest rank's, fired only when it changes;
-* kv_cache, warmup_begin, ready and fatal fire once per load.
+* kv_cache, warmup_begin, ready and fatal fire once per load;
+* a step after the weights (KV cache, compile, CUDA graphs, warm-up, ready) while the weights are
+  still open ends them first: ranks synchronise before allocating the KV cache, and a release
+  that reworded its "weights done" line still gets its boundary (detail "implied by: ...").
 
 A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one.
 
@@ -101,6 +104,15 @@ _BEGIN_OF_PROGRESS = {
     EventKind.CUDA_GRAPH_PROGRESS: EventKind.CUDA_GRAPH_BEGIN,
 }
 _PROGRESS = frozenset(_BEGIN_OF_PROGRESS)
+_AFTER_WEIGHTS = frozenset(
+    {
+        EventKind.KV_CACHE,
+        EventKind.COMPILE_BEGIN,
+        EventKind.CUDA_GRAPH_BEGIN,
+        EventKind.WARMUP_BEGIN,
+        EventKind.READY,
+    }
+)
 _ONCE = frozenset({EventKind.KV_CACHE, EventKind.WARMUP_BEGIN, EventKind.READY, EventKind.FATAL})
 _CAUSE = "cause"  # a rule kind that records an error line for the next fatal instead of firing
 
@@ -402,6 +414,14 @@ class _Cycle:
         self.fired: set[EventKind] = set()
         self.finished = False
 
+    def close(self, begin: EventKind) -> bool:
+        """End a span still open (its end line never came); whether it was open."""
+        span = self.spans[begin]
+        if not span.open:
+            return False
+        span.open, span.ended_once = False, True
+        return True
+
     def unseen(self, begin: EventKind) -> bool:
         """Whether this span has neither begun nor ended in this load."""
         span = self.spans[begin]
@@ -596,6 +616,7 @@ class MarkerParser:
             begin = _BEGIN_OF_PROGRESS[kind]
             if cycle.unseen(begin) and cycle.merge(begin, who):
                 # A bar is the first sign of its span (vLLM's CUDA graphs, a missed begin line).
+                self._weights_in_before(begin, events, at, who, detail)
                 self._emit(events, begin, at, who, detail)
             per_rank = cycle.progress[kind]
             per_rank[who] = (done, total)
@@ -605,6 +626,7 @@ class MarkerParser:
             cycle.last_progress[kind] = (done, total)
         elif not cycle.merge(kind, who):
             return
+        self._weights_in_before(kind, events, at, who, detail)
         if kind is EventKind.FATAL:
             cycle.finished = True
             detail = self._with_cause(detail)
@@ -612,6 +634,13 @@ class MarkerParser:
             cycle.finished = True
         seconds = groups.get("seconds")
         self._emit(events, kind, at, who, detail, done, total, float(seconds) if seconds else None)
+
+    def _weights_in_before(
+        self, kind: EventKind, events: list[LogEvent], at: float, who: str | None, detail: str
+    ) -> None:
+        """Ranks synchronise before the KV cache: a later step means the weights are in."""
+        if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN):
+            self._emit(events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}")
 
     def _with_cause(self, detail: str) -> str:
         """The fatal line, and the last error line shortly before it (the traceback's end)."""

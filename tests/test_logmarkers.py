@@ -308,3 +308,23 @@ def test_simulator_output_is_recognised(kind: str, crash: str | None) -> None:
 
 def test_config_accepts_exactly_the_parsers_formats() -> None:
     assert set(CONFIG_LOG_FORMATS) == {f.value for f in LogFormat}
+
+
+def test_a_later_step_implies_the_weights_are_in() -> None:
+    """A release whose "weights done" line is not known still gets the boundary."""
+    log = [
+        "(Worker_TP0 pid=1) INFO 03-02 10:00:00 [x.py:1] Loading model from scratch...",
+        "(Worker_TP1 pid=2) INFO 03-02 10:00:00 [x.py:1] Loading model from scratch...",
+        "(Worker_TP0 pid=1) INFO 03-02 10:00:20 [x.py:1] Weights are in, said differently",
+        "(Worker_TP0 pid=1) Capturing CUDA graphs (PIECEWISE):   0%|          | 0/4 [00:00<?]",
+    ]
+    result = replay("\n".join(log), "vllm")
+    assert result.kinds == [
+        "weights_begin",
+        "weights_end",
+        "cuda_graph_begin",
+        "cuda_graph_progress",
+    ]
+    end = result.first("weights_end")
+    assert end.detail.startswith("implied by: Capturing CUDA graphs")
+    assert result.durations() == {"weights": 20.1}
