@@ -43,6 +43,7 @@ _MAX_ZONE_OFFSET = 14 * 3600.0
 DETECT_ANNOUNCE_LINES = 2000  # lines without a recognisable one before `auto` says "unknown"
 DETECT_BACKLOG = 256  # lines kept while undecided, replayed once the format is known
 CAUSE_WINDOW = 200  # a fatal line takes the last error line seen at most this many lines before
+DETAIL_MAX = 1000  # characters of a line kept in an event (status pages show them)
 
 
 class LogFormat(StrEnum):
@@ -661,6 +662,7 @@ class MarkerParser:
         seconds: float | None = None,
     ) -> None:
         self._seq += 1
+        detail = detail[:DETAIL_MAX]
         events.append(LogEvent(kind, at, _rank(who), detail, done, total, seconds, who, self._seq))
 
 

@@ -12,6 +12,7 @@ from logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
 from exporter.config import LOG_FORMATS as CONFIG_LOG_FORMATS
 from exporter.logmarkers import (
+    DETAIL_MAX,
     DETECT_ANNOUNCE_LINES,
     EventKind,
     LogFormat,
@@ -199,7 +200,8 @@ def test_garbage_binary_and_a_huge_line_do_not_crash() -> None:
             parser.feed(junk.decode("utf-8", "replace"), 1.0)
             parser.peek(junk.decode("latin-1"), 1.0)
         started = time.process_time()
-        parser.feed("Load weight begin. " + "x" * 10_000_000, 2.0)
+        for event in parser.feed("Load weight begin. " + "x" * 10_000_000, 2.0):
+            assert len(event.detail) <= DETAIL_MAX
         parser.feed("." * 10_000_000 + "\n", 2.0)
         assert time.process_time() - started < 5
 
