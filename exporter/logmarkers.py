@@ -41,7 +41,7 @@ MAX_SKEW = 120.0  # seconds a line's stamp may differ from its reference time an
 _QUARTER_HOUR = 900.0
 _MAX_ZONE_OFFSET = 14 * 3600.0
 DETECT_ANNOUNCE_LINES = 2000  # lines without a recognisable one before `auto` says "unknown"
-DETECT_BACKLOG = 256  # lines kept while undecided, replayed once the format is known
+DETECT_BACKLOG = 256  # lines kept (their first DETAIL_MAX characters) until `auto` decides
 CAUSE_WINDOW = 200  # a fatal line takes the last error line seen at most this many lines before
 DETAIL_MAX = 1000  # characters of a line kept in an event (status pages show them)
 
@@ -532,9 +532,9 @@ class MarkerParser:
                 self.format_reason = (
                     f"auto: line {self._undecided_lines} matched {fmt}'s line prefix: {shown!r}"
                 )
-                self._backlog.append((line, ref))
+                self._backlog.append((line[:DETAIL_MAX], ref))
                 return text[start:]
-            self._backlog.append((line, ref))
+            self._backlog.append((line[:DETAIL_MAX], ref))
         if self._undecided_lines >= DETECT_ANNOUNCE_LINES and not self.unknown_announced:
             self.unknown_announced = True
             self.format_reason = (
