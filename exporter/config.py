@@ -11,22 +11,20 @@ import re
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
-ProbeKind = Literal["completion", "health", "models", "tcp"]
-LogFormat = Literal["auto", "sglang", "vllm", "llamacpp", "tgi", "triton"]
+from exporter.vocabulary import LogFormat, ProbeKind
 
-PROBE_KINDS: tuple[str, ...] = ("completion", "health", "models", "tcp")
-LOG_FORMATS: tuple[str, ...] = ("auto", "sglang", "vllm", "llamacpp", "tgi", "triton")
-DEFAULT_PROBE_PATHS: Mapping[str, str] = {
-    "completion": "/v1/completions",
-    "health": "/health",
-    "models": "/v1/models",
-    "tcp": "",
+DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
+    ProbeKind.COMPLETION: "/v1/completions",
+    ProbeKind.HEALTH: "/health",
+    ProbeKind.MODELS: "/v1/models",
+    ProbeKind.TCP: "",
 }
 DEFAULT_INCLUDE: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 DEFAULT_HISTORY_PATH = "/var/lib/model-load-exporter/history.sqlite"
@@ -38,6 +36,7 @@ DEFAULT_RESIDENCY_CPU_BUDGET = 0.01
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _TARGET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+_E = TypeVar("_E", bound=StrEnum)
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -48,7 +47,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class EndpointConfig:
     url: str
-    probe: ProbeKind = "completion"
+    probe: ProbeKind = ProbeKind.COMPLETION
     path: str = "/v1/completions"
     model: str | None = None
     timeout: float = DEFAULT_PROBE_TIMEOUT
@@ -78,7 +77,7 @@ class ProcessConfig:
 class LogConfig:
     journald_unit: str | None = None
     file: str | None = None
-    format: LogFormat = "auto"
+    format: LogFormat = LogFormat.AUTO
 
 
 @dataclass(frozen=True)
@@ -160,13 +159,13 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: expected a non-empty string, got {value!r}")
         return value
 
-    def choice(self, name: str, choices: Sequence[str], default: str) -> str:
+    def choice(self, name: str, choices: type[_E], default: _E) -> _E:
         value = self.text(name, default) or default
-        if value not in choices:
+        if value not in tuple(choices):
             raise ConfigError(
                 f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
             )
-        return value
+        return choices(value)
 
     def duration(self, name: str, default: float) -> float:
         return default if not self.has(name) else parse_duration(self.data[name], self.key(name))
@@ -207,22 +206,22 @@ def expand_env(value: str, where: str, env: Mapping[str, str]) -> str:
     return _ENV_RE.sub(sub, value)
 
 
-def _check_url(url: str, where: str, probe: str) -> None:
+def _check_url(url: str, where: str, probe: ProbeKind) -> None:
     parts = urlsplit(url)
-    schemes = ("http", "https", "tcp") if probe == "tcp" else ("http", "https")
+    schemes = ("http", "https", "tcp") if probe == ProbeKind.TCP else ("http", "https")
     if parts.scheme not in schemes or not parts.hostname:
         raise ConfigError(f"{where}: expected an absolute {'/'.join(schemes)} URL, got {url!r}")
     try:
         port = parts.port
     except ValueError:
         raise ConfigError(f"{where}: invalid port in {url!r}") from None
-    if probe == "tcp" and port is None and parts.scheme == "tcp":
+    if probe == ProbeKind.TCP and port is None and parts.scheme == "tcp":
         raise ConfigError(f"{where}: a tcp probe needs a port in {url!r}")
 
 
 def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfig:
     r = _Reader(data, where, ("url", "probe", "path", "model", "timeout", "headers"))
-    probe = r.choice("probe", PROBE_KINDS, "completion")
+    probe = r.choice("probe", ProbeKind, ProbeKind.COMPLETION)
     url = r.text("url", required=True)
     assert url is not None
     _check_url(url, r.key("url"), probe)
@@ -240,7 +239,7 @@ def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfi
         headers[name] = expand_env(value, key, env)
     return EndpointConfig(
         url=url,
-        probe=probe,  # type: ignore[arg-type]
+        probe=probe,
         path=path,
         model=r.text("model"),
         timeout=r.duration("timeout", DEFAULT_PROBE_TIMEOUT),
@@ -297,7 +296,7 @@ def _log(data: object, where: str) -> LogConfig:
     return LogConfig(
         journald_unit=r.text("journald_unit"),
         file=r.text("file"),
-        format=r.choice("format", LOG_FORMATS, "auto"),  # type: ignore[arg-type]
+        format=r.choice("format", LogFormat, LogFormat.AUTO),
     )
 
 

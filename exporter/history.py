@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from exporter.tracker import LoadRecord
+from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,12 @@ class HistoryStore:
         )
         return [_record(row) for row in rows]
 
-    def expected_duration(self, target: str, cache: str | None) -> float | None:
+    def expected_duration(self, target: str, cache: Cache | None) -> float | None:
         """Median duration of the recent successful, non-partial loads of this target and cache."""
         good = self._good_loads(target, cache)
         return statistics.median(r.duration_seconds for r in good) if good else None
 
-    def expected_phase_seconds(self, target: str, cache: str | None) -> Mapping[str, float]:
+    def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]:
         """Median seconds per phase over the same loads (a skipped phase counts as 0 s)."""
         good = self._good_loads(target, cache)
         phases = sorted({phase for r in good for phase in r.phase_seconds})
@@ -144,7 +145,7 @@ class HistoryStore:
                 self._db = None
             self.enabled = False
 
-    def _good_loads(self, target: str, cache: str | None) -> list[LoadRecord]:
+    def _good_loads(self, target: str, cache: Cache | None) -> list[LoadRecord]:
         sql = (
             f"SELECT {_COLUMNS} FROM loads WHERE target = ? AND cache IS ? AND outcome = 'ready' "
             f"AND partial = 0 {_NEWEST_FIRST} LIMIT {EXPECTATION_LOADS}"
@@ -210,8 +211,8 @@ def _record(row: _Row) -> LoadRecord:
         target=target,
         started_at=float(started),
         ended_at=float(ended),
-        outcome=outcome,
-        cache=cache,
+        outcome=Outcome(outcome),
+        cache=Cache(cache) if cache is not None else None,
         partial=bool(partial),
         phase_seconds=phase_seconds,
         weights_bytes=weights,

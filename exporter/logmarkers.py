@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from exporter.vocabulary import LogFormat, Step
+
 MAX_SKEW = 120.0  # seconds a line's stamp may differ from its reference time and still be used
 _QUARTER_HOUR = 900.0
 _MAX_ZONE_OFFSET = 14 * 3600.0
@@ -44,15 +46,6 @@ DETECT_ANNOUNCE_LINES = 2000  # lines without a recognisable one before `auto` s
 DETECT_BACKLOG = 256  # lines kept (their first DETAIL_MAX characters) until `auto` decides
 CAUSE_WINDOW = 200  # a fatal line takes the last error line seen at most this many lines before
 DETAIL_MAX = 1000  # characters of a line kept in an event (status pages show them)
-
-
-class LogFormat(StrEnum):
-    AUTO = "auto"
-    SGLANG = "sglang"
-    VLLM = "vllm"
-    LLAMACPP = "llamacpp"
-    TGI = "tgi"
-    TRITON = "triton"
 
 
 class EventKind(StrEnum):
@@ -68,17 +61,6 @@ class EventKind(StrEnum):
     WARMUP_BEGIN = "warmup_begin"
     READY = "ready"
     FATAL = "fatal"
-
-
-class Step(StrEnum):
-    """The fine step a server is in, as its log says."""
-
-    WEIGHTS = "weights"
-    KV_CACHE = "kv_cache"
-    COMPILE = "compile"
-    CUDA_GRAPH = "cuda_graph"
-    WARMUP = "warmup"
-    NONE = "none"
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,6 +159,7 @@ def test_unreadable_weights_path(tmp_path: Path) -> None:
     assert str(info.value) == f"targets[0].weights.paths[0]: {secret} is not readable by this user"
 
 
+@pytest.mark.system
 def test_cli_config_check_exits_1_with_one_line(tmp_path: Path, weights: Path) -> None:
     path = write(tmp_path, _target(stall_after="soon"), weights)
     result = run_cli("--config.file", str(path), "--config.check")
@@ -169,12 +170,14 @@ def test_cli_config_check_exits_1_with_one_line(tmp_path: Path, weights: Path) -
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.system
 def test_cli_missing_config_file(tmp_path: Path) -> None:
     result = run_cli("--config.file", str(tmp_path / "nope.yaml"), "--config.check")
     assert result.returncode == 1
     assert result.stderr.strip() == f"model-load-exporter: {tmp_path / 'nope.yaml'}: no such file"
 
 
+@pytest.mark.system
 def test_cli_config_check_prints_summary(tmp_path: Path, weights: Path) -> None:
     path = write(tmp_path, GOOD, weights)
     result = run_cli("--config.file", str(path), "--config.check", env={"TEST_API_KEY": "sekret"})
@@ -184,6 +187,7 @@ def test_cli_config_check_prints_summary(tmp_path: Path, weights: Path) -> None:
     assert "sekret" not in result.stdout
 
 
+@pytest.mark.system
 def test_cli_single_target_flags_are_validated_like_the_file(weights: Path) -> None:
     ok = run_cli("--target", "t", "--endpoint", "http://127.0.0.1:1", "--weights", str(weights),
                  "--config.check")  # fmt: skip
@@ -193,6 +197,7 @@ def test_cli_single_target_flags_are_validated_like_the_file(weights: Path) -> N
     assert "targets[0].endpoint.url" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.system
 def test_cli_usage_errors_exit_2(tmp_path: Path, weights: Path) -> None:
     path = write(tmp_path, _target(), weights)
     both = run_cli("--config.file", str(path), "--target", "x", "--config.check")

@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 import requests
-from support import RunningExporter, free_port, metrics_when, sample_value, wait_for
+from helpers.support import RunningExporter, free_port, metrics_when, sample_value, wait_for
 
 from exporter.cachectl import evict, prewarm
-from exporter.shards import generate_shards
+from exporter.sim.shards import generate_shards
+
+pytestmark = pytest.mark.system  # child processes, servers
 
 SHARDS, SHARD_SIZE = 4, 16 << 20
 INTERVAL = 0.25

@@ -17,7 +17,7 @@ import bcrypt
 import pytest
 import requests
 import yaml
-from support import (
+from helpers.support import (
     ModelServer,
     RunningExporter,
     free_port,
@@ -35,6 +35,7 @@ def target(name: str, url: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "endpoint": {"url": url, "timeout": "3s", **extra}}
 
 
+@pytest.mark.system
 def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
@@ -70,7 +71,7 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
 
 def test_openmetrics_negotiation(start_exporter: Any, model_server: ModelServer) -> None:
     running = start_exporter({"targets": [target("m", model_server.url)]})
-    wait_for(lambda: running.exporter.ready)
+    wait_for(lambda: running.runtime.ready)
     response = requests.get(
         f"{running.url}/metrics",
         headers={"Accept": "application/openmetrics-text; version=1.0.0"},
@@ -88,7 +89,7 @@ def test_hung_endpoint_does_not_slow_scrapes(
     running = start_exporter(
         {"targets": [{"name": "hung", "endpoint": {"url": model_server.url, "timeout": "10s"}}]}
     )
-    wait_for(lambda: running.exporter.ready)
+    wait_for(lambda: running.runtime.ready)
     durations = []
     for _ in range(10):
         started = time.monotonic()
@@ -103,7 +104,7 @@ def test_hung_endpoint_does_not_slow_scrapes(
 
 def test_status_landing_health_and_ready(start_exporter: Any, model_server: ModelServer) -> None:
     running = start_exporter({"targets": [target("m", model_server.url)]})
-    wait_for(lambda: running.exporter.ready)
+    wait_for(lambda: running.runtime.ready)
     status = wait_for(lambda: (s := running.status())["targets"][0].get("phase") == "ready" and s)
     entry = status["targets"][0]
     assert entry["target"] == "m" and entry["phase"] == "ready"
@@ -116,6 +117,7 @@ def test_status_landing_health_and_ready(start_exporter: Any, model_server: Mode
     assert requests.get(running.url + "/nope", timeout=5).status_code == 404
 
 
+@pytest.mark.system
 def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_path: Path) -> None:
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     subprocess.run(
@@ -150,6 +152,7 @@ def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_
     assert ok.status_code == 200 and "model_load_exporter_build_info" in ok.text
 
 
+@pytest.mark.system
 def test_real_prometheus_scrapes_the_exporter(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
@@ -196,6 +199,7 @@ def test_real_prometheus_scrapes_the_exporter(
         prometheus.wait(timeout=30)
 
 
+@pytest.mark.system
 def test_exporter_process_shuts_down_on_sigterm(model_server: ModelServer) -> None:
     port = free_port()
     proc = subprocess.Popen(
@@ -220,6 +224,7 @@ def test_exporter_process_shuts_down_on_sigterm(model_server: ModelServer) -> No
         proc.kill()
 
 
+@pytest.mark.system
 def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
     port = model_server.httpd.server_address[1]
     result = subprocess.run(
@@ -231,6 +236,7 @@ def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
     assert "cannot listen on" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.system
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
 def test_unprivileged_exporter_exports_no_residency_rather_than_a_false_one(
     model_server: ModelServer,
@@ -290,6 +296,7 @@ def test_weights_without_a_block_device_are_reported_in_status(
     assert "no block device" in entry["unbacked_note"]
 
 
+@pytest.mark.system
 def test_sighup_reloads_the_config_and_a_bad_one_keeps_the_old(
     model_server: ModelServer, tmp_path: Path
 ) -> None:

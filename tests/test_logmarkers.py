@@ -8,21 +8,21 @@ import random
 import time
 
 import pytest
-from logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
+from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
-from exporter.config import LOG_FORMATS as CONFIG_LOG_FORMATS
+from exporter.config import parse_config
 from exporter.logmarkers import (
     DETAIL_MAX,
     DETECT_ANNOUNCE_LINES,
+    FORMATS,
     EventKind,
-    LogFormat,
     MarkerParser,
-    Step,
     StepTimeline,
     clean,
     detect,
 )
-from exporter.serverlog import LOG_FORMATS, LogContext
+from exporter.sim.serverlog import LOG_WRITERS, LogContext
+from exporter.vocabulary import LogFormat, Step
 
 # (fixture, detected format, event kinds in order ("kind*n" = n in a row), seconds per step).
 # Stamped logs take their durations from the stamps; llama.cpp's from 0.1 s per line.
@@ -268,14 +268,14 @@ SIMULATED_STEPS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(LOG_FORMATS))
+@pytest.mark.parametrize("kind", sorted(LOG_WRITERS))
 @pytest.mark.parametrize("crash", [None, "weights", "init"])
 def test_simulator_output_is_recognised(kind: str, crash: str | None) -> None:
     """Exactly what `simulate --log-format KIND` writes, success and each failure stage."""
     out = io.StringIO()
     clock = itertools.count(1_800_000_000, 0.25)
     ctx = LogContext("m", "/models/m", 42, "http://127.0.0.1:1", "127.0.0.1", 1, 4 << 30, 4, "ext4")
-    log = LOG_FORMATS[kind](out, ctx, clock=lambda: float(next(clock)))
+    log = LOG_WRITERS[kind](out, ctx, clock=lambda: float(next(clock)))
     log.banner()
     log.weights_begin()
     for shard in range(1, 5):
@@ -308,8 +308,13 @@ def test_simulator_output_is_recognised(kind: str, crash: str | None) -> None:
         assert f"boom in {crash}" in result.events[-1].detail
 
 
-def test_config_accepts_exactly_the_parsers_formats() -> None:
-    assert set(CONFIG_LOG_FORMATS) == {f.value for f in LogFormat}
+@pytest.mark.parametrize("fmt", list(LogFormat))
+def test_config_accepts_every_format_the_parser_knows(fmt: LogFormat) -> None:
+    target = {"name": "t", "endpoint": {"url": "http://127.0.0.1:1"}}
+    config = parse_config({"targets": [{**target, "log": {"file": "/x.log", "format": fmt.value}}]})
+    log = config.targets[0].log
+    assert log is not None and log.format is fmt
+    assert fmt is LogFormat.AUTO or fmt in FORMATS
 
 
 def test_a_later_step_implies_the_weights_are_in() -> None:

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from exporter.config import LogConfig
-from exporter.logmarkers import LogEvent, Step
-from exporter.serverlog import STEP_SHARES
+from exporter.logmarkers import LogEvent
+from exporter.sim.serverlog import STEP_SHARES
 from exporter.sources.logs import LogSample, LogSource
+from exporter.vocabulary import Step
 
 pytestmark = pytest.mark.system
 

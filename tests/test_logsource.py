@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from logreplay import FIXTURES
+from helpers.logreplay import FIXTURES
 
 from exporter.config import LogConfig
-from exporter.logmarkers import LogFormat, Step
 from exporter.sources.logs import (
     MAX_EVENTS,
     MAX_LINE,
@@ -25,6 +24,7 @@ from exporter.sources.logs import (
     new_events,
     parse_journal_json,
 )
+from exporter.vocabulary import LogFormat, Step
 
 SGLANG = (FIXTURES / "sglang-0.5-tp2.log").read_bytes()
 
@@ -258,6 +258,7 @@ sys.exit(1)
 """
 
 
+@pytest.mark.system
 def test_journal_reader_with_a_stand_in_journalctl(tmp_path: Path) -> None:
     """A real child on a real pipe; it exits after the export, so the source restarts it after
     the last cursor (asserted through the arguments it was given)."""
@@ -315,6 +316,7 @@ def test_journalctl_missing(tmp_path: Path) -> None:
     assert source.sample().events == ()
 
 
+@pytest.mark.system
 def test_follow_thread_drains_a_pipe_without_samples(tmp_path: Path) -> None:
     """`follow` reads on its own; report() only reports."""
     fake = tmp_path / "journalctl"

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from exporter.history import HistoryStore
-from exporter.tracker import IN_PROGRESS, LoadRecord, Observation, TargetState, Tracker
+from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
+from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6
 GB = 10**9

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from exporter.config import LogConfig
-from exporter.logmarkers import LogEvent, LogFormat, MarkerParser, Step, StepTimeline
+from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
+from exporter.vocabulary import LogFormat, Step
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.logmarkers import LogEvent, MarkerParser, Step, StepTimeline, clean
+from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline, clean
 from exporter.sources.logs import parse_journal_json
+from exporter.vocabulary import Step
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "logs"
 
 _LOCAL = re.compile(r"(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?")
 _UTC = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d+))?Z")
