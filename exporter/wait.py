@@ -33,8 +33,9 @@ from exporter.client import (
     client_from_args,
     find_target,
 )
-from exporter.config import PROBE_KINDS, ConfigError, EndpointConfig, parse_config, parse_duration
-from exporter.sources.endpoint import EndpointProber, ProbeResult
+from exporter.config import ConfigError, EndpointConfig, parse_config, parse_duration
+from exporter.sources.endpoint import EndpointProber
+from exporter.vocabulary import ProbeKind, ProbeResult
 
 EXIT_READY, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_MAX_WAIT = 0, 1, 2, 124, 75
 DEFAULT_TIMEOUT = "15m"
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--url", metavar="URL", help="probe this server endpoint directly instead of an exporter"
     )
     parser.add_argument(
-        "--probe", choices=PROBE_KINDS, help="readiness probe with --url (default completion)"
+        "--probe", choices=list(ProbeKind), help="readiness probe with --url (default completion)"
     )
     parser.add_argument("--model", help="model name sent by the completion probe with --url")
     parser.add_argument(

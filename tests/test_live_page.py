@@ -22,13 +22,13 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import bcrypt
 import pytest
 import requests
-from fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
-from processes import Simulator, evict_dir
-from support import RunningExporter, free_port
+from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
+from helpers.processes import Simulator, evict_dir
+from helpers.support import RunningExporter, free_port
 
 from exporter.config import parse_config
-from exporter.server import ExporterApp
-from exporter.shards import generate_shards
+from exporter.sim.shards import generate_shards
+from exporter.web import WebApp
 from exporter.webconfig import WebConfig
 
 playwright = pytest.importorskip("playwright.sync_api")
@@ -63,7 +63,8 @@ class GpuFeed:
 
     def _run(self) -> None:
         while not self.stop.wait(0.2):
-            state = self.running.exporter.snapshot().states.get("sim")
+            targets = self.running.runtime.snapshot().targets
+            state = next((t.state for t in targets if t.name == "sim"), None)
             ratio = state.progress_ratio if state and state.progress_ratio else 0.0
             for gpu in self.nvml.gpus:
                 used = GIB // 2 + int(ratio * 38 * GIB)
@@ -169,6 +170,7 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
     watch = PageWatch(page, running.url)
     page.goto(running.url + "/")
     watch.until(lambda s: s["phase"] == "down" and len(s["recent"]) == 2)
+    watch.seen.clear()  # from here on: the load under test
 
     # About 4 s of weights, so the page (refreshed every second) sees the bar move several times.
     slow = ("--read-rate", "16MB/s", "--cached-read-rate", "16MB/s", "--init-seconds", "1.5")
@@ -233,7 +235,7 @@ class _Quiet(WSGIRequestHandler):
 def test_live_page_works_behind_a_path_prefix_and_basic_auth(browser: Any, scene: Any) -> None:
     running, _, _, _ = scene
     hashed = bcrypt.hashpw(b"secret", bcrypt.gensalt(4))
-    app = ExporterApp(running.exporter, WebConfig(basic_auth_users={"ops": hashed}))
+    app = WebApp(running.runtime, WebConfig(basic_auth_users={"ops": hashed}))
     server = make_server("127.0.0.1", 0, _Prefixed(app), handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     origin = f"http://127.0.0.1:{server.server_port}"

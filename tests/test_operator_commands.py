@@ -18,10 +18,10 @@ from typing import Any
 
 import bcrypt
 import pytest
-from processes import CLI, ExitClock, Exporter, Simulator, cli, evict_dir
-from support import free_port
+from helpers.processes import CLI, ExitClock, Exporter, Simulator, cli, evict_dir
+from helpers.support import free_port
 
-from exporter.shards import generate_shards
+from exporter.sim.shards import generate_shards
 from exporter.webconfig import WebConfig
 
 pytestmark = pytest.mark.system

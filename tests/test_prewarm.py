@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers_io import MIB, read_all, write_cold_file
-from processes import CLI, cli
+from helpers.pagecache_io import MIB, read_all, write_cold_file
+from helpers.processes import CLI, cli
 
 from exporter.sources.memory import read_meminfo
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from support import free_port, wait_for
 
 from exporter.cachectl import evict
+from helpers.support import free_port, wait_for
 
 CLI = (sys.executable, "-m", "exporter")
 

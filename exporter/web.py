@@ -21,8 +21,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from exporter import livepage
-from exporter.app import Exporter, Snapshot
 from exporter.collector import ExporterCollector
+from exporter.runtime import Runtime
+from exporter.snapshot import Snapshot, TargetView
+from exporter.sources import DISK, NVML, PAGECACHE
 from exporter.tracker import LoadRecord
 from exporter.webconfig import WebConfig
 
@@ -45,13 +47,13 @@ def record_json(record: LoadRecord) -> dict[str, Any]:
     return data
 
 
-def _operator_view(snap: Snapshot, name: str) -> dict[str, Any]:
+def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
     """What `status`, `wait` and the live page show beside the state: GPU memory the target holds
     per device, and what history expects of a load at each cache temperature."""
-    gpu = snap.value("nvml")
-    devices = {d.index: d for d in getattr(gpu, "devices", ())}
+    gpu = snap.host_value(NVML)
+    devices = {d.index: d for d in gpu.devices} if gpu is not None else {}
     gpu_memory = []
-    for index, used in sorted(snap.process_gpu_bytes.get(name, {}).items()):
+    for index, used in sorted(view.gpu_memory.items()):
         device = devices.get(index)
         gpu_memory.append(
             {
@@ -64,39 +66,40 @@ def _operator_view(snap: Snapshot, name: str) -> dict[str, Any]:
     return {
         "gpu_memory": gpu_memory,
         "expected_duration_seconds": {
-            cache: seconds for (t, cache), seconds in snap.expected_durations.items() if t == name
+            str(cache): seconds
+            for (target, cache), seconds in snap.expected_durations.items()
+            if target == view.name
         },
-        "last_duration_seconds": snap.last_durations.get(name),
+        "last_duration_seconds": snap.last_durations.get(view.name),
     }
 
 
-def status_json(snap: Snapshot) -> dict[str, Any]:
+def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
+    disk = snap.host_value(DISK)
     targets = []
-    for target in snap.config.targets:
-        name = target.name
-        state = snap.states.get(name)
+    for view in snap.targets:
+        name = view.name
         sources = {
-            source: {
+            r.source: {
                 "up": r.ok,
                 "error": r.error,
                 "duration_seconds": round(r.duration_seconds, 6),
                 "age_seconds": round(snap.time - r.finished_at, 3),
             }
-            for (source, t), r in sorted(snap.readings.items())
-            if t == name
+            for r in (view.readings[source] for source in sorted(view.readings))
         }
         entry: dict[str, Any] = {
             "target": name,
-            "endpoint": target.endpoint.url,
-            "server": snap.servers.get(name, "unknown"),
+            "endpoint": view.config.endpoint.url,
+            "server": view.server,
             "sources": sources,
         }
-        if state is not None:
-            entry.update(dataclasses.asdict(state))
-        residency = snap.reading("pagecache", name)
-        if residency is not None and residency.value is not None:
-            value = residency.value
+        if view.state is not None:
+            entry.update(dataclasses.asdict(view.state))
+        pagecache = view.reading(PAGECACHE)
+        if pagecache is not None and pagecache.value is not None:
+            value = pagecache.value
             entry["residency"] = {
                 "files": value.files,
                 "total_bytes": value.total_bytes,
@@ -106,11 +109,10 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 "last_full_pass_cpu_seconds": value.pass_cpu_seconds,
                 "reason": value.reason,
             }
-        entry.update(_operator_view(snap, name))
-        disk = snap.value("disk")
+        entry.update(_operator_view(snap, view))
         if disk is not None:
-            entry["block_devices"] = list(getattr(disk, "devices_by_target", {}).get(name, ()))
-            unbacked = list(getattr(disk, "unbacked_by_target", {}).get(name, ()))
+            entry["block_devices"] = list(disk.devices_by_target.get(name, ()))
+            unbacked = list(disk.unbacked_by_target.get(name, ()))
             if unbacked:
                 entry["unbacked_weight_paths"] = unbacked
                 entry["unbacked_note"] = (
@@ -119,29 +121,28 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 )
         targets.append(entry)
     host = {
-        source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
-        for (source, t), r in sorted(snap.readings.items())
-        if not t
+        r.source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
+        for r in (snap.host[source] for source in sorted(snap.host))
     }
     return {
         "time": snap.time,
         "version": snap.build["version"],
-        "sample_interval_seconds": snap.config.sample_interval,
+        "sample_interval_seconds": sample_interval,
         "targets": targets,
         "host_sources": host,
         "history": {"enabled": snap.history_enabled, "problem": snap.history_problem},
     }
 
 
-class ExporterApp:
-    """The WSGI application."""
+class WebApp:
+    """The WSGI application over whichever runtime is current (a reload swaps it)."""
 
-    def __init__(self, exporter: Exporter, web: WebConfig | None = None) -> None:
-        self.exporter = exporter
+    def __init__(self, runtime: Runtime, web: WebConfig | None = None) -> None:
+        self.runtime = runtime
         self.web = web or WebConfig()
         registry = CollectorRegistry(auto_describe=False)
-        # Through self.exporter, not a bound method: a config reload swaps the exporter.
-        registry.register(ExporterCollector(lambda: self.exporter.snapshot()))
+        # Through self.runtime, not a bound method: a config reload swaps the runtime.
+        registry.register(ExporterCollector(lambda: self.runtime.snapshot()))
         self._metrics = make_wsgi_app(registry)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -162,13 +163,15 @@ class ExporterApp:
         if path == "/-/healthy":
             return self._reply(start_response, "200 OK", b"Healthy\n", "text/plain")
         if path == "/-/ready":
-            if self.exporter.ready:
+            if self.runtime.ready:
                 return self._reply(start_response, "200 OK", b"Ready\n", "text/plain")
             return self._reply(
                 start_response, "503 Service Unavailable", b"Not ready\n", "text/plain"
             )
         if path == "/api/v1/status":
-            return self._json(start_response, status_json(self.exporter.snapshot()))
+            snapshot = self.runtime.snapshot()
+            interval = self.runtime.config.sample_interval
+            return self._json(start_response, status_json(snapshot, interval))
         if path == "/api/v1/loads":
             query = parse_qs(environ.get("QUERY_STRING", ""))
             target = query.get("target", [None])[0]
@@ -176,14 +179,14 @@ class ExporterApp:
                 limit = max(1, min(1000, int(query.get("limit", ["100"])[0])))
             except ValueError:
                 return self._reply(start_response, "400 Bad Request", b"bad limit\n", "text/plain")
-            loads = [record_json(r) for r in self.exporter.loads(target, limit)]
+            loads = [record_json(r) for r in self.runtime.loads(target, limit)]
             return self._json(start_response, {"loads": loads})
         return self._reply(start_response, "404 Not Found", b"Not found\n", "text/plain")
 
     @staticmethod
     def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:
         body = json.dumps(data, default=_json_default, indent=2).encode()
-        return ExporterApp._reply(start_response, "200 OK", body, "application/json")
+        return WebApp._reply(start_response, "200 OK", body, "application/json")
 
     @staticmethod
     def _reply(
@@ -223,7 +226,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
 class HttpServer:
     """The exporter's listening socket and serving thread."""
 
-    def __init__(self, app: ExporterApp, address: str) -> None:
+    def __init__(self, app: WebApp, address: str) -> None:
         host, port = parse_listen_address(address)
         server_class = _IPv6ThreadingServer if ":" in host else _ThreadingServer
         self.server = make_server(
