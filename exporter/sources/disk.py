@@ -56,6 +56,13 @@ class DiskSource:
         self._reported: set[str] = set()
         self._previous: dict[str, tuple[float, int]] = {}
 
+    def watch(self, target: str, paths: Sequence[str] | None) -> None:
+        """Watch another target's weight paths, or none (thread-safe: the mapping is swapped)."""
+        watched = {t: p for t, p in self._paths_by_target.items() if t != target}
+        if paths:
+            watched[target] = tuple(paths)
+        self._paths_by_target = watched
+
     def sample(self) -> DiskSample:
         devices_by_target: dict[str, tuple[str, ...]] = {}
         unbacked_by_target: dict[str, tuple[str, ...]] = {}
