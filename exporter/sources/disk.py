@@ -129,9 +129,10 @@ def resolve_block_device(st_dev: int, sys_root: str = "/sys") -> str | None:
     number = f"{os.major(st_dev)}:{os.minor(st_dev)}"
     link = os.path.join(sys_root, "dev", "block", number)
     if not os.path.exists(link):
-        link = _class_block_link(number, sys_root)
-        if link is None:
+        found = _class_block_link(number, sys_root)
+        if found is None:
             return None
+        link = found
     device_dir = os.path.realpath(link)
     if os.path.exists(os.path.join(device_dir, "partition")):
         device_dir = os.path.dirname(device_dir)
