@@ -334,6 +334,10 @@ def test_daemonset_agrees_with_the_cli_the_service_and_the_podmonitor() -> None:
         assert c[probe]["httpGet"]["port"] == container_port["name"]
     (endpoint,) = documents(K8S / "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] == container_port["name"]
+    # The same job name as the compose stack's, which the shipped rules rely on.
+    (job,) = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())["scrape_configs"]
+    job_relabel = {"targetLabel": "job", "replacement": job["job_name"]}
+    assert job_relabel in endpoint["relabelings"]
     name, _, tag = c["image"].partition(":")
     assert (name, tag) == (IMAGE_NAME, __version__)
     # GPU nodes, host PIDs, and the weights read-only at the path the servers see them.
@@ -506,10 +510,14 @@ def test_compose_prometheus_scrapes_the_exporter_with_the_shipped_rules(
     assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
     (job,) = config["scrape_configs"]
     assert job["static_configs"] == [{"targets": [f"exporter:{default_port()}"]}]
+    assert job["job_name"] == "model-load", "the name the shipped rules watch"
+    # promtool checks the config with the rule files it will load, as mounted in the container.
+    config["rule_files"] = [str(REPO / "prometheus" / "rules" / "*.yml")]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
     done = subprocess.run(
-        ["promtool", "check", "config", "--syntax-only", str(config_path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        ["promtool", "check", "config", str(local)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
