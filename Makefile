@@ -11,6 +11,7 @@ REVISION := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # docker if its engine answers, else podman (no base image is pulled: build it or load it first).
 ENGINE ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo podman)
 ENGINE_FLAGS_podman := --format docker --isolation=chroot --pull=never
+# IMAGE_BUILD_FLAGS: anything else the build needs here, e.g. a proxy's CA mounted for pip.
 
 $(BIN)/model-load-exporter: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

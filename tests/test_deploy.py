@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -534,11 +535,18 @@ def test_compose_grafana_gets_the_provisioning_and_the_dashboard(compose: dict[s
 # --- Makefile ---------------------------------------------------------------------------------
 
 
+def make_dry_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """`make -n`, also when the tests themselves run under `make test`."""
+    return subprocess.run(
+        ["make", "--no-print-directory", "-n", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")},
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_make_image_builds_the_dockerfile_with_either_engine(engine: str) -> None:
-    done = subprocess.run(
-        ["make", "-n", "image", f"ENGINE={engine}"], cwd=REPO, capture_output=True, text=True
-    )
+    done = make_dry_run("image", f"ENGINE={engine}")
     assert done.returncode == 0, done.stderr
     words = shlex.split(done.stdout.replace("\\\n", " "))
     assert words[:2] == [engine, "build"]
@@ -550,5 +558,5 @@ def test_make_image_builds_the_dockerfile_with_either_engine(engine: str) -> Non
 
 
 def test_make_manifests_runs_the_generator() -> None:
-    done = subprocess.run(["make", "-n", "manifests"], cwd=REPO, capture_output=True, text=True)
+    done = make_dry_run("manifests")
     assert done.returncode == 0 and "scripts/gen_prometheusrule.py" in done.stdout
