@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench image manifests
+.PHONY: demo test lint bench dashboards image manifests
 
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' exporter/__init__.py)
 IMAGE ?= model-load-exporter:$(VERSION)
@@ -23,12 +23,16 @@ demo: $(BIN)/model-load-exporter
 	$(BIN)/model-load-exporter demo
 
 lint: $(BIN)/model-load-exporter
-	$(BIN)/ruff check exporter tests bench scripts
-	$(BIN)/ruff format --check exporter tests bench scripts
+	$(BIN)/ruff check exporter tests bench scripts grafana
+	$(BIN)/ruff format --check exporter tests bench scripts grafana
 	$(BIN)/mypy
 
 test: lint
 	$(BIN)/pytest -ra
+
+# Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
+dashboards: $(BIN)/model-load-exporter
+	$(BIN)/python grafana/generate.py
 
 bench: $(BIN)/model-load-exporter
 	$(BIN)/python bench/residency.py

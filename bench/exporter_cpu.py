@@ -24,12 +24,11 @@ from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from exporter.cachectl import evict
+from exporter.sim.shards import generate_shards
+from exporter.units import parse_size
 
-from exporter.cachectl import evict  # noqa: E402
-from exporter.shards import generate_shards  # noqa: E402
-from exporter.units import parse_size  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SCRAPE_EVERY = 15.0
 SHARD = 512 << 20

@@ -1,21 +1,27 @@
-"""Command line: argparse subcommands -> functions. No logic lives here.
+"""Command line: a table of subcommands, each imported only when it is the one being run.
 
 Flags follow Prometheus conventions (`--config.file`, `--web.listen-address`), and `serve` is the
 default subcommand so `model-load-exporter --config.file=...` works like every other exporter.
+Importing lazily keeps `serve` free of the simulator and of `rich`: an exporter on a GPU host
+loads only what it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
-from exporter import __version__, demo, simulate
-from exporter.logsetup import LEVELS
-from exporter.serve import run_serve
+from exporter import __version__
 
-SUBCOMMANDS = ("serve", "simulate", "demo")
+# name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("exporter.serve", "run the exporter (default)"),
+    "simulate": ("exporter.sim.simulate", "run a stand-in model server"),
+    "demo": ("exporter.sim.demo", "watch the simulator load real files"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,58 +31,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config.file", dest="config_file", metavar="PATH", help="YAML config")
-    p.add_argument(
-        "--config.check",
-        dest="config_check",
-        action="store_true",
-        help="validate the config, print a summary and exit 0/1",
-    )
-    p.add_argument(
-        "--web.listen-address",
-        dest="web_listen_address",
-        default=":9847",
-        metavar="HOST:PORT",
-        help="address to serve /metrics on (default :9847)",
-    )
-    p.add_argument(
-        "--web.config.file",
-        dest="web_config_file",
-        metavar="PATH",
-        help="TLS and basic auth, exporter-toolkit format",
-    )
-    single = p.add_argument_group("one target without a config file")
-    single.add_argument("--target", help="target name (label value)")
-    single.add_argument("--endpoint", metavar="URL", help="server base URL")
-    single.add_argument(
-        "--probe",
-        choices=("completion", "health", "models", "tcp"),
-        default="completion",
-        help="readiness probe (default completion)",
-    )
-    single.add_argument("--model", help="model name sent in the completion probe")
-    single.add_argument(
-        "--weights", action="append", metavar="PATH", help="weights file or directory (repeatable)"
-    )
-    single.add_argument("--unit", metavar="SYSTEMD_UNIT", help="find the server by systemd unit")
-    single.add_argument("--pidfile", metavar="PATH", help="find the server by pidfile")
-    single.add_argument("--cmdline", metavar="REGEX", help="find the server by command line")
-    single.add_argument(
-        "--log.source", dest="log_source", metavar="journald:UNIT|file:PATH", help="server log"
-    )
-    single.add_argument("--stall.after", dest="stall_after", metavar="DURATION", help="default 5m")
-    p.add_argument(
-        "--sample.interval", dest="sample_interval", metavar="DURATION", help="default 1s"
-    )
-    p.add_argument(
-        "--history.path", dest="history_path", metavar="PATH", help='SQLite file; "" disables'
-    )
-    p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
-    p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), default="logfmt")
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The parser with every subcommand listed and the flags of `command` alone."""
     parser = _Parser(
         prog="model-load-exporter",
         description="Prometheus exporter for large-model server loads.",
@@ -84,25 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable]] = [
-        ("serve", "run the exporter (default)", _serve_arguments, run_serve),
-        ("simulate", "run a stand-in model server", simulate.add_arguments, simulate.run),
-        ("demo", "watch the simulator load real files", demo.add_arguments, demo.run),
-    ]
-    for name, help_text, add, run in commands:
+    for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        add(p)
-        p.set_defaults(func=run)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (
-        args_list[0] not in SUBCOMMANDS and args_list[0] not in ("-h", "--help", "--version")
+        args_list[0] not in COMMANDS and args_list[0] not in ("-h", "--help", "--version")
     ):
         args_list.insert(0, "serve")
-    args = build_parser().parse_args(args_list)
+    args = build_parser(args_list[0]).parse_args(args_list)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

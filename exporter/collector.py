@@ -2,12 +2,16 @@
 
 Built fresh on every scrape from an immutable snapshot (the node_exporter / client_python custom
 collector pattern), so there are no long-lived gauges for threads to race on, and a series whose
-number could not be measured is simply not emitted.
+number could not be measured is simply not emitted. The catalog below is the whole exposition:
+every family is declared once, with its help and labels, and each source has one small function
+that fills the families it feeds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -17,251 +21,310 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from exporter.app import Snapshot
 from exporter.loadstats import LOAD_BUCKETS, HistogramCounts
+from exporter.snapshot import Snapshot, TargetView
+from exporter.sources import DISK, ENDPOINT, MEMORY, NVML, PAGECACHE, PROCESS, SourceKey
 from exporter.sources.disk import DiskSample
-from exporter.sources.endpoint import ProbeResult, ProbeSample
+from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.tracker import PHASES
+from exporter.vocabulary import Cache, Phase, ProbeResult
 
 NS = "model_load"
+T = TypeVar("T")
 
 
-def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"{NS}_{name}", doc, labels=list(labels))
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family: type, name (without the namespace), help and label names."""
+
+    family: type[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+
+    def new(self) -> Metric:
+        return self.family(f"{NS}_{self.name}", self.doc, labels=list(self.labels))
 
 
-def _histogram(
-    name: str, doc: str, labels: tuple[str, ...], data: Mapping[tuple[str, ...], HistogramCounts]
-) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(f"{NS}_{name}", doc, labels=list(labels))
-    for values, counts in sorted(data.items()):
-        buckets = [(_bound(le), c) for le, c in zip(LOAD_BUCKETS, counts.cumulative, strict=True)]
+def _gauge(name: str, doc: str, *labels: str) -> MetricSpec:
+    return MetricSpec(GaugeMetricFamily, name, doc, labels)
+
+
+def _counter(name: str, doc: str, *labels: str) -> MetricSpec:
+    return MetricSpec(CounterMetricFamily, name, doc, labels)
+
+
+def _histogram(name: str, doc: str, *labels: str) -> MetricSpec:
+    return MetricSpec(HistogramMetricFamily, name, doc, labels)
+
+
+# Exporter and sources
+BUILD_INFO = _gauge("exporter_build_info", "Build of the exporter.", "version", "python_version")
+SOURCE_UP = _gauge("source_up", "1 if the last sample of the source succeeded.", "source", "target")
+SOURCE_DURATION = _gauge(
+    "source_duration_seconds", "Duration of the last sample of the source.", "source", "target"
+)
+RELOAD_OK = _gauge("config_last_reload_successful", "1 if the last config (re)load succeeded.")
+# Host
+DISK_READ = _counter(
+    "disk_read_bytes_total", "Bytes read from block devices that back weight files.", "device"
+)
+DISK_RATE = _gauge(
+    "disk_read_bytes_per_second", "Read throughput over the last sample interval.", "device"
+)
+MEMORY_TOTAL = _gauge("host_memory_total_bytes", "MemTotal from /proc/meminfo.")
+MEMORY_AVAILABLE = _gauge("host_memory_available_bytes", "MemAvailable from /proc/meminfo.")
+PAGE_CACHE = _gauge("host_memory_page_cache_bytes", "Cached from /proc/meminfo.")
+GPU_INFO = _gauge("gpu_info", "GPU identity from NVML.", "gpu", "uuid", "name", "driver_version")
+GPU_USED = _gauge("gpu_memory_used_bytes", "GPU memory in use (NVML).", "gpu", "uuid")
+GPU_TOTAL = _gauge("gpu_memory_total_bytes", "GPU memory size (NVML).", "gpu", "uuid")
+# Per target: what the sources see
+TARGET_INFO = _gauge("target_info", "Configured target.", "target", "endpoint", "model", "server")
+WEIGHTS_BYTES = _gauge("weights_bytes", "Total size of the weight files.", "target")
+WEIGHTS_FILES = _gauge("weights_files", "Number of weight files.", "target")
+RESIDENT = _gauge(
+    "weights_resident_bytes", "Bytes of the weight files in the page cache.", "target"
+)
+FILE_RESIDENT = _gauge(
+    "weights_file_resident_bytes", "Bytes of one weight file in the page cache.", "target", "file"
+)
+ENDPOINT_UP = _gauge("endpoint_up", "1 when the last probe said ready.", "target")
+PROBE_DURATION = _gauge(
+    "endpoint_probe_duration_seconds", "Duration of the last endpoint probe.", "target"
+)
+PROBES = _counter("endpoint_probes_total", "Endpoint probes by result.", "target", "result")
+PROCESS_UP = _gauge("process_up", "1 when the server process was found.", "target")
+PROCESS_START = _gauge(
+    "process_start_time_seconds", "Unix time the server process started.", "target"
+)
+PROCESS_READ = _counter(
+    "process_read_bytes_total", "Storage bytes read by the server process tree.", "target"
+)
+PROCESS_GPU = _gauge(
+    "process_gpu_memory_bytes", "GPU memory held by the server process tree.", "target", "gpu"
+)
+# Per target: the load
+PHASE = _gauge("phase", "1 for the current load phase of the target.", "target", "phase")
+CACHE_TEMPERATURE = _gauge(
+    "cache_temperature",
+    "1 for the cache temperature of the current (or last) load.",
+    "target",
+    "cache",
+)
+IN_PROGRESS = _gauge("in_progress", "1 while a load is in progress.", "target")
+STARTED = _gauge("started_timestamp_seconds", "Start of the current or last load.", "target")
+ELAPSED = _gauge("elapsed_seconds", "Seconds since the current load started.", "target")
+PROGRESS = _gauge("weights_progress_ratio", "Share of the weights loaded, 0..1.", "target")
+THROUGHPUT = _gauge(
+    "weights_throughput_bytes_per_second", "Smoothed rate weights are arriving at.", "target"
+)
+WEIGHTS_ETA = _gauge(
+    "weights_eta_seconds", "Estimated seconds until the weights are loaded.", "target"
+)
+ETA = _gauge("eta_seconds", "Estimated seconds until the target is ready.", "target")
+SINCE_PROGRESS = _gauge(
+    "seconds_since_progress", "Seconds since any progress signal moved.", "target"
+)
+STALLED = _gauge("stalled", "1 when in progress and nothing moved for stall_after.", "target")
+EXPECTED = _gauge(
+    "expected_duration_seconds", "Median duration of recent successful loads.", "target", "cache"
+)
+LAST_DURATION = _gauge("last_duration_seconds", "Duration of the last finished load.", "target")
+LOAD_DURATION = _histogram(
+    "duration_seconds", "Duration of finished loads.", "target", "cache", "outcome"
+)
+PHASE_DURATION = _histogram(
+    "phase_duration_seconds", "Time spent in each phase of finished loads.", "target", "phase"
+)
+
+CATALOG: tuple[MetricSpec, ...] = (
+    BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK,
+    DISK_READ, DISK_RATE, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
+    TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
+    ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
+    PHASE, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT, WEIGHTS_ETA, ETA,
+    SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LOAD_DURATION, PHASE_DURATION,
+)  # fmt: skip
+
+
+class Scrape:
+    """The families of one scrape, each made on first use and yielded in catalog order."""
+
+    def __init__(self) -> None:
+        self._families: dict[MetricSpec, Metric] = {}
+
+    def _family(self, spec: MetricSpec) -> Metric:
+        if spec not in self._families:
+            self._families[spec] = spec.new()
+        return self._families[spec]
+
+    def add(self, spec: MetricSpec, labels: Sequence[str], value: float | None) -> None:
+        """One sample; a value that could not be measured (None) is left out."""
+        if value is not None:
+            self._family(spec).add_metric(list(labels), value)  # type: ignore[attr-defined]
+
+    def histogram(self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts) -> None:
+        buckets = [
+            (f"{float(le)}", c) for le, c in zip(LOAD_BUCKETS, counts.cumulative, strict=True)
+        ]
         buckets.append(("+Inf", counts.count))
-        family.add_metric(list(values), buckets, counts.sum)
-    return family
+        family = self._family(spec)
+        family.add_metric(list(labels), buckets, counts.sum)  # type: ignore[attr-defined]
+
+    def families(self) -> Iterator[Metric]:
+        for spec in CATALOG:
+            yield self._families.get(spec) or spec.new()
 
 
-def _bound(value: float) -> str:
-    return f"{float(value)}"
+# -- one function per source -------------------------------------------------------------------
+
+
+def _disk(out: Scrape, disk: DiskSample) -> None:
+    for dev in disk.devices:
+        out.add(DISK_READ, [dev.device], dev.read_bytes_total)
+        out.add(DISK_RATE, [dev.device], dev.read_bytes_per_second)
+
+
+def _memory(out: Scrape, memory: MemorySample) -> None:
+    out.add(MEMORY_TOTAL, [], memory.total_bytes)
+    out.add(MEMORY_AVAILABLE, [], memory.available_bytes)
+    out.add(PAGE_CACHE, [], memory.page_cache_bytes)
+
+
+def _nvml(out: Scrape, gpu: GpuSample) -> None:
+    for dev in gpu.devices:
+        index = str(dev.index)
+        out.add(GPU_INFO, [index, dev.uuid, dev.name, gpu.driver_version], 1)
+        out.add(GPU_USED, [index, dev.uuid], dev.memory_used_bytes)
+        out.add(GPU_TOTAL, [index, dev.uuid], dev.memory_total_bytes)
+
+
+def _endpoint(out: Scrape, target: str, probe: ProbeSample) -> None:
+    out.add(ENDPOINT_UP, [target], 1 if probe.result == ProbeResult.READY else 0)
+    out.add(PROBE_DURATION, [target], probe.duration_seconds)
+    for result in ProbeResult:
+        out.add(PROBES, [target, result], probe.totals.get(result, 0))
+
+
+def _process(out: Scrape, target: str, process: ProcessSample) -> None:
+    out.add(PROCESS_UP, [target], 1 if process.found else 0)
+    out.add(PROCESS_START, [target], process.start_time)
+    out.add(PROCESS_READ, [target], process.read_bytes)
+
+
+def _pagecache(out: Scrape, target: str, residency: ResidencySample) -> None:
+    """Size and count even when residency is unknown: they are still measured then."""
+    out.add(WEIGHTS_BYTES, [target], residency.total_bytes)
+    out.add(WEIGHTS_FILES, [target], residency.files)
+    if residency.resident_bytes is not None:
+        out.add(RESIDENT, [target], residency.resident_bytes)
+        for f in residency.per_file:
+            out.add(FILE_RESIDENT, [target, f.path], f.resident_bytes)
+
+
+HostFn = Callable[[Scrape, Snapshot], None]
+TargetFn = Callable[[Scrape, TargetView], None]
+
+
+def _host(key: SourceKey[T], fn: Callable[[Scrape, T], None]) -> HostFn:
+    def collect(out: Scrape, snap: Snapshot) -> None:
+        reading = snap.host_reading(key)
+        if reading is not None and reading.value is not None:
+            fn(out, reading.value)
+
+    return collect
+
+
+def _per_target(key: SourceKey[T], fn: Callable[[Scrape, str, T], None]) -> TargetFn:
+    def collect(out: Scrape, view: TargetView) -> None:
+        reading = view.reading(key)
+        if reading is not None and reading.value is not None:
+            fn(out, view.name, reading.value)
+
+    return collect
+
+
+# -- what is not a source: the exporter itself, the target, its load, history ------------------
+
+
+def _exporter(out: Scrape, snap: Snapshot) -> None:
+    out.add(BUILD_INFO, [snap.build["version"], snap.build["python_version"]], 1)
+    for reading in snap.readings():
+        out.add(SOURCE_UP, [reading.source, reading.target], 1 if reading.ok else 0)
+        out.add(SOURCE_DURATION, [reading.source, reading.target], reading.duration_seconds)
+    out.add(RELOAD_OK, [], 1 if snap.config_reload_successful else 0)
+
+
+def _target_info(out: Scrape, view: TargetView) -> None:
+    endpoint = view.config.endpoint
+    out.add(TARGET_INFO, [view.name, endpoint.url, endpoint.model or "", view.server], 1)
+
+
+def _gpu_memory(out: Scrape, view: TargetView) -> None:
+    for index, used in sorted(view.gpu_memory.items()):
+        out.add(PROCESS_GPU, [view.name, str(index)], used)
+
+
+def _load(out: Scrape, view: TargetView) -> None:
+    state, name = view.state, view.name
+    if state is None:
+        return
+    for phase in Phase:
+        out.add(PHASE, [name, phase], 1 if state.phase == phase else 0)
+    if state.started_at is not None:  # no temperature before a target's first load
+        temperature = state.cache or Cache.UNKNOWN
+        for cache in Cache:
+            out.add(CACHE_TEMPERATURE, [name, cache], 1 if temperature == cache else 0)
+    out.add(IN_PROGRESS, [name], 1 if state.in_progress else 0)
+    out.add(STARTED, [name], state.started_at)
+    out.add(ELAPSED, [name], state.elapsed_seconds)
+    out.add(PROGRESS, [name], state.progress_ratio)
+    out.add(THROUGHPUT, [name], state.throughput_bytes_per_second)
+    out.add(WEIGHTS_ETA, [name], state.weights_eta_seconds)
+    out.add(ETA, [name], state.eta_seconds)
+    out.add(SINCE_PROGRESS, [name], state.seconds_since_progress)
+    out.add(STALLED, [name], 1 if state.stalled else 0)
+
+
+def _history(out: Scrape, snap: Snapshot) -> None:
+    for (name, cache), seconds in sorted(snap.expected_durations.items()):
+        out.add(EXPECTED, [name, cache], seconds)
+    for name, seconds in sorted(snap.last_durations.items()):
+        out.add(LAST_DURATION, [name], seconds)
+    for labels, counts in sorted(snap.load_durations.items()):
+        out.histogram(LOAD_DURATION, labels, counts)
+    for labels, counts in sorted(snap.phase_durations.items()):
+        out.histogram(PHASE_DURATION, labels, counts)
+
+
+HOST: tuple[HostFn, ...] = (_host(DISK, _disk), _host(MEMORY, _memory), _host(NVML, _nvml))
+TARGET: tuple[TargetFn, ...] = (
+    _target_info,
+    _per_target(PAGECACHE, _pagecache),
+    _per_target(ENDPOINT, _endpoint),
+    _per_target(PROCESS, _process),
+    _gpu_memory,
+    _load,
+)
 
 
 class ExporterCollector(Collector):
-    """A prometheus_client collector over `snapshot()`."""
+    """A prometheus_client collector over a snapshot function."""
 
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        yield from self._exporter(snap)
-        yield from self._host(snap)
-        yield from self._targets(snap)
-        yield from self._loads(snap)
-
-    def _exporter(self, snap: Snapshot) -> Iterator[Metric]:
-        build = _gauge(
-            "exporter_build_info", "Build of the exporter.", ("version", "python_version")
-        )
-        build.add_metric([snap.build["version"], snap.build["python_version"]], 1)
-        yield build
-        up = _gauge(
-            "source_up", "1 if the last sample of the source succeeded.", ("source", "target")
-        )
-        duration = _gauge(
-            "source_duration_seconds",
-            "Duration of the last sample of the source.",
-            ("source", "target"),
-        )
-        for (source, target), reading in sorted(snap.readings.items()):
-            up.add_metric([source, target], 1 if reading.ok else 0)
-            duration.add_metric([source, target], reading.duration_seconds)
-        yield up
-        yield duration
-        reload_ok = _gauge(
-            "config_last_reload_successful", "1 if the last config (re)load succeeded."
-        )
-        reload_ok.add_metric([], 1 if snap.config_reload_successful else 0)
-        yield reload_ok
-
-    def _host(self, snap: Snapshot) -> Iterator[Metric]:
-        disk = snap.value("disk")
-        if isinstance(disk, DiskSample):
-            total = CounterMetricFamily(
-                f"{NS}_disk_read_bytes",
-                "Bytes read from block devices that back weight files.",
-                labels=["device"],
-            )
-            rate = _gauge(
-                "disk_read_bytes_per_second",
-                "Read throughput over the last sample interval.",
-                ("device",),
-            )
-            for dev in disk.devices:
-                total.add_metric([dev.device], dev.read_bytes_total)
-                if dev.read_bytes_per_second is not None:
-                    rate.add_metric([dev.device], dev.read_bytes_per_second)
-            yield total
-            yield rate
-        memory = snap.value("memory")
-        if isinstance(memory, MemorySample):
-            for suffix, value, doc in (
-                ("total_bytes", memory.total_bytes, "MemTotal from /proc/meminfo."),
-                ("available_bytes", memory.available_bytes, "MemAvailable from /proc/meminfo."),
-                ("page_cache_bytes", memory.page_cache_bytes, "Cached from /proc/meminfo."),
-            ):
-                gauge = _gauge(f"host_memory_{suffix}", doc)
-                gauge.add_metric([], value)
-                yield gauge
-        gpu = snap.value("nvml")
-        if isinstance(gpu, GpuSample):
-            yield from self._gpus(gpu)
-
-    @staticmethod
-    def _gpus(gpu: GpuSample) -> Iterator[Metric]:
-        info = _gauge(
-            "gpu_info", "GPU identity from NVML.", ("gpu", "uuid", "name", "driver_version")
-        )
-        used = _gauge("gpu_memory_used_bytes", "GPU memory in use (NVML).", ("gpu", "uuid"))
-        total = _gauge("gpu_memory_total_bytes", "GPU memory size (NVML).", ("gpu", "uuid"))
-        for dev in gpu.devices:
-            index = str(dev.index)
-            info.add_metric([index, dev.uuid, dev.name, gpu.driver_version], 1)
-            if dev.memory_used_bytes is not None:
-                used.add_metric([index, dev.uuid], dev.memory_used_bytes)
-            if dev.memory_total_bytes is not None:
-                total.add_metric([index, dev.uuid], dev.memory_total_bytes)
-        yield info
-        yield used
-        yield total
-
-    def _targets(self, snap: Snapshot) -> Iterator[Metric]:
-        t = ("target",)
-        info = _gauge(
-            "target_info", "Configured target.", ("target", "endpoint", "model", "server")
-        )
-        weights_bytes = _gauge("weights_bytes", "Total size of the weight files.", t)
-        weights_files = _gauge("weights_files", "Number of weight files.", t)
-        resident = _gauge(
-            "weights_resident_bytes", "Bytes of the weight files in the page cache.", t
-        )
-        file_resident = _gauge(
-            "weights_file_resident_bytes",
-            "Bytes of one weight file in the page cache.",
-            ("target", "file"),
-        )
-        endpoint_up = _gauge("endpoint_up", "1 when the last probe said ready.", t)
-        probe_duration = _gauge(
-            "endpoint_probe_duration_seconds", "Duration of the last endpoint probe.", t
-        )
-        probes = CounterMetricFamily(
-            f"{NS}_endpoint_probes", "Endpoint probes by result.", labels=["target", "result"]
-        )
-        process_up = _gauge("process_up", "1 when the server process was found.", t)
-        process_start = _gauge(
-            "process_start_time_seconds", "Unix time the server process started.", t
-        )
-        process_read = CounterMetricFamily(
-            f"{NS}_process_read_bytes",
-            "Storage bytes read by the server process tree.",
-            labels=["target"],
-        )
-        process_gpu = _gauge(
-            "process_gpu_memory_bytes",
-            "GPU memory held by the server process tree.",
-            ("target", "gpu"),
-        )
-        for target in snap.config.targets:
-            name = target.name
-            info.add_metric(
-                [name, target.endpoint.url, target.endpoint.model or "", snap.servers[name]], 1
-            )
-            residency = snap.reading("pagecache", name)
-            if residency is not None and isinstance(residency.value, ResidencySample):
-                sample = residency.value
-                weights_bytes.add_metric([name], sample.total_bytes)
-                weights_files.add_metric([name], sample.files)
-                if sample.resident_bytes is not None:
-                    resident.add_metric([name], sample.resident_bytes)
-                    for f in sample.per_file:
-                        file_resident.add_metric([name, f.path], f.resident_bytes)
-            probe = snap.value("endpoint", name)
-            if isinstance(probe, ProbeSample):
-                endpoint_up.add_metric([name], 1 if probe.result == ProbeResult.READY else 0)
-                probe_duration.add_metric([name], probe.duration_seconds)
-            counts = snap.probe_counts.get(name, {})
-            for result in ProbeResult:
-                probes.add_metric([name, str(result)], counts.get(str(result), 0))
-            process = snap.value("process", name)
-            if isinstance(process, ProcessSample):
-                process_up.add_metric([name], 1 if process.found else 0)
-                if process.start_time is not None:
-                    process_start.add_metric([name], process.start_time)
-                if process.read_bytes is not None:
-                    process_read.add_metric([name], process.read_bytes)
-            for index, used in sorted(snap.process_gpu_bytes.get(name, {}).items()):
-                process_gpu.add_metric([name, str(index)], used)
-        yield from (info, weights_bytes, weights_files, resident, file_resident)
-        yield from (endpoint_up, probe_duration, probes)
-        yield from (process_up, process_start, process_read, process_gpu)
-
-    def _loads(self, snap: Snapshot) -> Iterator[Metric]:
-        t = ("target",)
-        phase = _gauge("phase", "1 for the current load phase of the target.", ("target", "phase"))
-        in_progress = _gauge("in_progress", "1 while a load is in progress.", t)
-        started = _gauge("started_timestamp_seconds", "Start of the current or last load.", t)
-        elapsed = _gauge("elapsed_seconds", "Seconds since the current load started.", t)
-        progress = _gauge("weights_progress_ratio", "Share of the weights loaded, 0..1.", t)
-        throughput = _gauge(
-            "weights_throughput_bytes_per_second", "Smoothed rate weights are arriving at.", t
-        )
-        weights_eta = _gauge(
-            "weights_eta_seconds", "Estimated seconds until the weights are loaded.", t
-        )
-        eta = _gauge("eta_seconds", "Estimated seconds until the target is ready.", t)
-        since = _gauge("seconds_since_progress", "Seconds since any progress signal moved.", t)
-        stalled = _gauge("stalled", "1 when in progress and nothing moved for stall_after.", t)
-        expected = _gauge(
-            "expected_duration_seconds",
-            "Median duration of recent successful loads.",
-            ("target", "cache"),
-        )
-        last = _gauge("last_duration_seconds", "Duration of the last finished load.", t)
-        for name, state in sorted(snap.states.items()):
-            for p in PHASES:
-                phase.add_metric([name, p], 1 if state.phase == p else 0)
-            in_progress.add_metric([name], 1 if state.in_progress else 0)
-            if state.started_at is not None:
-                started.add_metric([name], state.started_at)
-            elapsed.add_metric([name], state.elapsed_seconds)
-            for family, value in (
-                (progress, state.progress_ratio),
-                (throughput, state.throughput_bytes_per_second),
-                (weights_eta, state.weights_eta_seconds),
-                (eta, state.eta_seconds),
-                (since, state.seconds_since_progress),
-            ):
-                if value is not None:
-                    family.add_metric([name], value)
-            stalled.add_metric([name], 1 if state.stalled else 0)
-        for (name, cache), seconds in sorted(snap.expected_durations.items()):
-            expected.add_metric([name, cache], seconds)
-        for name, seconds in sorted(snap.last_durations.items()):
-            last.add_metric([name], seconds)
-        yield from (phase, in_progress, started, elapsed, progress, throughput, weights_eta, eta)
-        yield from (since, stalled, expected, last)
-        yield _histogram(
-            "duration_seconds",
-            "Duration of finished loads.",
-            ("target", "cache", "outcome"),
-            snap.load_durations,
-        )
-        yield _histogram(
-            "phase_duration_seconds",
-            "Time spent in each phase of finished loads.",
-            ("target", "phase"),
-            snap.phase_durations,
-        )
+        out = Scrape()
+        _exporter(out, snap)
+        for host_fn in HOST:
+            host_fn(out, snap)
+        for view in snap.targets:
+            for target_fn in TARGET:
+                target_fn(out, view)
+        _history(out, snap)
+        yield from out.families()

@@ -11,22 +11,20 @@ import re
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
-ProbeKind = Literal["completion", "health", "models", "tcp"]
-LogFormat = Literal["auto", "sglang", "vllm", "llamacpp", "tgi"]
+from exporter.vocabulary import LogFormat, ProbeKind, ServerKind
 
-PROBE_KINDS: tuple[str, ...] = ("completion", "health", "models", "tcp")
-LOG_FORMATS: tuple[str, ...] = ("auto", "sglang", "vllm", "llamacpp", "tgi")
-DEFAULT_PROBE_PATHS: Mapping[str, str] = {
-    "completion": "/v1/completions",
-    "health": "/health",
-    "models": "/v1/models",
-    "tcp": "",
+DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
+    ProbeKind.COMPLETION: "/v1/completions",
+    ProbeKind.HEALTH: "/health",
+    ProbeKind.MODELS: "/v1/models",
+    ProbeKind.TCP: "",
 }
 DEFAULT_INCLUDE: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 DEFAULT_HISTORY_PATH = "/var/lib/model-load-exporter/history.sqlite"
@@ -34,10 +32,15 @@ DEFAULT_SAMPLE_INTERVAL = 1.0
 DEFAULT_STALL_AFTER = 300.0
 DEFAULT_PROBE_TIMEOUT = 8.0
 DEFAULT_RESIDENCY_CPU_BUDGET = 0.01
+# The servers discovery can recognise by their command lines (exporter/serverargs.py).
+DISCOVERY_SERVERS: tuple[ServerKind, ...] = tuple(k for k in ServerKind if k != ServerKind.UNKNOWN)
+DEFAULT_DISCOVERY_INTERVAL = 5.0
+DEFAULT_DISCOVERY_KEEP_FOR = 3600.0
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _TARGET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+_E = TypeVar("_E", bound=StrEnum)
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -48,7 +51,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class EndpointConfig:
     url: str
-    probe: ProbeKind = "completion"
+    probe: ProbeKind = ProbeKind.COMPLETION
     path: str = "/v1/completions"
     model: str | None = None
     timeout: float = DEFAULT_PROBE_TIMEOUT
@@ -78,7 +81,7 @@ class ProcessConfig:
 class LogConfig:
     journald_unit: str | None = None
     file: str | None = None
-    format: LogFormat = "auto"
+    format: LogFormat = LogFormat.AUTO
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,26 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Finding model servers by their command lines; `auto` is on when no target is configured."""
+
+    enabled: Literal["auto"] | bool = "auto"
+    interval: float = DEFAULT_DISCOVERY_INTERVAL
+    keep_for: float = DEFAULT_DISCOVERY_KEEP_FOR
+    servers: tuple[ServerKind, ...] = DISCOVERY_SERVERS
+
+    def active(self, has_targets: bool) -> bool:
+        return self.enabled is True or (self.enabled == "auto" and not has_targets)
+
+
+@dataclass(frozen=True)
 class Config:
     targets: tuple[TargetConfig, ...]
     sample_interval: float = DEFAULT_SAMPLE_INTERVAL
     history_path: str = DEFAULT_HISTORY_PATH
     residency_cpu_budget: float = DEFAULT_RESIDENCY_CPU_BUDGET
     source: str = "flags"
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
 
 def parse_duration(value: object, where: str) -> float:
@@ -160,13 +177,13 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: expected a non-empty string, got {value!r}")
         return value
 
-    def choice(self, name: str, choices: Sequence[str], default: str) -> str:
+    def choice(self, name: str, choices: type[_E], default: _E) -> _E:
         value = self.text(name, default) or default
-        if value not in choices:
+        if value not in tuple(choices):
             raise ConfigError(
                 f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
             )
-        return value
+        return choices(value)
 
     def duration(self, name: str, default: float) -> float:
         return default if not self.has(name) else parse_duration(self.data[name], self.key(name))
@@ -207,22 +224,22 @@ def expand_env(value: str, where: str, env: Mapping[str, str]) -> str:
     return _ENV_RE.sub(sub, value)
 
 
-def _check_url(url: str, where: str, probe: str) -> None:
+def _check_url(url: str, where: str, probe: ProbeKind) -> None:
     parts = urlsplit(url)
-    schemes = ("http", "https", "tcp") if probe == "tcp" else ("http", "https")
+    schemes = ("http", "https", "tcp") if probe == ProbeKind.TCP else ("http", "https")
     if parts.scheme not in schemes or not parts.hostname:
         raise ConfigError(f"{where}: expected an absolute {'/'.join(schemes)} URL, got {url!r}")
     try:
         port = parts.port
     except ValueError:
         raise ConfigError(f"{where}: invalid port in {url!r}") from None
-    if probe == "tcp" and port is None and parts.scheme == "tcp":
+    if probe == ProbeKind.TCP and port is None and parts.scheme == "tcp":
         raise ConfigError(f"{where}: a tcp probe needs a port in {url!r}")
 
 
 def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfig:
     r = _Reader(data, where, ("url", "probe", "path", "model", "timeout", "headers"))
-    probe = r.choice("probe", PROBE_KINDS, "completion")
+    probe = r.choice("probe", ProbeKind, ProbeKind.COMPLETION)
     url = r.text("url", required=True)
     assert url is not None
     _check_url(url, r.key("url"), probe)
@@ -240,7 +257,7 @@ def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfi
         headers[name] = expand_env(value, key, env)
     return EndpointConfig(
         url=url,
-        probe=probe,  # type: ignore[arg-type]
+        probe=probe,
         path=path,
         model=r.text("model"),
         timeout=r.duration("timeout", DEFAULT_PROBE_TIMEOUT),
@@ -297,7 +314,7 @@ def _log(data: object, where: str) -> LogConfig:
     return LogConfig(
         journald_unit=r.text("journald_unit"),
         file=r.text("file"),
-        format=r.choice("format", LOG_FORMATS, "auto"),  # type: ignore[arg-type]
+        format=r.choice("format", LogFormat, LogFormat.AUTO),
     )
 
 
@@ -334,17 +351,51 @@ def _target(data: object, where: str, env: Mapping[str, str]) -> TargetConfig:
     )
 
 
+def _discovery(data: object, where: str) -> DiscoveryConfig:
+    if data is None:
+        return DiscoveryConfig()
+    r = _Reader(data, where, ("enabled", "interval", "keep_for", "servers"))
+    raw_enabled = r.data.get("enabled", "auto")
+    if raw_enabled is not True and raw_enabled is not False and raw_enabled != "auto":
+        raise ConfigError(f"{r.key('enabled')}: expected auto, true or false, got {raw_enabled!r}")
+    enabled: Literal["auto"] | bool = "auto" if raw_enabled == "auto" else bool(raw_enabled)
+    servers = r.str_list("servers", DISCOVERY_SERVERS)
+    for i, server in enumerate(servers):
+        if server not in DISCOVERY_SERVERS:
+            raise ConfigError(
+                f"{r.key('servers')}[{i}]: must be one of {', '.join(DISCOVERY_SERVERS)}, "
+                f"got {server!r}"
+            )
+    return DiscoveryConfig(
+        enabled=enabled,
+        interval=r.duration("interval", DEFAULT_DISCOVERY_INTERVAL),
+        keep_for=r.duration("keep_for", DEFAULT_DISCOVERY_KEEP_FOR),
+        servers=tuple(dict.fromkeys(ServerKind(s) for s in servers)),
+    )
+
+
 def parse_config(
     data: object, source: str = "config", env: Mapping[str, str] | None = None
 ) -> Config:
-    """Validate an already-loaded YAML document."""
+    """Validate an already-loaded YAML document (an empty one means: discover everything)."""
     env = os.environ if env is None else env
     if data is None:
         data = {}
-    r = _Reader(data, "", ("sample_interval", "history_path", "residency_cpu_budget", "targets"))
+    r = _Reader(
+        data,
+        "",
+        ("sample_interval", "history_path", "residency_cpu_budget", "discovery", "targets"),
+    )
+    discovery = _discovery(r.data.get("discovery"), "discovery")
     raw_targets = r.data.get("targets")
-    if not isinstance(raw_targets, list) or not raw_targets:
-        raise ConfigError("targets: expected a non-empty list of targets")
+    if raw_targets is None:
+        raw_targets = []
+    if not isinstance(raw_targets, list):
+        raise ConfigError("targets: expected a list of targets")
+    if not raw_targets and not discovery.active(has_targets=False):
+        raise ConfigError(
+            "targets: expected a non-empty list of targets (discovery.enabled is false)"
+        )
     targets = tuple(_target(t, f"targets[{i}]", env) for i, t in enumerate(raw_targets))
     seen: set[str] = set()
     for i, target in enumerate(targets):
@@ -365,6 +416,7 @@ def parse_config(
         history_path=history_path,
         residency_cpu_budget=float(budget),
         source=source,
+        discovery=discovery,
     )
 
 

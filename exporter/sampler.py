@@ -12,22 +12,31 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
+
+from exporter.sources import SourceKey
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
-class Reading:
+class Reading(Generic[T]):
     """The outcome of one sample of one source."""
 
     source: str
     target: str  # "" for host-wide sources
-    value: Any  # the source's dataclass; None when the sample raised
+    value: T | None  # the source's dataclass; None when the sample raised
     ok: bool
     error: str | None
     duration_seconds: float
     finished_at: float  # unix seconds
+
+    @property
+    def good(self) -> T | None:
+        """The value when the sample succeeded, else None."""
+        return self.value if self.ok else None
 
 
 def _is_up(value: object) -> bool:
@@ -75,22 +84,22 @@ class Sampler:
         self.interval = interval
         self._clock = clock
         self._lock = threading.Lock()
-        self._latest: dict[tuple[str, str], Reading] = {}
+        self._latest: dict[tuple[str, str], Reading[Any]] = {}
         self._loops: list[Periodic] = []
         self._failing: set[tuple[str, str]] = set()
 
-    def add(self, source: str, target: str, fn: Callable[[], object]) -> None:
+    def add(self, source: SourceKey[T], target: str, fn: Callable[[], T]) -> None:
         """Register a source; `fn` returns its dataclass or raises."""
-        key = (source, target)
-        name = f"{source}:{target}" if target else source
-        self._loops.append(Periodic(name, self.interval, lambda: self.run_once(key, fn)))
+        name = f"{source.name}:{target}" if target else source.name
+        self._loops.append(Periodic(name, self.interval, lambda: self.run_once(source, target, fn)))
 
     def add_loop(self, name: str, fn: Callable[[], None]) -> None:
         """Register a periodic task that is not a source (the tracker tick)."""
         self._loops.append(Periodic(name, self.interval, fn))
 
-    def run_once(self, key: tuple[str, str], fn: Callable[[], object]) -> Reading:
+    def run_once(self, source: SourceKey[T], target: str, fn: Callable[[], T]) -> Reading[T]:
         """Take one sample now and store it; public so tests can step sources by hand."""
+        key = (source.name, target)
         started = time.monotonic()
         try:
             value, error = fn(), None
@@ -100,8 +109,8 @@ class Sampler:
         if not ok:
             error = error or getattr(value, "reason", None) or "source reported down"
         reading = Reading(
-            source=key[0],
-            target=key[1],
+            source=source.name,
+            target=target,
             value=value,
             ok=ok,
             error=error,
@@ -113,7 +122,7 @@ class Sampler:
             self._latest[key] = reading
         return reading
 
-    def _note_transition(self, key: tuple[str, str], reading: Reading) -> None:
+    def _note_transition(self, key: tuple[str, str], reading: Reading[Any]) -> None:
         """Log when a source starts or stops failing, not on every sample."""
         name = f"{key[0]}:{key[1]}" if key[1] else key[0]
         if not reading.ok and key not in self._failing:
@@ -123,11 +132,16 @@ class Sampler:
             self._failing.discard(key)
             log.info("source %s is up again", name)
 
-    def latest(self, source: str, target: str = "") -> Reading | None:
+    def latest(self, source: SourceKey[T], target: str = "") -> Reading[T] | None:
         with self._lock:
-            return self._latest.get((source, target))
+            return cast("Reading[T] | None", self._latest.get((source.name, target)))
 
-    def readings(self) -> list[Reading]:
+    def value(self, source: SourceKey[T], target: str = "") -> T | None:
+        """The latest successful sample of a source, or None."""
+        reading = self.latest(source, target)
+        return reading.good if reading is not None else None
+
+    def readings(self) -> list[Reading[Any]]:
         with self._lock:
             return list(self._latest.values())
 

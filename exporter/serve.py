@@ -10,7 +10,6 @@ import signal
 import sys
 from typing import Any
 
-from exporter.app import Exporter
 from exporter.config import (
     Config,
     ConfigError,
@@ -19,8 +18,10 @@ from exporter.config import (
     parse_config,
     parse_duration,
 )
-from exporter.logsetup import setup_logging
-from exporter.server import ExporterApp, HttpServer
+from exporter.logsetup import LEVELS, setup_logging
+from exporter.runtime import Runtime
+from exporter.vocabulary import ProbeKind
+from exporter.web import HttpServer, WebApp
 from exporter.webconfig import WebConfig, load_web_config
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,58 @@ SINGLE_TARGET_FLAGS = (
 
 class UsageError(Exception):
     """Flags that contradict each other: exit 2, like argparse's own errors."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `serve`, in Prometheus style."""
+    p.add_argument("--config.file", dest="config_file", metavar="PATH", help="YAML config")
+    p.add_argument(
+        "--config.check",
+        dest="config_check",
+        action="store_true",
+        help="validate the config, print a summary and exit 0/1",
+    )
+    p.add_argument(
+        "--web.listen-address",
+        dest="web_listen_address",
+        default=":9847",
+        metavar="HOST:PORT",
+        help="address to serve /metrics on (default :9847)",
+    )
+    p.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        metavar="PATH",
+        help="TLS and basic auth, exporter-toolkit format",
+    )
+    single = p.add_argument_group("one target without a config file")
+    single.add_argument("--target", help="target name (label value)")
+    single.add_argument("--endpoint", metavar="URL", help="server base URL")
+    single.add_argument(
+        "--probe",
+        choices=tuple(ProbeKind),
+        default=ProbeKind.COMPLETION,
+        help="readiness probe (default completion)",
+    )
+    single.add_argument("--model", help="model name sent in the completion probe")
+    single.add_argument(
+        "--weights", action="append", metavar="PATH", help="weights file or directory (repeatable)"
+    )
+    single.add_argument("--unit", metavar="SYSTEMD_UNIT", help="find the server by systemd unit")
+    single.add_argument("--pidfile", metavar="PATH", help="find the server by pidfile")
+    single.add_argument("--cmdline", metavar="REGEX", help="find the server by command line")
+    single.add_argument(
+        "--log.source", dest="log_source", metavar="journald:UNIT|file:PATH", help="server log"
+    )
+    single.add_argument("--stall.after", dest="stall_after", metavar="DURATION", help="default 5m")
+    p.add_argument(
+        "--sample.interval", dest="sample_interval", metavar="DURATION", help="default 1s"
+    )
+    p.add_argument(
+        "--history.path", dest="history_path", metavar="PATH", help='SQLite file; "" disables'
+    )
+    p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
+    p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), default="logfmt")
 
 
 def _log_source(value: str) -> dict[str, str]:
@@ -112,7 +165,8 @@ def summary(config: Config) -> str:
     return "\n".join(lines)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; SIGHUP reloads the config."""
     setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
@@ -126,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.config_check:
         print(summary(config))
         return 0
-    app = ExporterApp(Exporter(config), web)
+    app = WebApp(Runtime(config), web)
     try:
         server = HttpServer(app, args.web_listen_address)
     except (OSError, ValueError) as exc:
@@ -140,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: commands.put("stop"))
     signal.signal(signal.SIGINT, lambda *_: commands.put("stop"))
     signal.signal(signal.SIGHUP, lambda *_: commands.put("reload"))
-    app.exporter.start()
+    app.runtime.start()
     server.start()
     log.info(
         "listening on %s://%s:%d with %d target(s)",
@@ -153,11 +207,11 @@ def run_serve(args: argparse.Namespace) -> int:
         reload(app, args)
     log.info("shutting down")
     server.stop()
-    app.exporter.stop()
+    app.runtime.stop()
     return 0
 
 
-def reload(app: ExporterApp, args: argparse.Namespace) -> None:
+def reload(app: WebApp, args: argparse.Namespace) -> None:
     """SIGHUP: swap in an exporter built from the re-read config, or keep the running one.
 
     Like Prometheus, a bad file never takes the exporter down: the old config keeps running and
@@ -168,10 +222,10 @@ def reload(app: ExporterApp, args: argparse.Namespace) -> None:
         config = config_from_args(args)
     except (ConfigError, UsageError) as exc:
         log.error("config reload failed, keeping the running config: %s", exc)
-        app.exporter.reload_successful = False
+        app.runtime.reload_successful = False
         return
-    fresh = Exporter(config)
+    fresh = Runtime(config)
     fresh.start()
-    old, app.exporter = app.exporter, fresh
+    old, app.runtime = app.runtime, fresh
     old.stop()
     log.info("config reloaded: %d target(s)", len(config.targets))

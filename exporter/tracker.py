@@ -8,25 +8,45 @@ Rules, because every number on the dashboard comes from them:
 * A load starts when a new server process (pid, start time) appears, at that process's own start
   time. Without process matching: when a ready endpoint fails 3 distinct probes in a row (start =
   the first failure), or when a never-ready endpoint answers "up but not ready" (503, timeout,
-  bad response). A load first seen more than 2 intervals + 1 s after its start, or the latter
-  endpoint-only kind, is `partial`: its start and the residency at its start were not seen.
-  A partial process load whose first fresh probe already says ready is dropped: nothing of it was
-  watched.
+  bad response). That last kind, and a process whose start time cannot be read, is `partial`:
+  its start is unknown, so it is kept in history but never observed into the histograms.
+* A process load first seen more than 2 intervals + 1 s after its start (the exporter started or
+  restarted mid-load) is `seen_late`: its duration is exact (the process's start time) and it is
+  observed like any other. Its residency at the start is rebuilt as the first pass's residency
+  less what the tree has read from storage since it started (/proc/PID/io counts from the
+  process start), and is unknown when those counters cannot be read. Phase boundaries it
+  crossed before its first tick are unknown, and the phases beside them are left out of its
+  record rather than reported as 0 s. A late load whose first fresh probe already says ready is
+  dropped: nothing of it was watched.
 * It ends `ready` on the first probe finished after the start that says ready; `failed` when the
   process is gone first (or replaced by another one). `failed` stays until the next load.
-* Weights progress uses the evidence that can see this load. Bytes that come from storage
-  (page-cache growth of the weight files, storage reads of the tree, device reads when the tree's
-  counters are unknown) measured against the bytes not cached at the start are exact for cold and
-  mixed loads. Warm loads read nothing from storage, so there GPU memory of the tree (growth
-  past its first reading, the CUDA contexts, against the size history expects, else the weights
-  size) and read() bytes of the tree count. Cold and mixed loads leave those two out: servers
-  allocate every parameter on the GPU before reading any, and tensor-parallel ranks may each
-  read every file. Residency measurable but the load's first pass not in yet: storage signals
-  only (read() bytes would count the interpreter reading its libraries). Residency not
-  measurable: storage reads and read() bytes against the weights size, GPU only when nothing
-  else exists. The first pass's residency, less what the tree has read from storage since its
-  start, is the residency at the start (the pass lands up to two intervals late). Progress is
-  the highest of the chosen signals, clamped to 0..1 and never falls within a load.
+* Weights progress is the highest ratio among the signals that may drive it, clamped to 0..1,
+  and never falls within a load. The signals, and what makes a ratio of 1.0:
+
+  | group   | signal                                              | 1.0 is                      |
+  |---------|-----------------------------------------------------|-----------------------------|
+  | storage | page_cache: residency growth of the weight files    | bytes not cached at start   |
+  | storage | process_reads: storage bytes the tree read          | same (else weights size)    |
+  | storage | disk_reads: the weights' devices (tree unreadable)  | same (else weights size)    |
+  | whole   | gpu_memory: the tree's GPU bytes past its first     | GPU bytes of the last good  |
+  |         | reading (the CUDA contexts)                         | load, else weights size     |
+  | whole   | process_read_chars: bytes through read() (rchar)    | weights size                |
+
+  Which group drives depends on the residency at the load's start:
+
+  | residency at the start            | drives                                              |
+  |-----------------------------------|-----------------------------------------------------|
+  | cold or mixed                     | storage; whole only when no storage signal exists   |
+  | warm                              | whole; storage only when no whole signal exists     |
+  | measurable, first pass not in yet | storage only                                        |
+  | not measurable                    | storage and read() bytes; GPU when none of those    |
+
+  Cold and mixed loads leave GPU memory out because servers allocate every parameter on the GPU
+  before reading any, and read() bytes because tensor-parallel ranks may each read every file;
+  warm loads read nothing from storage. Before the first pass, read() bytes would count the
+  interpreter reading its own libraries. The first pass's residency, less what the tree has read
+  from storage since its start, is the residency at the start (the pass lands up to two
+  intervals late).
 * `starting` becomes `loading_weights` once progress reaches 1 % (the interpreter reading its own
   libraries stays below), backdated to the last tick progress did not rise. Weights
   are in at 99.9 %, or at 90 % once progress stopped rising for 5 intervals (backdated to its
@@ -37,7 +57,9 @@ Rules, because every number on the dashboard comes from them:
   progress and nothing moved for `stall_after`.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
   driving signal. ETA = remaining weights / throughput + the medians history has for the phases
-  still ahead; None whenever a part has no basis.
+  still ahead, from loads of the same cache temperature; the phases after the weights do not
+  depend on the page cache, so where those loads have none, loads of any temperature give them.
+  None whenever a part has no basis.
 """
 
 from __future__ import annotations
@@ -47,8 +69,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-PHASES = ("down", "starting", "loading_weights", "initializing", "ready", "failed")
-IN_PROGRESS = ("starting", "loading_weights", "initializing")
+from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult
+
 # Tie-break order when two signals report the same progress.
 PROGRESS_SOURCES = ("gpu_memory", "page_cache", "process_reads", "process_read_chars", "disk_reads")
 
@@ -64,11 +86,13 @@ QUIET_INTERVALS = 5
 RATE_WINDOW_SECONDS = 10.0
 RATE_MIN_INTERVALS = 3
 MOVE_BYTES = 1 << 20
+# Phases whose length does not depend on the page cache: ETAs may take them from any load.
+CACHE_INDEPENDENT = (Phase.INITIALIZING,)
 
 _STORAGE = ("page_cache", "process_reads", "disk_reads")
 _WHOLE = ("gpu_memory", "process_read_chars")
 # Answers that prove something listens but is not ready yet (a 503-style server while it loads).
-_UP_NOT_READY = frozenset({"http_error", "bad_response", "timeout"})
+_UP_NOT_READY = frozenset({ProbeResult.HTTP_ERROR, ProbeResult.BAD_RESPONSE, ProbeResult.TIMEOUT})
 _RECENT = 64
 
 
@@ -77,7 +101,7 @@ class Observation:
     """One tick's latest readings for one target, composed by the sampler."""
 
     time: float  # unix seconds
-    endpoint_result: str | None  # newest probe: ready|refused|timeout|http_error|bad_response|error
+    endpoint_result: ProbeResult | None  # the newest probe's result
     endpoint_probe_time: float | None  # when that probe finished; a probe counts once
     process_configured: bool  # False: endpoint-only semantics
     process_found: bool
@@ -99,13 +123,14 @@ class LoadRecord:
     target: str
     started_at: float
     ended_at: float
-    outcome: str  # ready | failed
-    cache: str | None  # cold | warm | mixed; None when residency at the start is unknown
-    partial: bool  # start not observed: kept out of histograms
+    outcome: Outcome
+    cache: Cache | None  # None when residency at the start is unknown
+    partial: bool  # start not known (no process matching): kept out of histograms
     phase_seconds: Mapping[str, float]  # the in-progress phases the load went through
     weights_bytes: int | None
     bytes_read: int | None  # storage bytes the process tree read during the load
     gpu_bytes_at_weights_end: int | None  # the GPU size to expect next time
+    seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
 
     @property
     def duration_seconds(self) -> float:
@@ -117,7 +142,7 @@ class TargetState:
     """Everything /metrics and /api/v1/status show for a target."""
 
     target: str
-    phase: str
+    phase: Phase
     in_progress: bool
     started_at: float | None  # start of the current (or last) load
     elapsed_seconds: float  # since the current load started; 0 when none is in progress
@@ -127,8 +152,9 @@ class TargetState:
     eta_seconds: float | None  # until ready; None when any part has no basis
     seconds_since_progress: float | None  # None when no load is in progress
     stalled: bool
-    cache: str | None
+    cache: Cache | None
     partial: bool
+    seen_late: bool
     progress_source: str | None  # the signal that last drove progress (PROGRESS_SOURCES)
     signals: Mapping[str, float | int | None]  # the raw evidence, for /api/v1/status
     last_record: LoadRecord | None
@@ -137,13 +163,15 @@ class TargetState:
 class Expectations(Protocol):
     """What history expects of a target's next load (implemented by history.HistoryStore)."""
 
-    def expected_phase_seconds(self, target: str, cache: str | None) -> Mapping[str, float]: ...
+    def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]:
+        """Median seconds per phase of recent good loads of this cache temperature (None: any)."""
+        ...
 
     def expected_weights_gpu_bytes(self, target: str) -> int | None: ...
 
 
 class _Probe(NamedTuple):
-    result: str
+    result: ProbeResult
     time: float
 
 
@@ -157,7 +185,9 @@ class _Load:
     """Mutable bookkeeping of the current (or last) load."""
 
     started_at: float
+    seen_at: float  # the first tick of this load
     partial: bool
+    seen_late: bool
     seen_failing: bool
     expected_gpu: int | None
     disk_base: int | None
@@ -165,10 +195,13 @@ class _Load:
     last_move: float
     weights_began: float | None = None
     weights_ended: float | None = None
+    # Whether those boundaries were watched; a load seen late may have crossed them before.
+    weights_began_seen: bool = False
+    weights_ended_seen: bool = False
     progress: float | None = None
     source: str | None = None
     basis: float | None = None
-    cache: str | None = None
+    cache: Cache | None = None
     resident_start: int | None = None
     last_rise: float = 0.0
     flat_time: float = 0.0
@@ -180,7 +213,7 @@ class _Load:
     weights_bytes: int | None = None
     evidence: dict[str, _Evidence] = field(default_factory=dict)
     rate: deque[tuple[float, float]] = field(default_factory=deque)
-    expected: dict[str | None, Mapping[str, float]] = field(default_factory=dict)
+    expected: dict[Cache | None, Mapping[str, float]] = field(default_factory=dict)
 
 
 class Tracker:
@@ -197,7 +230,7 @@ class Tracker:
         self.stall_after = stall_after
         self.expectations = expectations
         self.interval = interval
-        self._phase = "down"
+        self._phase = Phase.DOWN
         self._load: _Load | None = None
         self._last_record: LoadRecord | None = None
         self._last_obs: Observation | None = None
@@ -226,10 +259,10 @@ class Tracker:
                 probe is not None and last_probe is not None and probe.result != last_probe.result
             )
             self._follow(load, obs, prev, answer_changed)
-            if probe is not None and probe.result != "ready":
+            if probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
             elif probe is not None and probe.time > load.started_at and record is None:
-                record = self._finish(load, obs.time, "ready")
+                record = self._finish(load, obs.time, Outcome.READY)
         else:
             self._settle(obs)
         self._last_obs = obs
@@ -254,14 +287,15 @@ class Tracker:
                 stalled=False,
                 cache=load.cache if load else None,
                 partial=load.partial if load else False,
-                progress_source=load.source if load and phase == "failed" else None,
+                seen_late=load.seen_late if load else False,
+                progress_source=load.source if load and phase is Phase.FAILED else None,
                 signals=self._signals(load),
                 last_record=self._last_record,
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
         weights_eta: float | None = None
-        if phase == "initializing":
+        if phase is Phase.INITIALIZING:
             weights_eta = 0.0
         elif rate and load.progress is not None:
             weights_eta = (1.0 - load.progress) / rate
@@ -273,13 +307,14 @@ class Tracker:
             started_at=load.started_at,
             elapsed_seconds=max(0.0, now - load.started_at),
             progress_ratio=load.progress,
-            throughput_bytes_per_second=throughput if phase == "loading_weights" else None,
+            throughput_bytes_per_second=throughput if phase is Phase.LOADING_WEIGHTS else None,
             weights_eta_seconds=weights_eta,
             eta_seconds=self._eta(load, now, weights_eta),
             seconds_since_progress=since,
             stalled=since >= self.stall_after,
             cache=load.cache,
             partial=load.partial,
+            seen_late=load.seen_late,
             progress_source=load.source,
             signals=self._signals(load),
             last_record=self._last_record,
@@ -303,7 +338,11 @@ class Tracker:
         if not obs.process_found:
             if self._proc_key is not None and self._proc_gone_at is None:
                 self._proc_gone_at = obs.time
-            return self._finish(load, obs.time, "failed") if load is not None and running else None
+            return (
+                self._finish(load, obs.time, Outcome.FAILED)
+                if load is not None and running
+                else None
+            )
         self._proc_gone_at = None
         key = (obs.process_pid, obs.process_start_time)
         if key == self._proc_key:
@@ -314,20 +353,20 @@ class Tracker:
         )
         if load is not None and running:
             # The old process died between two ticks and a new one took its place.
-            record = self._finish(load, min(max(start, load.started_at), obs.time), "failed")
+            record = self._finish(load, min(max(start, load.started_at), obs.time), Outcome.FAILED)
         self._proc_key = key
         late = obs.time - start > START_GRACE_INTERVALS * self.interval + START_GRACE_SECONDS
         unknown_age = obs.process_start_time is None and self._last_obs is None
-        self._begin(obs, start, partial=late or unknown_age, seen_failing=False)
+        self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
 
     def _track_endpoint(self, obs: Observation, probe: _Probe | None) -> None:
         """Endpoint-only loads: a ready endpoint failing repeatedly, or one seen loading."""
         if probe is None or self._phase in IN_PROGRESS:
             return
-        if probe.result == "ready":
+        if probe.result == ProbeResult.READY:
             self._fail_streak = 0
-        elif self._phase == "ready":
+        elif self._phase is Phase.READY:
             if self._fail_streak == 0:
                 self._fail_start = probe.time
             self._fail_streak += 1
@@ -337,40 +376,51 @@ class Tracker:
         elif probe.result in _UP_NOT_READY:
             self._begin(obs, probe.time, partial=True, seen_failing=True)
 
-    def _begin(self, obs: Observation, start: float, partial: bool, seen_failing: bool) -> None:
+    def _begin(
+        self,
+        obs: Observation,
+        start: float,
+        partial: bool,
+        seen_failing: bool,
+        seen_late: bool = False,
+    ) -> None:
         expected_gpu = (
             self.expectations.expected_weights_gpu_bytes(self.target) if self.expectations else None
         )
+        unseen = partial or seen_late
         self._load = _Load(
             started_at=start,
+            seen_at=obs.time,
             partial=partial,
+            seen_late=seen_late,
             seen_failing=seen_failing,
             expected_gpu=expected_gpu,
             disk_base=_value_at([*self._recent, obs], start),
-            # A partial load's GPU memory already holds weights: count all of it.
-            gpu_base=0 if partial else None,
-            last_move=obs.time if partial else start,
+            # A load seen late already holds weights on its GPUs: count all of it.
+            gpu_base=0 if unseen else None,
+            last_move=obs.time if unseen else start,
             last_rise=start,
             flat_time=start,
         )
-        self._phase = "starting"
+        self._phase = Phase.STARTING
 
-    def _finish(self, load: _Load, at: float, outcome: str) -> LoadRecord | None:
-        if outcome == "ready" and load.partial and not load.seen_failing:
+    def _finish(self, load: _Load, at: float, outcome: Outcome) -> LoadRecord | None:
+        if outcome is Outcome.READY and (load.partial or load.seen_late) and not load.seen_failing:
             # Ready at the first chance to ask: the exporter watched no load at all.
             self._load = None
-            self._phase = "ready"
+            self._phase = Phase.READY
             return None
+        # (phase, its start, whether that start was watched); the load's start always is.
         marks = [
-            (name, mark)
-            for name, mark in (
-                ("starting", load.started_at),
-                ("loading_weights", load.weights_began),
-                ("initializing", load.weights_ended),
+            (name, mark, seen)
+            for name, mark, seen in (
+                (Phase.STARTING, load.started_at, True),
+                (Phase.LOADING_WEIGHTS, load.weights_began, load.weights_began_seen),
+                (Phase.INITIALIZING, load.weights_ended, load.weights_ended_seen),
             )
             if mark is not None
         ]
-        ends = [mark for _, mark in marks[1:]] + [at]
+        ends = [(mark, seen) for _, mark, seen in marks[1:]] + [(at, True)]
         record = LoadRecord(
             target=self.target,
             started_at=load.started_at,
@@ -378,34 +428,39 @@ class Tracker:
             outcome=outcome,
             cache=load.cache,
             partial=load.partial,
+            seen_late=load.seen_late,
+            # A boundary the exporter was not there to see is unknown, and so are both phases
+            # beside it: left out rather than reported as 0 s.
             phase_seconds={
-                name: max(0.0, end - mark) for (name, mark), end in zip(marks, ends, strict=True)
+                name: max(0.0, end - mark)
+                for (name, mark, seen), (end, end_seen) in zip(marks, ends, strict=True)
+                if seen and end_seen
             },
             weights_bytes=load.weights_bytes,
             bytes_read=load.bytes_read,
-            gpu_bytes_at_weights_end=load.gpu_at_weights_end,
+            gpu_bytes_at_weights_end=load.gpu_at_weights_end if load.weights_ended_seen else None,
         )
-        self._phase = outcome
+        self._phase = Phase(outcome)
         self._last_record = record
         return record
 
     def _settle(self, obs: Observation) -> None:
         """The phase between loads."""
-        if self._phase == "failed" and obs.process_configured:
+        if self._phase is Phase.FAILED and obs.process_configured:
             return
         probe = self._probe
-        ready = probe is not None and probe.result == "ready"
+        ready = probe is not None and probe.result == ProbeResult.READY
         if not obs.process_configured:
             if ready:
-                self._phase = "ready"
-            elif self._phase != "ready":
-                self._phase = "down"
+                self._phase = Phase.READY
+            elif self._phase is not Phase.READY:
+                self._phase = Phase.DOWN
         elif obs.process_found:
-            self._phase = "ready"  # the process that finished its load (or was ready on arrival)
+            self._phase = Phase.READY  # finished its load, or was ready on arrival
         else:
             gone = self._proc_gone_at
             fresh = ready and probe is not None and (gone is None or probe.time > gone)
-            self._phase = "ready" if fresh else "down"
+            self._phase = Phase.READY if fresh else Phase.DOWN
 
     # -- within a load -----------------------------------------------------------------------
 
@@ -429,22 +484,25 @@ class Tracker:
         load.gpu_prev = obs.process_gpu_bytes
 
     def _note_residency(self, load: _Load, obs: Observation) -> None:
-        """Cache temperature and the storage baseline come from the first pass after the start."""
+        """Cache temperature and the storage baseline come from the first pass after the start.
+
+        The pass lands up to a couple of intervals after the start (or, for a load first seen
+        mid-way, long after it). What the tree has read from storage since it started was not
+        cached at the start, so it is taken back out: otherwise the first second of a cold load
+        at 240 MB/s would already read as "mixed", and a cold load seen half-way as "mixed" too.
+        A load seen late whose tree's storage reads are unknown keeps an unknown temperature.
+        """
         if load.resident_start is not None or load.partial or obs.resident_bytes is None:
             return
         measured = obs.resident_measured_at if obs.resident_measured_at is not None else obs.time
         if measured < load.started_at:
             return
-        # The pass lands up to a couple of intervals after the start. What the tree has read from
-        # storage since it started was not cached at the start, so take it back out: otherwise
-        # the first second of a cold load at 240 MB/s would already read as "mixed".
         read_since_start = obs.process_read_bytes if obs.process_found else None
+        if load.seen_late and read_since_start is None:
+            return
         load.resident_start = max(0, obs.resident_bytes - (read_since_start or 0))
         if load.weights_bytes:
-            share = load.resident_start / load.weights_bytes
-            load.cache = (
-                "warm" if share >= WARM_SHARE else "cold" if share <= COLD_SHARE else "mixed"
-            )
+            load.cache = temperature(load.resident_start / load.weights_bytes)
 
     def _evidence(self, load: _Load, obs: Observation) -> dict[str, _Evidence]:
         """Every progress estimate this tick can make, whether or not it drives progress."""
@@ -479,7 +537,8 @@ class Tracker:
     def _driving(self, load: _Load, obs: Observation) -> tuple[str, ...]:
         """Which signals may drive progress, given what residency says about this load."""
         if load.resident_start is not None and load.weights_bytes:
-            preferred, other = (_WHOLE, _STORAGE) if load.cache == "warm" else (_STORAGE, _WHOLE)
+            warm = load.cache is Cache.WARM
+            preferred, other = (_WHOLE, _STORAGE) if warm else (_STORAGE, _WHOLE)
             return preferred if any(s in load.evidence for s in preferred) else other
         if obs.resident_bytes is not None:
             # Residency is measurable but the first pass of this load has not landed yet: until
@@ -515,11 +574,13 @@ class Tracker:
         now, progress = obs.time, load.progress
         if progress is None:
             return
-        if self._phase == "starting" and progress >= BEGIN_RATIO:
+        if self._phase is Phase.STARTING and progress >= BEGIN_RATIO:
             load.weights_began = max(load.flat_time, load.started_at)
+            # Backdated to the last flat tick: watched if that tick was.
+            load.weights_began_seen = not load.seen_late or load.weights_began >= load.seen_at
             load.rate = deque([(load.weights_began, load.flat_progress)])
-            self._enter(load, "loading_weights", now)
-        if self._phase != "loading_weights":
+            self._enter(load, Phase.LOADING_WEIGHTS, now)
+        if self._phase is not Phase.LOADING_WEIGHTS:
             return
         quiet = now - load.last_rise >= QUIET_INTERVALS * self.interval
         if progress >= DONE_RATIO:
@@ -537,9 +598,11 @@ class Tracker:
             while len(load.rate) >= 2 and load.rate[1][0] <= horizon:
                 load.rate.popleft()
             return
-        self._enter(load, "initializing", now)
+        # A rise or a finish first seen on the load's first tick may have happened long before.
+        load.weights_ended_seen = not load.seen_late or load.weights_ended > load.seen_at
+        self._enter(load, Phase.INITIALIZING, now)
 
-    def _enter(self, load: _Load, phase: str, now: float) -> None:
+    def _enter(self, load: _Load, phase: Phase, now: float) -> None:
         self._phase = phase
         load.last_move = now  # a phase change is movement
 
@@ -547,7 +610,7 @@ class Tracker:
 
     def _rate(self, load: _Load) -> float | None:
         """Progress per second over the rate window; None until it spans 3 intervals."""
-        if self._phase != "loading_weights" or len(load.rate) < 2:
+        if self._phase is not Phase.LOADING_WEIGHTS or len(load.rate) < 2:
             return None
         (t0, p0), (t1, p1) = load.rate[0], load.rate[-1]
         if t1 - t0 < RATE_MIN_INTERVALS * self.interval:
@@ -556,26 +619,34 @@ class Tracker:
 
     def _eta(self, load: _Load, now: float, weights_eta: float | None) -> float | None:
         expected = self._expected(load)
-        init = expected.get("initializing")
+        init = expected.get(Phase.INITIALIZING)
         if init is None:
             return None
-        if self._phase == "initializing":
+        if self._phase is Phase.INITIALIZING:
             return max(0.0, init - (now - (load.weights_ended or load.started_at)))
-        if self._phase == "loading_weights":
+        if self._phase is Phase.LOADING_WEIGHTS:
             return None if weights_eta is None else weights_eta + init
-        starting, weights = expected.get("starting"), expected.get("loading_weights")
+        starting, weights = expected.get(Phase.STARTING), expected.get(Phase.LOADING_WEIGHTS)
         if starting is None or weights is None:
             return None
         return max(0.0, starting - (now - load.started_at)) + weights + init
 
     def _expected(self, load: _Load) -> Mapping[str, float]:
-        """History's phase medians for this load's cache, read once per load and cache value."""
-        if self.expectations is None:
+        """History's phase medians for this load's cache, read once per load and cache value.
+
+        The phases after the weights do not depend on the page cache, so where loads of this
+        temperature have none, loads of any temperature give them.
+        """
+        history = self.expectations
+        if history is None:
             return {}
         if load.cache not in load.expected:
-            load.expected[load.cache] = dict(
-                self.expectations.expected_phase_seconds(self.target, load.cache)
-            )
+            same = history.expected_phase_seconds(self.target, load.cache or Cache.UNKNOWN)
+            anywhere = history.expected_phase_seconds(self.target, None)
+            load.expected[load.cache] = {
+                **{p: anywhere[p] for p in CACHE_INDEPENDENT if p in anywhere},
+                **same,
+            }
         return load.expected[load.cache]
 
     def _signals(self, load: _Load | None) -> dict[str, float | int | None]:
@@ -601,11 +672,18 @@ class Tracker:
         return out
 
 
-def _idle_progress(phase: str, load: _Load | None) -> float | None:
+def temperature(resident_share: float) -> Cache:
+    """Cache temperature of a load from the share of its weights cached at its start."""
+    if resident_share >= WARM_SHARE:
+        return Cache.WARM
+    return Cache.COLD if resident_share <= COLD_SHARE else Cache.MIXED
+
+
+def _idle_progress(phase: Phase, load: _Load | None) -> float | None:
     """A ready server has its weights in; a failed load shows where it died; down shows none."""
-    if phase == "ready":
+    if phase is Phase.READY:
         return 1.0
-    return load.progress if phase == "failed" and load is not None else None
+    return load.progress if phase is Phase.FAILED and load is not None else None
 
 
 def _value_at(observations: Iterable[Observation], at: float) -> int | None:

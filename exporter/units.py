@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import re
 
+MiB = 1 << 20
+
 _NUMBER_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _MULTIPLIERS: dict[str, int] = {"": 1, "B": 1}
 for _exp, _letter in enumerate("KMGTPE", start=1):

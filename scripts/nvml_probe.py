@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from exporter.sources.gpu import (
     GpuSample,
     NvmlSource,

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from support import ModelServer, RunningExporter
+from helpers.support import ModelServer, RunningExporter
 
 from exporter.config import parse_config
 from exporter.webconfig import WebConfig

@@ -23,6 +23,8 @@ from exporter.cachectl import evict
 from exporter.sources.disk import resolve_block_device
 from exporter.sources.pagecache import file_residency
 
+pytestmark = pytest.mark.system  # child processes with fewer privileges
+
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 OTHER_UID = 4242  # owns neither this process nor the test files

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import free_port
+import pytest
+from helpers.support import free_port
+
+pytestmark = pytest.mark.system  # child processes, servers
 
 
 def test_demo_shows_a_cold_then_a_warm_load(tmp_path: Path) -> None:

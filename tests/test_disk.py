@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers_io import MIB, diskstats_read_bytes, read_all, write_cold_file
+from helpers.pagecache_io import MIB, diskstats_read_bytes, read_all, write_cold_file
 
 from exporter.sources.disk import DeviceReads, DiskSource
 

@@ -15,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from exporter.config import EndpointConfig
-from exporter.sources.endpoint import EndpointProber, ProbeResult
+from exporter.sources.endpoint import EndpointProber
+from exporter.vocabulary import ProbeResult, ServerKind
 
 SECRET = "Bearer sk-very-secret-0123456789"
 LLAMACPP_LOADING = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
@@ -210,6 +211,19 @@ def test_llamacpp_detected_from_body_alone(server: FakeServer) -> None:
     assert (sample.result, sample.server) == (ProbeResult.HTTP_ERROR, "llamacpp")
 
 
+def test_prober_counts_results_and_remembers_the_server_kind(server: FakeServer) -> None:
+    """Only some answers name the server (llama.cpp's 503); a plain 200 after it must not forget."""
+    server.replies["/health"] = Reply(503, LLAMACPP_LOADING)
+    once = prober(server.url, "health")
+    assert once.sample().server == ServerKind.LLAMACPP
+    server.replies["/health"] = Reply(200, b"ok")
+    sample = once.sample()
+    assert (sample.result, sample.server) == (ProbeResult.READY, ServerKind.LLAMACPP)
+    sample = once.sample()
+    assert sample.totals == {ProbeResult.HTTP_ERROR: 1, ProbeResult.READY: 2}
+    assert prober(server.url, "health").sample().totals == {ProbeResult.READY: 1}
+
+
 def test_tgi_unhealthy_is_detected(server: FakeServer) -> None:
     server.replies["/health"] = json_reply({"error": "unhealthy", "error_type": "healthcheck"}, 503)
     sample = prober(server.url, "health").sample()
@@ -329,7 +343,7 @@ def test_models_ready_and_server_detected(server: FakeServer, owner: str) -> Non
 def test_models_unknown_owner_and_missing_data(server: FakeServer) -> None:
     server.replies["/v1/models"] = json_reply({"data": [{"id": "m", "owned_by": "someone"}]})
     sample = prober(server.url, "models").sample()
-    assert (sample.result, sample.server) == (ProbeResult.READY, None)
+    assert (sample.result, sample.server) == (ProbeResult.READY, ServerKind.UNKNOWN)
     server.replies["/v1/models"] = json_reply({"models": []})
     sample = prober(server.url, "models").sample()
     assert (sample.result, sample.detail) == (ProbeResult.BAD_RESPONSE, "no 'data' list in JSON")

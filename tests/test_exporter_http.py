@@ -17,7 +17,7 @@ import bcrypt
 import pytest
 import requests
 import yaml
-from support import (
+from helpers.support import (
     ModelServer,
     RunningExporter,
     free_port,
@@ -35,6 +35,7 @@ def target(name: str, url: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "endpoint": {"url": url, "timeout": "3s", **extra}}
 
 
+@pytest.mark.system
 def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
@@ -70,7 +71,7 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
 
 def test_openmetrics_negotiation(start_exporter: Any, model_server: ModelServer) -> None:
     running = start_exporter({"targets": [target("m", model_server.url)]})
-    wait_for(lambda: running.exporter.ready)
+    wait_for(lambda: running.runtime.ready)
     response = requests.get(
         f"{running.url}/metrics",
         headers={"Accept": "application/openmetrics-text; version=1.0.0"},
@@ -88,7 +89,7 @@ def test_hung_endpoint_does_not_slow_scrapes(
     running = start_exporter(
         {"targets": [{"name": "hung", "endpoint": {"url": model_server.url, "timeout": "10s"}}]}
     )
-    wait_for(lambda: running.exporter.ready)
+    wait_for(lambda: running.runtime.ready)
     durations = []
     for _ in range(10):
         started = time.monotonic()
@@ -103,7 +104,7 @@ def test_hung_endpoint_does_not_slow_scrapes(
 
 def test_status_landing_health_and_ready(start_exporter: Any, model_server: ModelServer) -> None:
     running = start_exporter({"targets": [target("m", model_server.url)]})
-    wait_for(lambda: running.exporter.ready)
+    wait_for(lambda: running.runtime.ready)
     status = wait_for(lambda: (s := running.status())["targets"][0].get("phase") == "ready" and s)
     entry = status["targets"][0]
     assert entry["target"] == "m" and entry["phase"] == "ready"
@@ -116,6 +117,7 @@ def test_status_landing_health_and_ready(start_exporter: Any, model_server: Mode
     assert requests.get(running.url + "/nope", timeout=5).status_code == 404
 
 
+@pytest.mark.system
 def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_path: Path) -> None:
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     subprocess.run(
@@ -150,10 +152,37 @@ def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_
     assert ok.status_code == 200 and "model_load_exporter_build_info" in ok.text
 
 
+def test_a_partial_load_is_kept_in_history_and_adds_nothing_to_metrics(
+    start_exporter: Any, model_server: ModelServer, tmp_path: Path
+) -> None:
+    """Seen loading (503) with no process to date it: its start is unknown, so no histogram."""
+    model_server.mode = "503"
+    running = start_exporter(
+        {
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [target("late", model_server.url)],
+        }
+    )
+    wait_for(lambda: running.status()["targets"][0].get("partial"))
+    model_server.mode = "ready"
+    loads = wait_for(lambda: requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"])
+    assert [(r["outcome"], r["partial"]) for r in loads] == [("ready", True)]
+    text = running.metrics()
+    assert sample_value(text, "model_load_last_duration_seconds", target="late") is not None
+    assert "model_load_duration_seconds_count" not in text
+    assert "model_load_phase_duration_seconds_count" not in text
+
+
+@pytest.mark.system
 def test_real_prometheus_scrapes_the_exporter(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
-    running = start_exporter({"targets": [target("scraped", model_server.url)]})
+    running = start_exporter(
+        {
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [target("scraped", model_server.url)],
+        }
+    )
     prom_port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -176,11 +205,11 @@ def test_real_prometheus_scrapes_the_exporter(
     )  # fmt: skip
     try:
 
-        def query() -> list[dict[str, Any]] | None:
+        def query(promql: str) -> list[dict[str, Any]] | None:
             try:
                 response = requests.get(
                     f"http://127.0.0.1:{prom_port}/api/v1/query",
-                    params={"query": 'model_load_endpoint_up{target="scraped"}'},
+                    params={"query": promql},
                     timeout=5,
                 )
             except requests.ConnectionError:
@@ -188,14 +217,36 @@ def test_real_prometheus_scrapes_the_exporter(
             result: list[dict[str, Any]] = response.json()["data"]["result"]
             return result or None
 
-        result = wait_for(query, timeout=60, interval=0.5)
+        result = wait_for(lambda: query('model_load_endpoint_up{target="scraped"}'), 60, 0.5)
         assert result[0]["metric"]["job"] == "model-load"
         assert result[0]["value"][1] == "1"
+
+        # A load: the ready endpoint fails three probes, then answers again.
+        model_server.mode = "503"
+        wait_for(lambda: query('model_load_in_progress{target="scraped"} == 1'), 30, 0.2)
+        model_server.mode = "ready"
+        count = 'model_load_duration_seconds_count{target="scraped",outcome="ready"}'
+        wait_for(lambda: query(f"{count} == 1"), 30, 0.5)
+        [load] = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+        assert 0 < load["duration_seconds"] <= 5 and not load["partial"]
+        buckets = query('model_load_duration_seconds_bucket{target="scraped"}')
+        assert buckets is not None
+        by_le = {b["metric"]["le"]: float(b["value"][1]) for b in buckets}
+        assert by_le["5.0"] == by_le["+Inf"] == 1 and len(by_le) == 21
+        [median] = query(
+            "histogram_quantile(0.5, sum by (le) "
+            '(model_load_duration_seconds_bucket{target="scraped"}))'
+        ) or [None]
+        assert median is not None and 0 < float(median["value"][1]) <= 5
+        [total] = query('model_load_duration_seconds_sum{target="scraped"}') or [None]
+        assert total is not None
+        assert float(total["value"][1]) == pytest.approx(load["duration_seconds"])
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
 
 
+@pytest.mark.system
 def test_exporter_process_shuts_down_on_sigterm(model_server: ModelServer) -> None:
     port = free_port()
     proc = subprocess.Popen(
@@ -220,6 +271,7 @@ def test_exporter_process_shuts_down_on_sigterm(model_server: ModelServer) -> No
         proc.kill()
 
 
+@pytest.mark.system
 def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
     port = model_server.httpd.server_address[1]
     result = subprocess.run(
@@ -231,6 +283,7 @@ def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
     assert "cannot listen on" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.system
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
 def test_unprivileged_exporter_exports_no_residency_rather_than_a_false_one(
     model_server: ModelServer,
@@ -290,6 +343,7 @@ def test_weights_without_a_block_device_are_reported_in_status(
     assert "no block device" in entry["unbacked_note"]
 
 
+@pytest.mark.system
 def test_sighup_reloads_the_config_and_a_bad_one_keeps_the_old(
     model_server: ModelServer, tmp_path: Path
 ) -> None:

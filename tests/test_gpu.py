@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from fake_nvml import (
+from helpers.fake_nvml import (
     GIB,
     H200_TOTAL_BYTES,
     FakeNvml,
@@ -304,6 +304,7 @@ def test_real_pynvml_without_driver_is_unavailable(
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
+@pytest.mark.system
 @pytest.mark.skipif(_nvml_library_loadable(), reason="NVML present: run the probe by hand")
 def test_probe_script_runs_standalone_and_says_no_nvml(tmp_path: Path) -> None:
     for extra in ([], ["--json"]):

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
-from support import RunningExporter, sample_value, wait_for
+from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
+from helpers.support import RunningExporter, sample_value, wait_for
 
 # A server whose tree is two processes, like a launcher and its TP worker.
 TREE = (
@@ -32,6 +32,7 @@ def server_tree() -> Iterator[tuple[int, int]]:
     proc.wait()
 
 
+@pytest.mark.system
 def test_eight_gpus_with_per_process_attribution(
     start_exporter: Any, model_server: Any, server_tree: tuple[int, int], tmp_path: Path
 ) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers_io import MIB, read_all, write_cold_file
+from helpers.pagecache_io import MIB, read_all, write_cold_file
 
 from exporter.sources.memory import MemorySample, read_meminfo
 

@@ -24,7 +24,13 @@ import pytest
 
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
-from exporter.sources.pagecache import QUIET_REFRESH_SECONDS, ResidencySource, discover, measure
+from exporter.sources.pagecache import (
+    MIN_READS_FOR_PASS,
+    QUIET_REFRESH_SECONDS,
+    ResidencySource,
+    discover,
+    measure,
+)
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -333,7 +339,7 @@ def test_budget_defers_the_next_full_pass(tmp_path: Path) -> None:
     assert first.resident_bytes == 0
 
     read_part(f, 4 * MiB)
-    src.note_device_reads()
+    src.note_device_reads(None)
     clocks.now = 1009.9
     assert src.sample() is first  # within budget: the last measurement, not a new pass
 
@@ -357,9 +363,33 @@ def test_without_device_reads_passes_wait_for_the_quiet_refresh(tmp_path: Path) 
     assert src.sample() is first  # the budget allows a pass, but nothing says it is worth one
     clocks.now = 1000.0 + QUIET_REFRESH_SECONDS
     assert src.sample().resident_bytes == 4 * MiB
-    src.note_device_reads()
+    src.note_device_reads(None)
     clocks.now += 1.0
     assert src.sample().measured_at == clocks.now  # reads seen: measure once the budget allows
+
+
+def test_device_reads_ask_for_a_pass_only_past_the_threshold(tmp_path: Path) -> None:
+    """A 16 KB log read on the weights' disk must not buy a pass; a megabyte of reads does."""
+    f = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
+    clocks = FakeClocks(cost=0.001)
+    src = ResidencySource(weights(tmp_path), 0.01, clocks.clock, clocks.cpu_clock)
+    first = src.sample()
+    read_part(f, 4 * MiB)
+    src.note_device_reads(5_000_000_000)  # the first counter seen is the baseline
+    clocks.now += 1.0
+    src.note_device_reads(5_000_000_000 + MIN_READS_FOR_PASS - 1)
+    assert src.sample() is first
+    src.note_device_reads(5_000_000_000 + MIN_READS_FOR_PASS)
+    clocks.now += 1.0
+    second = src.sample()
+    assert (second.measured_at, second.resident_bytes) == (clocks.now, 4 * MiB)
+    src.note_device_reads(5_000_000_000 + 2 * MIN_READS_FOR_PASS - 1)  # counted from the last ask
+    clocks.now += 1.0
+    assert src.sample() is second
+    src.note_device_reads(0)  # a counter that went back (device replaced) is a new baseline
+    src.note_device_reads(MIN_READS_FOR_PASS - 1)
+    clocks.now += 1.0
+    assert src.sample() is second
 
 
 def test_request_full_pass_overrides_the_budget(tmp_path: Path) -> None:
@@ -477,6 +507,7 @@ def run_as_nobody(directory: Path, path: Path) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.system
 @needs_root
 @needs_fincore
 @needs_cachestat
@@ -501,6 +532,7 @@ def test_unprivileged_caller_gets_no_number_rather_than_a_false_one(shared_dir: 
     assert ResidencySource(weights(shared_dir)).sample().resident_bytes == 4 * MiB
 
 
+@pytest.mark.system
 @needs_root
 @needs_fincore
 @needs_cachestat

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_io import MIB, write_cold_file
+from helpers.pagecache_io import MIB, write_cold_file
 
 from exporter.config import ProcessConfig
 from exporter.sources.process import ProcessFinder, ProcessSample
+
+pytestmark = pytest.mark.system  # child processes, servers
 
 # A stand-in model server: starts a long-lived worker, then reads files or spawns short-lived
 # readers when told to on stdin, answering one line per command.

@@ -19,10 +19,12 @@ from typing import Any
 
 import psutil
 import pytest
-from support import free_port, wait_for
+from helpers.support import free_port, wait_for
 
 from exporter.cachectl import evict, prewarm
-from exporter.shards import Throttle, generate_shards, read_chunk
+from exporter.sim.shards import Throttle, generate_shards, read_chunk
+
+pytestmark = pytest.mark.system  # child processes, servers
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -134,7 +136,7 @@ def make_shards(directory: Path, count: int, size: int) -> list[Path]:
 
 
 class Sim:
-    """One `python -m exporter.simulate` child with its own port, log, report and pidfile."""
+    """One `python -m exporter simulate` child with its own port, log, report and pidfile."""
 
     def __init__(self, tmp_path: Path, weights: Path, *extra: str, name: str = "sim") -> None:
         self.port = free_port()
@@ -143,7 +145,7 @@ class Sim:
         self.pidfile = tmp_path / f"{name}.pid"
         self.started = time.time()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter.simulate", "--port", str(self.port),
+            [sys.executable, "-m", "exporter", "simulate", "--port", str(self.port),
              "--weights", str(weights), "--log-file", str(self.log),
              "--report", str(self.report), "--pidfile", str(self.pidfile), *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -508,7 +510,7 @@ def test_generate_shards_replaces_a_shard_of_the_wrong_size(tmp_path: Path) -> N
 )
 def test_bad_flags_fail_with_one_line_and_exit_2(tmp_path: Path, args: list[str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "exporter.simulate", "--weights", str(tmp_path), *args],
+        [sys.executable, "-m", "exporter", "simulate", "--weights", str(tmp_path), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=15,
     )  # fmt: skip
     assert done.returncode == 2
@@ -517,7 +519,7 @@ def test_bad_flags_fail_with_one_line_and_exit_2(tmp_path: Path, args: list[str]
 
 def test_missing_weights_and_busy_port_fail_with_one_line_and_exit_1(tmp_path: Path) -> None:
     missing = subprocess.run(
-        [sys.executable, "-m", "exporter.simulate", "--weights", str(tmp_path / "absent"),
+        [sys.executable, "-m", "exporter", "simulate", "--weights", str(tmp_path / "absent"),
          "--port", str(free_port()), "--pidfile", str(tmp_path / "pid")],
         cwd=ROOT, capture_output=True, text=True, timeout=15,
     )  # fmt: skip
@@ -530,7 +532,7 @@ def test_missing_weights_and_busy_port_fail_with_one_line_and_exit_1(tmp_path: P
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         done = subprocess.run(
-            [sys.executable, "-m", "exporter.simulate", "--weights", str(tmp_path / "w"),
+            [sys.executable, "-m", "exporter", "simulate", "--weights", str(tmp_path / "w"),
              "--port", str(busy.getsockname()[1])],
             cwd=ROOT, capture_output=True, text=True, timeout=15,
         )  # fmt: skip

@@ -30,6 +30,13 @@ class DiskSample:
     devices_by_target: Mapping[str, tuple[str, ...]]
     unbacked_by_target: Mapping[str, tuple[str, ...]]
 
+    def read_bytes_of(self, target: str) -> int | None:
+        """Bytes read so far by the devices behind one target's weights; None without any."""
+        names = set(self.devices_by_target.get(target, ()))
+        if not names:
+            return None
+        return sum(d.read_bytes_total for d in self.devices if d.device in names)
+
 
 class DiskSource:
     """Maps weight paths to block devices once per filesystem and samples /proc/diskstats."""

@@ -7,14 +7,14 @@ of the exporter, so every failure is classified rather than collapsed into "down
 
 from __future__ import annotations
 
-import enum
 import errno
 import http.client
 import json
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,19 +23,12 @@ import requests
 import urllib3.exceptions
 
 from exporter.config import EndpointConfig
+from exporter.vocabulary import ProbeKind, ProbeResult, ServerKind
 
 MAX_BODY_BYTES = 1024 * 1024  # a 1-token completion or a model list is far smaller
 _READ_CHUNK = 64 * 1024
-_KNOWN_OWNERS = {"sglang": "sglang", "vllm": "vllm", "llamacpp": "llamacpp"}
-
-
-class ProbeResult(enum.StrEnum):
-    READY = "ready"
-    REFUSED = "refused"
-    TIMEOUT = "timeout"
-    HTTP_ERROR = "http_error"
-    BAD_RESPONSE = "bad_response"
-    ERROR = "error"
+# `owned_by` values in /v1/models answers that name the server.
+_KNOWN_OWNERS = frozenset({ServerKind.SGLANG, ServerKind.VLLM, ServerKind.LLAMACPP})
 
 
 @dataclass(frozen=True)
@@ -44,7 +37,8 @@ class ProbeSample:
     duration_seconds: float
     status_code: int | None
     detail: str
-    server: str | None
+    server: ServerKind  # the kind the responses have shown so far; UNKNOWN until one does
+    totals: Mapping[ProbeResult, int]  # probes by result since the prober was made
 
 
 class _Outcome(Exception):
@@ -55,7 +49,7 @@ class _Outcome(Exception):
         result: ProbeResult,
         detail: str,
         status_code: int | None = None,
-        server: str | None = None,
+        server: ServerKind | None = None,
     ) -> None:
         super().__init__(detail)
         self.result = result
@@ -65,7 +59,12 @@ class _Outcome(Exception):
 
 
 class EndpointProber:
-    """One probe per `sample()`; never raises for network trouble, classifies it instead."""
+    """One probe per `sample()`; never raises for network trouble, classifies it instead.
+
+    Keeps what outlives one probe: the count of probes per result (a counter for Prometheus) and
+    the server kind, which only some answers reveal (a 503 from llama.cpp, /v1/models' owner).
+    Not thread-safe: one sampler thread owns it.
+    """
 
     def __init__(
         self,
@@ -81,6 +80,8 @@ class EndpointProber:
             session.trust_env = False
         self._session = session
         self._clock = clock
+        self._totals: Counter[ProbeResult] = Counter()
+        self._server = ServerKind.UNKNOWN
 
     def __repr__(self) -> str:
         return f"EndpointProber(url={self._config.probe_url!r}, probe={self._config.probe!r})"
@@ -89,7 +90,7 @@ class EndpointProber:
         start = self._clock()
         deadline = start + self._config.timeout
         try:
-            if self._config.probe == "tcp":
+            if self._config.probe == ProbeKind.TCP:
                 outcome = self._probe_tcp()
             else:
                 outcome = self._probe_http(deadline)
@@ -103,12 +104,16 @@ class EndpointProber:
             ValueError,  # e.g. a header value that HTTP cannot carry
         ) as exc:
             outcome = _classify_exception(exc, self._config.timeout)
+        self._totals[outcome.result] += 1
+        if outcome.server is not None:
+            self._server = outcome.server
         return ProbeSample(
             result=outcome.result,
             duration_seconds=max(0.0, self._clock() - start),
             status_code=outcome.status_code,
             detail=outcome.detail,
-            server=outcome.server,
+            server=self._server,
+            totals=dict(self._totals),
         )
 
     def _probe_tcp(self) -> _Outcome:
@@ -128,7 +133,7 @@ class EndpointProber:
             "allow_redirects": False,
             "stream": True,
         }
-        if config.probe == "completion":
+        if config.probe == ProbeKind.COMPLETION:
             body: dict[str, Any] = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
             if config.model is not None:
                 body = {"model": config.model, **body}
@@ -201,15 +206,15 @@ def _parse_json(raw: bytes) -> object:
         return None
 
 
-def _check_body(probe: str, raw: bytes, document: object) -> str | None:
+def _check_body(probe: ProbeKind, raw: bytes, document: object) -> str | None:
     """Why a 2xx body does not satisfy the probe kind, or None when it does."""
-    if probe == "health":
+    if probe == ProbeKind.HEALTH:
         return None
     if len(raw) > MAX_BODY_BYTES:
         return f"response body larger than {MAX_BODY_BYTES} bytes"
     if not isinstance(document, dict):
         return "response is not a JSON object"
-    if probe == "completion":
+    if probe == ProbeKind.COMPLETION:
         choices = document.get("choices")
         if not isinstance(choices, list):
             return "no 'choices' in JSON"
@@ -223,30 +228,30 @@ def _check_body(probe: str, raw: bytes, document: object) -> str | None:
 
 def detect_server(
     headers: requests.structures.CaseInsensitiveDict[str], document: object, raw: bytes
-) -> str | None:
+) -> ServerKind | None:
     """The server kind, from evidence each server is known to put in its responses."""
     if "llama.cpp" in headers.get("Server", ""):
-        return "llamacpp"
+        return ServerKind.LLAMACPP
     if isinstance(document, dict):
         data = document.get("data")
         if isinstance(data, list):
             for item in data:
                 owner = item.get("owned_by") if isinstance(item, dict) else None
                 if isinstance(owner, str) and owner in _KNOWN_OWNERS:
-                    return _KNOWN_OWNERS[owner]
+                    return ServerKind(owner)
         error = document.get("error")
         if (
             isinstance(error, dict)
             and error.get("type") == "unavailable_error"
             and error.get("message") == "Loading model"
         ):
-            return "llamacpp"
+            return ServerKind.LLAMACPP
         if isinstance(error, str) and isinstance(document.get("error_type"), str):
-            return "tgi"
+            return ServerKind.TGI
     if "x-compute-type" in headers and "x-compute-time" in headers:
-        return "tgi"
+        return ServerKind.TGI
     if b"Loading model" in raw and b"unavailable_error" in raw:
-        return "llamacpp"
+        return ServerKind.LLAMACPP
     return None
 
 

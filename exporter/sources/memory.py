@@ -41,3 +41,13 @@ def read_meminfo(proc_root: str = "/proc") -> MemorySample:
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}")
     return MemorySample(**values)
+
+
+class MemorySource:
+    """/proc/meminfo sampled like every other source, under an injectable proc root."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        self._proc_root = proc_root
+
+    def sample(self) -> MemorySample:
+        return read_meminfo(self._proc_root)

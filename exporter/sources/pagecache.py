@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 METHODS: tuple[str, ...] = ("cachestat", "mincore")
 QUIET_REFRESH_SECONDS = 30.0
+MIN_READS_FOR_PASS = 1 << 20  # device bytes read before residency is worth measuring again
+READS_SHARE_FOR_PASS = 0.001  # ... or this share of the weights, whichever is more
 MINCORE_WINDOW = 1 << 30
 ADVICE = (
     "run as the files' owner or root; cachestat needs Linux >= 6.5 and must be allowed by seccomp"
@@ -467,15 +469,33 @@ class ResidencySource:
         self._reads = threading.Event()
         self._tree: WeightTree | None = None
         self._last: ResidencySample | None = None
+        self._reads_at_pass: int | None = None  # device read counter when a pass was last asked
         self._warned = False
 
     def request_full_pass(self) -> None:
         """Make the next sample() measure afresh, whatever the budget says (thread-safe)."""
         self._forced.set()
 
-    def note_device_reads(self) -> None:
-        """The weights' block devices read something: residency may have changed (thread-safe)."""
-        self._reads.set()
+    def note_device_reads(self, read_bytes_total: int | None) -> None:
+        """Ask for a pass once the weights' devices have read a meaningful amount.
+
+        Pages arrive only through reads, so without reads a pass would measure nothing new; but
+        the devices also serve the rest of the host, and a 16 KB log read must not buy a 30 ms
+        pass over 8 GB. `read_bytes_total` is the devices' read counter; None means reads cannot
+        be seen (NFS, tmpfs: no block device), and then every call asks. Called from one thread
+        (the tracker tick); the request it raises is thread-safe.
+        """
+        if read_bytes_total is None:
+            self._reads.set()
+            return
+        base = self._reads_at_pass
+        if base is None or read_bytes_total < base:
+            self._reads_at_pass = base = read_bytes_total
+        last = self._last
+        weights = last.total_bytes if last is not None else 0
+        if read_bytes_total - base >= max(MIN_READS_FOR_PASS, weights * READS_SHARE_FOR_PASS):
+            self._reads.set()
+            self._reads_at_pass = read_bytes_total
 
     def sample(self) -> ResidencySample:
         """A fresh full pass when requested, or when due and worth it; else the last measurement.

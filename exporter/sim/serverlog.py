@@ -12,7 +12,9 @@ from typing import ClassVar, TextIO
 
 import psutil
 
-MiB = 1 << 20
+from exporter.units import MiB
+from exporter.vocabulary import ServerKind
+
 GiB = 1 << 30
 # How `--init-seconds` is shared between the fine steps a format goes through.
 STEP_SHARES: dict[str, float] = {
@@ -68,7 +70,7 @@ class ServerLog:
     real progress bars are; the next regular line first ends such an open line.
     """
 
-    kind: ClassVar[str] = ""
+    kind: ClassVar[ServerKind]
     steps: ClassVar[tuple[str, ...]] = ()
     ticks: ClassVar[dict[str, int]] = {}
     # SGLang opens its port before its warmup request; /health answers 503 until that succeeds.
@@ -138,7 +140,7 @@ class ServerLog:
 
 
 class SGLangLog(ServerLog):
-    kind = "sglang"
+    kind = ServerKind.SGLANG
     steps = ("kv_cache", "compile", "cuda_graph", "warmup")
     ticks: ClassVar[dict[str, int]] = {"compile": 4, "cuda_graph": 9}
     opens_port_for_warmup = True
@@ -257,7 +259,7 @@ class SGLangLog(ServerLog):
 
 
 class VLLMLog(ServerLog):
-    kind = "vllm"
+    kind = ServerKind.VLLM
     steps = ("compile", "kv_cache", "cuda_graph", "warmup")
     ticks: ClassVar[dict[str, int]] = {"compile": 2, "cuda_graph": 4}
     _VERSION = "0.33.0"
@@ -383,7 +385,7 @@ class VLLMLog(ServerLog):
 
 
 class LlamaCppLog(ServerLog):
-    kind = "llamacpp"
+    kind = ServerKind.LLAMACPP
     steps = ("kv_cache", "warmup")
 
     def __init__(self, out: TextIO, ctx: LogContext, clock: Callable[[], float] = time.time):
@@ -459,7 +461,7 @@ class LlamaCppLog(ServerLog):
 
 
 class TGILog(ServerLog):
-    kind = "tgi"
+    kind = ServerKind.TGI
     steps = ("warmup", "kv_cache", "cuda_graph")
     _WAIT_EVERY = 10.0
     _SHARD = "shard-manager: text_generation_launcher"
@@ -537,7 +539,7 @@ class TGILog(ServerLog):
             self.raw(f'Error: Backend(Warmup(Generation("{reason}")))\n')
 
 
-LOG_FORMATS: dict[str, type[ServerLog]] = {
+LOG_WRITERS: dict[ServerKind, type[ServerLog]] = {
     cls.kind: cls for cls in (SGLangLog, VLLMLog, LlamaCppLog, TGILog)
 }
 

@@ -17,15 +17,16 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from exporter.app import Exporter
 from exporter.cachectl import evict
 from exporter.config import parse_config
 from exporter.logsetup import setup_logging
-from exporter.server import ExporterApp, HttpServer
-from exporter.shards import generate_shards
+from exporter.runtime import Runtime
+from exporter.sim.shards import generate_shards
 from exporter.sources.pagecache import discover
 from exporter.tracker import TargetState
 from exporter.units import parse_size
+from exporter.vocabulary import Cache
+from exporter.web import HttpServer, WebApp
 
 TARGET = "demo"
 
@@ -118,13 +119,13 @@ def run(args: argparse.Namespace) -> int:
         },
         source="demo",
     )
-    exporter = Exporter(config)
+    runtime = Runtime(config)
     try:
-        http = HttpServer(ExporterApp(exporter), args.listen)
+        http = HttpServer(WebApp(runtime), args.listen)
     except (OSError, ValueError) as exc:
         print(f"model-load-exporter demo: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
-    exporter.start()
+    runtime.start()
     http.start()
     base = f"http://127.0.0.1:{http.port}"
     console = Console(soft_wrap=True)
@@ -134,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Live(console=console, refresh_per_second=4) as live:
             while args.cycles == 0 or cycle < args.cycles:
-                kind = "cold" if cycle % args.cold_every == 0 else "warm"
-                if kind == "cold":
+                kind = Cache.COLD if cycle % args.cold_every == 0 else Cache.WARM
+                if kind is Cache.COLD:
                     for f in discover(config.targets[0].weights).files:  # type: ignore[arg-type]
                         evict(f.path)
                 cycle += 1
@@ -149,22 +150,22 @@ def run(args: argparse.Namespace) -> int:
                     stdout=subprocess.DEVNULL,
                 )  # fmt: skip
                 while server.poll() is None:
-                    state = exporter.snapshot().states.get(TARGET)
+                    state = runtime.snapshot().targets[0].state
                     live.update(_table(state, cycle, kind))
                     time.sleep(0.25)
                 time.sleep(2 * config.sample_interval)  # let the tracker see the exit
-                live.update(_table(exporter.snapshot().states.get(TARGET), cycle, kind))
+                live.update(_table(runtime.snapshot().targets[0].state, cycle, kind))
     except KeyboardInterrupt:
         pass
     finally:
-        records = exporter.loads(TARGET, limit=cycle)
+        records = runtime.loads(TARGET, limit=cycle)
         http.stop()
-        exporter.stop()
+        runtime.stop()
     console.line()
     for record in reversed(records):
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in record.phase_seconds.items())
         console.print(
             f"load {record.outcome} in {record.duration_seconds:.1f}s "
-            f"({record.cache or 'unknown'} cache): {phases}"
+            f"({record.cache or Cache.UNKNOWN} cache): {phases}"
         )
     return 0

@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import psutil
 
 from exporter.config import ConfigError, parse_duration
-from exporter.serverlog import LOG_FORMATS, STEP_SHARES, LogContext, ServerLog, fs_type
-from exporter.shards import (
+from exporter.sim.serverlog import LOG_WRITERS, STEP_SHARES, LogContext, ServerLog, fs_type
+from exporter.sim.shards import (
     CHUNK_SIZE,
     MIN_SHARD_SIZE,
     WEIGHTS_GLOB,
@@ -45,12 +45,16 @@ from exporter.shards import (
     read_chunk,
 )
 from exporter.sources.process import process_start_time
-from exporter.units import parse_rate, parse_size
+from exporter.units import MiB, parse_rate, parse_size
+from exporter.vocabulary import ServerKind
 
-MiB = 1 << 20
-SERVER_KINDS: tuple[str, ...] = ("sglang", "vllm", "llamacpp", "tgi")
 PORT_STYLES: tuple[str, ...] = ("closed", "503")
-DEFAULT_PORTS: dict[str, int] = {"sglang": 30000, "vllm": 8000, "llamacpp": 8080, "tgi": 3000}
+DEFAULT_PORTS: dict[ServerKind, int] = {
+    ServerKind.SGLANG: 30000,
+    ServerKind.VLLM: 8000,
+    ServerKind.LLAMACPP: 8080,
+    ServerKind.TGI: 3000,
+}
 LOADING_BODY = json.dumps(
     {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
 ).encode()
@@ -154,7 +158,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--startup-seconds", type=_seconds_arg, default=0.0, help="imports, distributed init")
     add("--init-seconds", type=_seconds_arg, default=10.0, help="KV cache, compile, CUDA graphs")
     add("--port-style", choices=PORT_STYLES, help="closed until ready, or 503 while loading")
-    add("--log-format", choices=SERVER_KINDS, default="sglang", help="whose startup log to write")
+    add(
+        "--log-format",
+        choices=tuple(LOG_WRITERS),
+        default=ServerKind.SGLANG,
+        help="whose startup log to write",
+    )
     add("--log-file", type=Path, metavar="PATH", help="append the log here (default stderr)")
     add("--pidfile", type=Path, metavar="PATH", help="written at start, removed at exit")
     add("--report", type=Path, metavar="PATH", help="JSON summary written when ready or failed")
@@ -180,7 +189,7 @@ class Settings:
     startup_seconds: float
     init_seconds: float
     port_style: str
-    kind: str
+    kind: ServerKind
     log_file: Path | None
     pidfile: Path | None
     report: Path | None
@@ -193,7 +202,7 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
-        kind: str = args.log_format
+        kind = ServerKind(args.log_format)
         weights = Path(args.weights).absolute()
         return cls(
             host=args.host,
@@ -206,7 +215,7 @@ class Settings:
             startup_seconds=args.startup_seconds,
             init_seconds=args.init_seconds,
             # llama.cpp answers 503 while loading; the others keep the port closed.
-            port_style=args.port_style or ("503" if kind == "llamacpp" else "closed"),
+            port_style=args.port_style or ("503" if kind == ServerKind.LLAMACPP else "closed"),
             kind=kind,
             log_file=args.log_file,
             pidfile=args.pidfile,
@@ -320,7 +329,7 @@ class Endpoint:
     called: connecting to a bound but not listening socket is refused, like vLLM while loading.
     """
 
-    def __init__(self, kind: str, model: str, host: str, port: int) -> None:
+    def __init__(self, kind: ServerKind, model: str, host: str, port: int) -> None:
         self.kind = kind
         self.model = model
         self.state = "loading"
@@ -363,13 +372,15 @@ class Endpoint:
     def respond(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
         """Status and JSON body for one request, given the current state."""
         path = target.split("?", 1)[0]
-        health_paths = ("/health", "/health_generate") if self.kind == "sglang" else ("/health",)
+        health_paths = (
+            ("/health", "/health_generate") if self.kind == ServerKind.SGLANG else ("/health",)
+        )
         if self.state == "loading":
             return 503, LOADING_BODY
         if self.state == "warmup" and path in health_paths:
             return 503, b""
         if method == "GET" and path in health_paths:
-            return 200, (b'{"status":"ok"}' if self.kind == "llamacpp" else b"")
+            return 200, (b'{"status":"ok"}' if self.kind == ServerKind.LLAMACPP else b"")
         if method == "GET" and path == "/v1/models":
             return 200, self._models()
         if method == "POST" and path == "/v1/completions":
@@ -503,7 +514,7 @@ class Simulation:
             shards=len(shards),
             fs_type=fs_type(s.weights),
         )
-        log = LOG_FORMATS[s.kind](self._out, ctx)
+        log = LOG_WRITERS[s.kind](self._out, ctx)
         if s.port_style == "503":
             endpoint.open("loading")
         log.banner()
@@ -681,20 +692,3 @@ def run(args: argparse.Namespace) -> int:
     except SimulationError as exc:
         print(f"simulate: {exc}", file=sys.stderr)
         return 1
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage mistakes get one line and exit 2, not the whole usage text."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _OneLineParser(prog="simulate", description="A stand-in model server.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,9 +13,9 @@ from typing import Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.app import Exporter
 from exporter.config import Config
-from exporter.server import ExporterApp, HttpServer
+from exporter.runtime import Runtime
+from exporter.web import HttpServer, WebApp
 from exporter.webconfig import WebConfig
 
 COMPLETION = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "."}]}
@@ -76,10 +76,10 @@ class ModelServer:
 
 class RunningExporter:
     def __init__(self, config: Config, web: WebConfig | None = None, **kwargs: Any) -> None:
-        self.exporter = Exporter(config, **kwargs)
-        self.http = HttpServer(ExporterApp(self.exporter, web), "127.0.0.1:0")
+        self.runtime = Runtime(config, **kwargs)
+        self.http = HttpServer(WebApp(self.runtime, web), "127.0.0.1:0")
         self.url = f"{self.http.scheme}://127.0.0.1:{self.http.port}"
-        self.exporter.start()
+        self.runtime.start()
         self.http.start()
         self.stopped = False
 
@@ -98,7 +98,7 @@ class RunningExporter:
             return
         self.stopped = True
         self.http.stop()
-        self.exporter.stop()
+        self.runtime.stop()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1) -> Any:

@@ -21,8 +21,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from exporter import __version__
-from exporter.app import Exporter, Snapshot
 from exporter.collector import ExporterCollector
+from exporter.runtime import Runtime
+from exporter.snapshot import Snapshot
+from exporter.sources import DISK, PAGECACHE
 from exporter.tracker import LoadRecord
 from exporter.webconfig import WebConfig
 
@@ -59,31 +61,30 @@ def record_json(record: LoadRecord) -> dict[str, Any]:
 
 def status_json(snap: Snapshot) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
+    disk = snap.host_value(DISK)
     targets = []
-    for target in snap.config.targets:
-        name = target.name
-        state = snap.states.get(name)
+    for view in snap.targets:
+        name = view.name
         sources = {
-            source: {
+            r.source: {
                 "up": r.ok,
                 "error": r.error,
                 "duration_seconds": round(r.duration_seconds, 6),
                 "age_seconds": round(snap.time - r.finished_at, 3),
             }
-            for (source, t), r in sorted(snap.readings.items())
-            if t == name
+            for r in (view.readings[source] for source in sorted(view.readings))
         }
         entry: dict[str, Any] = {
             "target": name,
-            "endpoint": target.endpoint.url,
-            "server": snap.servers.get(name, "unknown"),
+            "endpoint": view.config.endpoint.url,
+            "server": view.server,
             "sources": sources,
         }
-        if state is not None:
-            entry.update(dataclasses.asdict(state))
-        residency = snap.reading("pagecache", name)
-        if residency is not None and residency.value is not None:
-            value = residency.value
+        if view.state is not None:
+            entry.update(dataclasses.asdict(view.state))
+        pagecache = view.reading(PAGECACHE)
+        if pagecache is not None and pagecache.value is not None:
+            value = pagecache.value
             entry["residency"] = {
                 "files": value.files,
                 "total_bytes": value.total_bytes,
@@ -93,10 +94,9 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 "last_full_pass_cpu_seconds": value.pass_cpu_seconds,
                 "reason": value.reason,
             }
-        disk = snap.value("disk")
         if disk is not None:
-            entry["block_devices"] = list(getattr(disk, "devices_by_target", {}).get(name, ()))
-            unbacked = list(getattr(disk, "unbacked_by_target", {}).get(name, ()))
+            entry["block_devices"] = list(disk.devices_by_target.get(name, ()))
+            unbacked = list(disk.unbacked_by_target.get(name, ()))
             if unbacked:
                 entry["unbacked_weight_paths"] = unbacked
                 entry["unbacked_note"] = (
@@ -105,9 +105,8 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 )
         targets.append(entry)
     host = {
-        source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
-        for (source, t), r in sorted(snap.readings.items())
-        if not t
+        r.source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
+        for r in (snap.host[source] for source in sorted(snap.host))
     }
     return {
         "time": snap.time,
@@ -118,15 +117,15 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
     }
 
 
-class ExporterApp:
-    """The WSGI application."""
+class WebApp:
+    """The WSGI application over whichever runtime is current (a reload swaps it)."""
 
-    def __init__(self, exporter: Exporter, web: WebConfig | None = None) -> None:
-        self.exporter = exporter
+    def __init__(self, runtime: Runtime, web: WebConfig | None = None) -> None:
+        self.runtime = runtime
         self.web = web or WebConfig()
         registry = CollectorRegistry(auto_describe=False)
-        # Through self.exporter, not a bound method: a config reload swaps the exporter.
-        registry.register(ExporterCollector(lambda: self.exporter.snapshot()))
+        # Through self.runtime, not a bound method: a config reload swaps the runtime.
+        registry.register(ExporterCollector(lambda: self.runtime.snapshot()))
         self._metrics = make_wsgi_app(registry)
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -147,13 +146,13 @@ class ExporterApp:
         if path == "/-/healthy":
             return self._reply(start_response, "200 OK", b"Healthy\n", "text/plain")
         if path == "/-/ready":
-            if self.exporter.ready:
+            if self.runtime.ready:
                 return self._reply(start_response, "200 OK", b"Ready\n", "text/plain")
             return self._reply(
                 start_response, "503 Service Unavailable", b"Not ready\n", "text/plain"
             )
         if path == "/api/v1/status":
-            return self._json(start_response, status_json(self.exporter.snapshot()))
+            return self._json(start_response, status_json(self.runtime.snapshot()))
         if path == "/api/v1/loads":
             query = parse_qs(environ.get("QUERY_STRING", ""))
             target = query.get("target", [None])[0]
@@ -161,14 +160,14 @@ class ExporterApp:
                 limit = max(1, min(1000, int(query.get("limit", ["100"])[0])))
             except ValueError:
                 return self._reply(start_response, "400 Bad Request", b"bad limit\n", "text/plain")
-            loads = [record_json(r) for r in self.exporter.loads(target, limit)]
+            loads = [record_json(r) for r in self.runtime.loads(target, limit)]
             return self._json(start_response, {"loads": loads})
         return self._reply(start_response, "404 Not Found", b"Not found\n", "text/plain")
 
     @staticmethod
     def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:
         body = json.dumps(data, default=_json_default, indent=2).encode()
-        return ExporterApp._reply(start_response, "200 OK", body, "application/json")
+        return WebApp._reply(start_response, "200 OK", body, "application/json")
 
     @staticmethod
     def _reply(
@@ -208,7 +207,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
 class HttpServer:
     """The exporter's listening socket and serving thread."""
 
-    def __init__(self, app: ExporterApp, address: str) -> None:
+    def __init__(self, app: WebApp, address: str) -> None:
         host, port = parse_listen_address(address)
         server_class = _IPv6ThreadingServer if ":" in host else _ThreadingServer
         self.server = make_server(

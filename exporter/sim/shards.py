@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.sources.pagecache import cachestat
+from exporter.tracker import temperature
+from exporter.units import MiB
+from exporter.vocabulary import Cache
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-MiB = 1 << 20
 CHUNK_SIZE = 4 * MiB
 MIN_SHARD_SIZE = 4096
 WEIGHTS_GLOB = "*.safetensors"
@@ -157,9 +159,8 @@ class Throttle:
         return max(0.0, self._due - now)
 
 
-def cache_temperature(cached: int, total: int, known: bool) -> str:
-    """The DESIGN.md rule: warm >= 90 % served from page cache, cold <= 10 %, mixed otherwise."""
+def cache_temperature(cached: int, total: int, known: bool) -> Cache:
+    """The exporter's rule, applied to what this process really read from the page cache."""
     if not known:
-        return "unknown"
-    share = cached / total if total else 1.0
-    return "warm" if share >= 0.9 else "cold" if share <= 0.1 else "mixed"
+        return Cache.UNKNOWN
+    return temperature(cached / total if total else 1.0)

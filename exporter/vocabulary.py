@@ -1,0 +1,96 @@
+"""The words the exporter speaks: every label value and config choice, spelled once.
+
+StrEnums compare equal to their strings, so they go into label values, JSON and SQLite unchanged,
+and a misspelt member is an AttributeError at import instead of a series nobody queries.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """Where a target is in its load (`model_load_phase{phase}`)."""
+
+    DOWN = "down"
+    STARTING = "starting"
+    LOADING_WEIGHTS = "loading_weights"
+    INITIALIZING = "initializing"
+    READY = "ready"
+    FAILED = "failed"
+
+    @property
+    def in_progress(self) -> bool:
+        return self in IN_PROGRESS
+
+
+IN_PROGRESS = frozenset({Phase.STARTING, Phase.LOADING_WEIGHTS, Phase.INITIALIZING})
+
+
+class Outcome(StrEnum):
+    """How a finished load ended (`model_load_duration_seconds{outcome}`)."""
+
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Cache(StrEnum):
+    """Page-cache temperature of the weights at a load's start (`{cache}`)."""
+
+    COLD = "cold"
+    WARM = "warm"
+    MIXED = "mixed"
+    UNKNOWN = "unknown"
+
+
+class ServerKind(StrEnum):
+    """Which model server a target runs (`model_load_target_info{server}`)."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    LLAMACPP = "llamacpp"
+    TGI = "tgi"
+    TRITON = "triton"
+    UNKNOWN = "unknown"
+
+
+class ProbeKind(StrEnum):
+    """How readiness is asked (`endpoint.probe`)."""
+
+    COMPLETION = "completion"
+    HEALTH = "health"
+    MODELS = "models"
+    TCP = "tcp"
+
+
+class ProbeResult(StrEnum):
+    """What one probe found (`model_load_endpoint_probes_total{result}`)."""
+
+    READY = "ready"
+    REFUSED = "refused"
+    TIMEOUT = "timeout"
+    HTTP_ERROR = "http_error"
+    BAD_RESPONSE = "bad_response"
+    ERROR = "error"
+
+
+class LogFormat(StrEnum):
+    """Whose startup log a target writes (`log.format`)."""
+
+    AUTO = "auto"
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    LLAMACPP = "llamacpp"
+    TGI = "tgi"
+    TRITON = "triton"
+
+
+class Step(StrEnum):
+    """The fine step a server's own log says it is in (`model_load_step{step}`)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    COMPILE = "compile"
+    CUDA_GRAPH = "cuda_graph"
+    WARMUP = "warmup"
+    NONE = "none"

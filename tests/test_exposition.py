@@ -1,0 +1,273 @@
+"""The whole /metrics exposition, pinned: a snapshot built by hand, compared with a golden file.
+
+The dashboard, the alert rules and every user's queries depend on these names, so a rename must
+show up as a diff in review (node_exporter's e2e-output.txt does the same). Regenerate after an
+intended change with `UPDATE_GOLDEN=1 pytest tests/test_exposition.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.collector import CATALOG, ExporterCollector
+from exporter.config import parse_config
+from exporter.loadstats import Histograms
+from exporter.sampler import Reading
+from exporter.snapshot import Snapshot, TargetView
+from exporter.sources import DISK, ENDPOINT, MEMORY, NVML, PAGECACHE, PROCESS, SourceKey
+from exporter.sources.disk import DeviceReads, DiskSample
+from exporter.sources.endpoint import ProbeSample
+from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample
+from exporter.sources.memory import MemorySample
+from exporter.sources.pagecache import FileResidency, ResidencySample
+from exporter.sources.process import ProcessSample
+from exporter.tracker import LoadRecord, TargetState
+from exporter.vocabulary import Cache, Outcome, Phase, ProbeResult, ServerKind
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).with_name("fixtures") / "metrics.prom"
+DESIGN = ROOT.parent / "shared" / "DESIGN.md"
+GIB = 1 << 30
+NOW = 1_764_489_600.0
+T = TypeVar("T")
+
+
+def reading(key: SourceKey[T], value: T, target: str = "", ok: bool = True) -> Reading[T]:
+    return Reading(key.name, target, value, ok, None if ok else "down", 0.0125, NOW - 0.5)
+
+
+def state(target: str, phase: Phase, **fields: Any) -> TargetState:
+    base: dict[str, Any] = {
+        "target": target,
+        "phase": phase,
+        "in_progress": phase.in_progress,
+        "started_at": None,
+        "elapsed_seconds": 0.0,
+        "progress_ratio": None,
+        "throughput_bytes_per_second": None,
+        "weights_eta_seconds": None,
+        "eta_seconds": None,
+        "seconds_since_progress": None,
+        "stalled": False,
+        "cache": None,
+        "partial": False,
+        "seen_late": False,
+        "progress_source": None,
+        "signals": {},
+        "last_record": None,
+    }
+    return TargetState(**(base | fields))
+
+
+def golden_snapshot() -> Snapshot:
+    """Two targets, one loading cold from storage and one ready, on a host with two GPUs."""
+    config = parse_config(
+        {
+            "targets": [
+                {"name": "kimi-k2", "endpoint": {"url": "http://127.0.0.1:30001", "model": "kimi"}},
+                {"name": "qwen", "endpoint": {"url": "http://127.0.0.1:8000", "probe": "health"}},
+            ]
+        }
+    )
+    kimi, qwen = config.targets
+    disk = DiskSample(
+        devices=(DeviceReads("nvme0n1", 412 * GIB, 240e6), DeviceReads("vda", 3 * GIB, None)),
+        devices_by_target={"kimi-k2": ("nvme0n1",), "qwen": ("vda",)},
+        unbacked_by_target={"kimi-k2": (), "qwen": ()},
+    )
+    gpus = GpuSample(
+        driver_version="570.133.20",
+        devices=(
+            GpuDevice(0, "GPU-aaaa", "NVIDIA H200", 70 * GIB, 141 * GIB),
+            GpuDevice(1, "GPU-bbbb", "NVIDIA H200", None, 141 * GIB),
+        ),
+        processes=(GpuProcess(4242, 0, "GPU-aaaa", 69 * GIB),),
+        errors=("gpu 1: GetMemoryInfo: Unknown Error",),
+    )
+    loading = TargetView(
+        config=kimi,
+        state=state(
+            "kimi-k2",
+            Phase.LOADING_WEIGHTS,
+            started_at=NOW - 120,
+            elapsed_seconds=120.0,
+            progress_ratio=0.25,
+            throughput_bytes_per_second=240e6,
+            weights_eta_seconds=360.0,
+            eta_seconds=480.0,
+            seconds_since_progress=0.0,
+            cache=Cache.COLD,
+        ),
+        readings={
+            "endpoint": reading(
+                ENDPOINT,
+                ProbeSample(
+                    ProbeResult.REFUSED,
+                    0.0004,
+                    None,
+                    "connection refused",
+                    ServerKind.SGLANG,
+                    {ProbeResult.READY: 310, ProbeResult.REFUSED: 118},
+                ),
+                "kimi-k2",
+            ),
+            "process": reading(
+                PROCESS,
+                ProcessSample(True, (4242, 4243), 4242, NOW - 120, 96 * GIB, 97 * GIB, "sglang"),
+                "kimi-k2",
+            ),
+            "pagecache": reading(
+                PAGECACHE,
+                ResidencySample(
+                    files=2,
+                    total_bytes=384 * GIB,
+                    resident_bytes=96 * GIB,
+                    per_file=(
+                        FileResidency("model-00001-of-00002.safetensors", 192 * GIB, 96 * GIB),
+                        FileResidency("model-00002-of-00002.safetensors", 192 * GIB, 0),
+                    ),
+                    method="cachestat",
+                    measured_at=NOW - 1,
+                    pass_cpu_seconds=0.0002,
+                    next_pass_due=NOW,
+                    reason=None,
+                ),
+                "kimi-k2",
+            ),
+        },
+        gpu_memory={0: 69 * GIB},
+    )
+    ready = TargetView(
+        config=qwen,
+        state=state("qwen", Phase.READY, started_at=NOW - 900, progress_ratio=1.0),
+        readings={
+            "endpoint": reading(
+                ENDPOINT,
+                ProbeSample(ProbeResult.READY, 0.003, 200, "HTTP 200", ServerKind.UNKNOWN, {}),
+                "qwen",
+            ),
+            # Residency not measurable (not the files' owner): size known, residency absent.
+            "pagecache": reading(
+                PAGECACHE,
+                ResidencySample(4, 15 * GIB, None, (), None, NOW - 2, 0.0, NOW, "EPERM"),
+                "qwen",
+                ok=False,
+            ),
+        },
+        gpu_memory={},
+    )
+    loads, phases = Histograms(), Histograms()
+    record = LoadRecord("qwen", NOW - 900, NOW - 850, Outcome.READY, Cache.WARM, False, {}, 0, 0, 0)
+    for seconds in (5.0, 5.0001, 7200.0, 8000.0):
+        loads.observe(("qwen", Cache.WARM, Outcome.READY), seconds)
+    loads.observe(("kimi-k2", Cache.COLD, Outcome.FAILED), record.duration_seconds)
+    phases.observe(("qwen", Phase.LOADING_WEIGHTS), 12.5)
+    phases.observe(("qwen", Phase.INITIALIZING), 37.5)
+    return Snapshot(
+        time=NOW,
+        build={"version": "0.1.0", "python_version": "3.11.7"},
+        host={
+            "disk": reading(DISK, disk),
+            "memory": reading(MEMORY, MemorySample(2048 * GIB, 1500 * GIB, 400 * GIB)),
+            "nvml": reading(NVML, gpus),
+        },
+        targets=(loading, ready),
+        load_durations=loads.snapshot(),
+        phase_durations=phases.snapshot(),
+        expected_durations={("qwen", Cache.WARM): 50.0, ("qwen", Cache.COLD): 610.0},
+        last_durations={"qwen": 50.0},
+        history_enabled=True,
+        history_problem=None,
+        config_reload_successful=True,
+    )
+
+
+def exposition(snapshot: Snapshot) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector(lambda: snapshot))
+    return generate_latest(registry).decode()
+
+
+def test_exposition_matches_the_golden_file() -> None:
+    text = exposition(golden_snapshot())
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "exposition changed: see the diff, then UPDATE_GOLDEN=1"
+
+
+def test_golden_file_has_every_family_of_the_catalog_with_samples() -> None:
+    families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
+    assert [f"model_load_{s.name}".removesuffix("_total") for s in CATALOG] == list(families)
+    assert all(f.samples for f in families.values()), "a family without samples pins nothing"
+
+
+def catalog_names(markdown: str) -> set[str]:
+    """Metric names in the first column of the markdown tables that list metrics.
+
+    Sibling gauges may be written as `model_load_host_memory_total_bytes` / `_available_bytes`:
+    the shorthand replaces what follows `_memory_` (the only stem the catalogs shorten).
+    """
+    names: set[str] = set()
+    for line in markdown.splitlines():
+        if not line.startswith("| `model_load_"):
+            continue
+        for token in re.findall(r"`([a-z_]+)`", line.split("|")[1]):
+            if token.startswith("model_load_"):
+                names.add(token)
+                full = token
+            else:
+                names.add(full[: full.index("_memory_") + len("_memory")] + token)
+    return names
+
+
+def exposed_names() -> set[str]:
+    """Family names as a user queries them (counters with their `_total`)."""
+    names = set()
+    for family in text_string_to_metric_families(GOLDEN.read_text()):
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def test_every_exposed_name_is_in_the_readme_catalog() -> None:
+    missing = exposed_names() - catalog_names((ROOT / "README.md").read_text())
+    assert not missing, f"not in README's metric table: {sorted(missing)}"
+
+
+@pytest.mark.skipif(not DESIGN.exists(), reason="the shared design file is beside the checkout")
+def test_every_exposed_name_is_in_the_design_catalog() -> None:
+    missing = exposed_names() - catalog_names(DESIGN.read_text())
+    assert not missing, f"not in DESIGN.md's metric catalog: {sorted(missing)}"
+
+
+def test_histogram_buckets_are_cumulative_and_upper_bounds_inclusive() -> None:
+    """Observed 5.0, 5.0001, 7200 and 8000 s: `le` includes its bound, +Inf holds all four."""
+    families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
+    buckets = {
+        s.labels["le"]: s.value
+        for s in families["model_load_duration_seconds"].samples
+        if s.name.endswith("_bucket") and s.labels["target"] == "qwen"
+    }
+    expected = {"5.0": 1, "10.0": 2, "5400.0": 2, "7200.0": 3, "+Inf": 4}
+    assert {le: buckets[le] for le in expected} == expected
+    assert list(buckets.values()) == sorted(buckets.values())
+    assert len(buckets) == 21  # the 20 bounds of DESIGN, then +Inf
+    count = sample_of(families, "model_load_duration_seconds_count", target="qwen")
+    total = sample_of(families, "model_load_duration_seconds_sum", target="qwen")
+    assert (count, total) == (4, 5.0 + 5.0001 + 7200.0 + 8000.0)
+
+
+def sample_of(families: dict[str, Any], name: str, **labels: str) -> float:
+    family = families[name.removesuffix("_count").removesuffix("_sum")]
+    [value] = [
+        s.value
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    return float(value)

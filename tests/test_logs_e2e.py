@@ -1,0 +1,268 @@
+"""End to end at the source level: the simulator writes each server's startup log, and a LogSource
+follows it through a file and, as root, through a real journald, seeing each marker within one
+sample of when the simulator wrote it (the simulator's report says when)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from exporter.config import LogConfig
+from exporter.logmarkers import LogEvent
+from exporter.sim.serverlog import STEP_SHARES
+from exporter.sources.logs import LogSample, LogSource
+from exporter.vocabulary import Step
+
+pytestmark = pytest.mark.system
+
+INTERVAL = 0.25
+SLACK = 0.35  # scheduling on a busy 2-core machine
+JOURNAL_SLACK = 0.75
+INIT_SECONDS = 2.0
+JOURNALD = "/lib/systemd/systemd-journald"
+JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
+SIM_FLAGS = (
+    "--generate", "4", "--shard-size", "1MB", "--read-rate", "4MB/s", "--cached-read-rate",
+    "4MB/s", "--startup-seconds", "0.3", "--init-seconds", str(INIT_SECONDS), "--port", "0",
+    "--exit-after", "60s",
+)  # fmt: skip
+
+
+def simulate(tmp: Path, kind: str, *extra: str, log_file: Path | None = None) -> list[str]:
+    command = [sys.executable, "-m", "exporter", "simulate", "--weights", str(tmp / "weights")]
+    command += [*SIM_FLAGS, "--log-format", kind, "--report", str(tmp / "report.json"), *extra]
+    return command + (["--log-file", str(log_file)] if log_file else [])
+
+
+class Follower:
+    """Samples a LogSource every INTERVAL and notes when each event was first reported."""
+
+    def __init__(self, source: LogSource) -> None:
+        self.source = source
+        self.seen_at: dict[int, float] = {}
+        self.events: dict[int, LogEvent] = {}
+        self.sample: LogSample | None = None
+
+    def poll(self) -> LogSample:
+        self.sample = self.source.sample()
+        now = time.time()
+        for event in self.sample.events:
+            if event.seq not in self.events:
+                self.events[event.seq] = event
+                self.seen_at[event.seq] = now
+        return self.sample
+
+    def first(self, kind: str) -> tuple[LogEvent, float]:
+        seq = next(s for s, e in sorted(self.events.items()) if e.kind == kind)
+        return self.events[seq], self.seen_at[seq]
+
+    @property
+    def kinds(self) -> list[str]:
+        return [e.kind.value for _, e in sorted(self.events.items())]
+
+    @property
+    def done(self) -> bool:
+        sample = self.sample
+        return sample is not None and (sample.ready_at is not None or sample.fatal is not None)
+
+
+def follow_all(followers: list[Follower], timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for follower in followers:
+            follower.poll()
+        if all(f.done for f in followers):
+            return
+        time.sleep(INTERVAL)
+    raise AssertionError(f"not done in {timeout} s: {[f.kinds for f in followers]}")
+
+
+def within_one_sample(
+    follower: Follower, kind: str, written_at: float, slack: float = SLACK
+) -> None:
+    """The event's time is the marker's, and some sample reported it one interval later at most."""
+    event, seen_at = follower.first(kind)
+    assert written_at - 0.05 <= event.time <= written_at + INTERVAL + slack, (kind, event)
+    assert seen_at - written_at <= INTERVAL + slack, (kind, seen_at - written_at)
+
+
+SIM_STEPS = {  # the fine steps each simulated server goes through (serverlog.py), all sleeping
+    "sglang": ("kv_cache", "compile", "cuda_graph", "warmup"),
+    "vllm": ("compile", "kv_cache", "cuda_graph", "warmup"),
+    "llamacpp": ("kv_cache", "warmup"),
+    "tgi": ("warmup", "kv_cache", "cuda_graph"),
+}
+# Steps whose log shows both ends; vLLM logs nothing when its warm-up begins.
+SEEN_STEPS = {**SIM_STEPS, "vllm": ("compile", "kv_cache", "cuda_graph")}
+
+
+def step_seconds(kind: str) -> dict[Step, float]:
+    steps = SIM_STEPS[kind]
+    scale = INIT_SECONDS / sum(STEP_SHARES[s] for s in steps)
+    return {Step(s): STEP_SHARES[s] * scale for s in SEEN_STEPS[kind]}
+
+
+@contextlib.contextmanager
+def running(command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    try:
+        yield child
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def test_simulator_logs_through_files(tmp_path: Path) -> None:
+    """All four servers' formats at once, one file each, followed from before they exist."""
+    cases = {kind: tmp_path / kind for kind in SIM_STEPS}
+    followers: dict[str, Follower] = {}
+    with contextlib.ExitStack() as stack:
+        for kind, tmp in cases.items():
+            tmp.mkdir()
+            log = tmp / "server.log"
+            followers[kind] = Follower(LogSource(LogConfig(file=str(log))))
+            followers[kind].poll()
+            stack.enter_context(running(simulate(tmp, kind, log_file=log)))
+        follow_all(list(followers.values()))
+    for kind, follower in followers.items():
+        report = json.loads((cases[kind] / "report.json").read_text())
+        sample = follower.sample
+        assert sample is not None and sample.up and sample.format == kind
+        assert sample.format_reason.startswith("auto: line 1 matched")
+        assert follower.kinds[0] == "weights_begin" and follower.kinds[-1] == "ready"
+        within_one_sample(follower, "weights_begin", report["weights_started_at"])
+        within_one_sample(follower, "weights_end", report["weights_done_at"])
+        within_one_sample(follower, "ready", report["ready_at"])
+        steps = dict(sample.steps)
+        for step, seconds in step_seconds(kind).items():
+            # Whole-second stamps and read times: each end within a sample (and a second).
+            assert steps[step] == pytest.approx(seconds, abs=INTERVAL + SLACK), (kind, step)
+        if kind in ("sglang", "vllm"):
+            assert sample.weights == (4, 4)
+            assert sample.cuda_graphs is not None and sample.cuda_graphs[0] == sample.cuda_graphs[1]
+        follower.source.close()
+
+
+def test_a_crash_is_fatal_within_one_sample(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    follower = Follower(LogSource(LogConfig(file=str(log), format="llamacpp")))
+    with running(simulate(tmp_path, "llamacpp", "--crash-at", "0.5", log_file=log)) as child:
+        follow_all([follower])
+        ended = time.time()
+        assert child.wait(10) == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["outcome"] == "failed"
+    event, seen_at = follower.first("fatal")
+    assert "simulated crash after loading 50% of weights" in event.detail
+    assert seen_at - (report["start_time"] + report["load_seconds"]) <= INTERVAL + SLACK
+    assert seen_at <= ended
+
+
+# --- a real journal ---------------------------------------------------------------------------
+
+
+def _journald_listening() -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(str(JOURNAL_SOCKET))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def journald() -> Iterator[None]:
+    """The host's journald, or one started here (no systemd as PID 1 in this sandbox)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: journald and a unit's cgroup")
+    if not (shutil.which("systemd-cat") and shutil.which("journalctl")):
+        pytest.skip("systemd-cat or journalctl missing")
+    started = None
+    if not _journald_listening():
+        if not os.access(JOURNALD, os.X_OK):
+            pytest.skip(f"no journald running and no {JOURNALD}")
+        JOURNAL_SOCKET.parent.mkdir(parents=True, exist_ok=True)
+        started = subprocess.Popen([JOURNALD], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while not _journald_listening():
+            assert started.poll() is None, started.stderr.read() if started.stderr else b""
+            assert time.monotonic() < deadline, "journald did not open its socket"
+            time.sleep(0.05)
+    yield
+    if started is not None:
+        started.terminate()
+        started.wait(10)
+
+
+def _unified_cgroup_root() -> Path | None:
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if (root / "cgroup.procs").exists() and (root / "cgroup.controllers").exists():
+            return root
+    return None
+
+
+@pytest.fixture
+def unit_cgroup() -> Iterator[tuple[str, Path]]:
+    """A `system.slice/NAME.service` cgroup: journald derives `_SYSTEMD_UNIT=NAME.service` from a
+    writer's cgroup, so `journalctl -u` matches it exactly as it matches a real unit."""
+    root = _unified_cgroup_root()
+    if root is None:
+        pytest.skip("no cgroup v2 hierarchy")
+    unit = f"mle-logtest-{os.getpid()}.service"
+    path = root / "system.slice" / unit
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup: {exc}")
+    yield unit, path
+    for _ in range(100):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def test_simulator_logs_through_journald(
+    tmp_path: Path, journald: None, unit_cgroup: tuple[str, Path]
+) -> None:
+    unit, cgroup = unit_cgroup
+    since = time.time()
+    follower = Follower(LogSource(LogConfig(journald_unit=unit), since=since))
+    follower.poll()
+    inner = " ".join(simulate(tmp_path, "sglang"))
+    command = ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
+    try:
+        with running(command):
+            follow_all([follower])
+    finally:
+        follower.source.close()
+    sample = follower.sample
+    assert sample is not None and sample.up and sample.format == "sglang"
+    assert sample.source == f"journald:{unit}"
+    report = json.loads((tmp_path / "report.json").read_text())
+    # journald stores, then journalctl wakes and writes: up to ~0.6 s more on this busy machine.
+    within_one_sample(follower, "weights_begin", report["weights_started_at"], JOURNAL_SLACK)
+    within_one_sample(follower, "ready", report["ready_at"], JOURNAL_SLACK)
+    # The \r-redrawn bars reach journald as byte-array MESSAGEs, once each bar ends its line.
+    assert follower.kinds.count("weights_progress") == 5
+    assert follower.kinds.count("cuda_graph_progress") == 10
+    steps = dict(sample.steps)
+    for step, seconds in step_seconds("sglang").items():
+        # journald's microsecond times refine the whole-second stamps.
+        assert steps[step] == pytest.approx(seconds, abs=0.1), step
