@@ -86,11 +86,15 @@ def test_root_without_cap_fowner_gets_no_residency_rather_than_mincores_lie(
     assert "no CAP_FOWNER" in reason
     resident, _, _ = residency_as_root_with("", foreign_weights, "cachestat,mincore")
     assert resident in (None, truth)  # cachestat refuses a non-owner on newer kernels
-    # CAP_FOWNER (or DAC_OVERRIDE: write permission) makes either method tell the truth.
+    # CAP_FOWNER (or DAC_OVERRIDE: write permission) makes either method tell the truth; the
+    # kernel's count is taken right around each measurement (this VM pages out cold cache).
     for capability in ("fowner", "dac_override"):
         for methods in ("mincore", "cachestat,mincore"):
+            before = file_residency(str(foreign_weights)).resident_bytes
             resident, _, _ = residency_as_root_with(capability, foreign_weights, methods)
-            assert resident == truth, (capability, methods)
+            after = file_residency(str(foreign_weights)).resident_bytes
+            assert resident is not None and before is not None and after is not None
+            assert after <= resident <= before, (capability, methods, before, resident, after)
 
 
 @needs_root

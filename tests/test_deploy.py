@@ -368,9 +368,6 @@ def test_daemonset_agrees_with_the_cli_the_service_and_the_podmonitor() -> None:
 
 
 @pytest.mark.system
-@pytest.mark.xfail(
-    strict=True, reason="`serve` with no targets does not turn discovery on yet (zero-config serve)"
-)
 def test_daemonset_args_alone_give_a_running_config() -> None:
     """The DaemonSet passes no targets: discovery must make that a valid exporter."""
     done = subprocess.run(
