@@ -75,6 +75,9 @@ class ProcessConfig:
     systemd_unit: str | None = None
     pidfile: str | None = None
     cmdline: str | None = None
+    # A discovered server's process: its pid and start ticks (never from the YAML).
+    pid: int | None = None
+    start_ticks: int | None = None
 
 
 @dataclass(frozen=True)

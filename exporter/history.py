@@ -44,16 +44,32 @@ CREATE INDEX IF NOT EXISTS loads_by_target ON loads (target, ended_at)
 # Statements that bring a file from version N-1 to N, in order; version 0 is an empty file.
 _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     tuple(_SCHEMA.split(";")),
-    ("ALTER TABLE loads ADD COLUMN seen_late INTEGER NOT NULL DEFAULT 0",),
+    (
+        "ALTER TABLE loads ADD COLUMN seen_late INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE loads ADD COLUMN fatal TEXT",
+    ),
 )
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
-    "bytes_read, gpu_bytes_at_weights_end, seen_late"
+    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal"
 )
 _NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
 
 _T = TypeVar("_T")
-_Row = tuple[str, float, float, str, str | None, int, str, int | None, int | None, int | None, int]
+_Row = tuple[
+    str,
+    float,
+    float,
+    str,
+    str | None,
+    int,
+    str,
+    int | None,
+    int | None,
+    int | None,
+    int,
+    str | None,
+]
 
 
 class HistoryStore:
@@ -102,10 +118,11 @@ class HistoryStore:
             record.bytes_read,
             record.gpu_bytes_at_weights_end,
             int(record.seen_late),
+            record.fatal,
         )
 
         def insert(db: sqlite3.Connection) -> None:
-            db.execute(f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", row)
+            db.execute(f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", row)
 
         self._run(insert, None)
 
@@ -221,7 +238,7 @@ def _migrate(db: sqlite3.Connection) -> None:
 
 
 def _record(row: _Row) -> LoadRecord:
-    target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late = row
+    target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late, fatal = row
     try:
         parsed = json.loads(phases)
     except ValueError:
@@ -243,4 +260,5 @@ def _record(row: _Row) -> LoadRecord:
         bytes_read=read,
         gpu_bytes_at_weights_end=gpu,
         seen_late=bool(late),
+        fatal=fatal,
     )

@@ -782,6 +782,10 @@ class StepTimeline:
         for event in events:
             self.apply(event)
 
+    def close(self, at: float) -> None:
+        """The load ended at `at` without the log saying so (the process died): end the step."""
+        self._leave(at)
+
     def _enter(self, step: Step, at: float) -> None:
         if step is self.step:
             return

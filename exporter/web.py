@@ -24,7 +24,7 @@ from exporter import livepage
 from exporter.collector import ExporterCollector
 from exporter.runtime import Runtime
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, NVML, PAGECACHE
+from exporter.sources import DISK, LOGS, NVML, PAGECACHE
 from exporter.tracker import LoadRecord
 from exporter.webconfig import WebConfig
 
@@ -110,6 +110,31 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
                 "reason": value.reason,
             }
         entry.update(_operator_view(snap, view))
+        logs = view.reading(LOGS)
+        if logs is not None and logs.value is not None:
+            sample = logs.value
+            entry["log"] = {
+                "source": sample.source,
+                "up": sample.up,
+                "reason": sample.reason,
+                "format": sample.format,
+                "format_reason": sample.format_reason,
+                "step": sample.step,
+                "step_since": sample.step_since,
+                "weights_shards": sample.weights,
+                "cuda_graphs": sample.cuda_graphs,
+                "fatal": sample.fatal,
+                "lines": sample.lines_total,
+                "last_line_at": sample.last_line_at,
+            }
+        if view.discovered is not None:
+            found = view.discovered
+            entry["discovered"] = {
+                "pid": found.pid,
+                "kind": found.kind,
+                "weights": list(found.weights),
+                "why": [dataclasses.asdict(e) for e in found.evidence],
+            }
         if disk is not None:
             entry["block_devices"] = list(disk.devices_by_target.get(name, ()))
             unbacked = list(disk.unbacked_by_target.get(name, ()))

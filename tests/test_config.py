@@ -267,5 +267,12 @@ def test_cli_usage_errors_exit_2(tmp_path: Path, weights: Path) -> None:
     assert both.returncode == 2 and "cannot be combined" in both.stderr
     unknown = run_cli("--no-such-flag")
     assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1
-    nothing = run_cli("serve")
-    assert nothing.returncode == 2 and "no targets" in nothing.stderr
+    half = run_cli("--target", "x", "--config.check")
+    assert half.returncode == 2 and "--target and --endpoint" in half.stderr
+
+
+@pytest.mark.system
+def test_cli_with_no_config_at_all_discovers() -> None:
+    done = run_cli("--config.check")
+    assert done.returncode == 0, done.stderr
+    assert "0 target(s)" in done.stdout and "discovery: sglang, vllm" in done.stdout

@@ -13,10 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import requests
+from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent
@@ -114,7 +117,7 @@ def step_seconds(kind: str) -> dict[Step, float]:
 
 
 @contextlib.contextmanager
-def running(command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+def running_command(command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     try:
         yield child
@@ -137,7 +140,7 @@ def test_simulator_logs_through_files(tmp_path: Path) -> None:
             log = tmp / "server.log"
             followers[kind] = Follower(LogSource(LogConfig(file=str(log))))
             followers[kind].poll()
-            stack.enter_context(running(simulate(tmp, kind, log_file=log)))
+            stack.enter_context(running_command(simulate(tmp, kind, log_file=log)))
         follow_all(list(followers.values()))
     for kind, follower in followers.items():
         report = json.loads((cases[kind] / "report.json").read_text())
@@ -161,7 +164,9 @@ def test_simulator_logs_through_files(tmp_path: Path) -> None:
 def test_a_crash_is_fatal_within_one_sample(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     follower = Follower(LogSource(LogConfig(file=str(log), format="llamacpp")))
-    with running(simulate(tmp_path, "llamacpp", "--crash-at", "0.5", log_file=log)) as child:
+    with running_command(
+        simulate(tmp_path, "llamacpp", "--crash-at", "0.5", log_file=log)
+    ) as child:
         follow_all([follower])
         ended = time.time()
         assert child.wait(10) == 1
@@ -248,7 +253,7 @@ def test_simulator_logs_through_journald(
     inner = " ".join(simulate(tmp_path, "sglang"))
     command = ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
     try:
-        with running(command):
+        with running_command(command):
             follow_all([follower])
     finally:
         follower.source.close()
@@ -266,3 +271,134 @@ def test_simulator_logs_through_journald(
     for step, seconds in step_seconds("sglang").items():
         # journald's microsecond times refine the whole-second stamps.
         assert steps[step] == pytest.approx(seconds, abs=0.1), step
+
+
+# --- the exporter following a server's log ------------------------------------------------------
+
+
+def watch_load(running: RunningExporter, until: str, timeout: float = 40) -> list[dict[str, Any]]:
+    """/api/v1/status every 0.1 s until the target's phase is `until`; each state with its time."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = running.status()
+        seen.append({**status["targets"][0], "time": status["time"]})
+        if seen[-1].get("phase") == until:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"never {until}: {[(s.get('phase'), s.get('step')) for s in seen][-9:]}")
+
+
+def first(seen: list[dict[str, Any]], key: str, value: str) -> float:
+    return float(next(s["time"] for s in seen if s.get(key) == value))
+
+
+def exporter_follows_the_log(
+    tmp_path: Path,
+    start_exporter: Any,
+    log: dict[str, str],
+    command: Callable[[list[str]], list[str]],
+    slack: float,
+) -> None:
+    """Phases and steps in /api/v1/status follow the simulator's markers within one interval,
+    and the finished load records the steps the log timed."""
+    port = free_port()
+    running: RunningExporter = start_exporter(
+        {
+            "sample_interval": f"{int(INTERVAL * 1000)}ms",
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [
+                {
+                    "name": "logged",
+                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+                    "process": {"pidfile": str(tmp_path / "server.pid")},
+                    "log": log,
+                }
+            ],
+        }
+    )
+    wait_for(lambda: running.status()["targets"][0].get("step") == "none")
+    extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    report_file = tmp_path / "report.json"
+    with running_command(command(extra)):
+        seen = watch_load(running, "ready")
+        loads = wait_for(lambda: requests.get(f"{running.url}/api/v1/loads", timeout=5).json())
+        report = json.loads(wait_for(lambda: report_file.exists() and report_file.read_text()))
+    for key, value, written in (
+        ("phase", "loading_weights", report["weights_started_at"]),
+        ("phase", "initializing", report["weights_done_at"]),
+        ("step", "cuda_graph", None),
+        ("phase", "ready", report["ready_at"]),
+    ):
+        shown = first(seen, key, value)
+        if written is not None:  # the report's ready_at is noted just after the port opens
+            assert abs(shown - written) <= INTERVAL + slack, (value, shown - written)
+    [load] = loads["loads"]
+    phases = load["phase_seconds"]
+    assert phases["starting"] == pytest.approx(
+        report["weights_started_at"] - report["start_time"], abs=INTERVAL + slack
+    )
+    timed = step_seconds("sglang")
+    # SGLang opens its port for the warm-up request, and a completion probe is answered during
+    # it: the load ends there, and the warm-up is not part of it.
+    assert set(timed) - set(phases) <= {Step.WARMUP}, phases
+    for step in set(timed) & set(phases):
+        assert phases[step] == pytest.approx(timed[step], abs=INTERVAL + slack), (step, phases)
+    assert running.status()["targets"][0]["server"] == "sglang"
+    text = running.metrics()
+    assert 'model_load_phase_duration_seconds_count{phase="cuda_graph",target="logged"}' in text
+
+
+def test_exporter_follows_a_log_file(tmp_path: Path, start_exporter: Any) -> None:
+    log_file = tmp_path / "server.log"
+    exporter_follows_the_log(
+        tmp_path,
+        start_exporter,
+        {"file": str(log_file)},
+        lambda extra: simulate(tmp_path, "sglang", *extra, log_file=log_file),
+        slack=SLACK,
+    )
+
+
+def test_exporter_follows_a_units_journal(
+    tmp_path: Path, start_exporter: Any, journald: None, unit_cgroup: tuple[str, Path]
+) -> None:
+    unit, cgroup = unit_cgroup
+
+    def in_the_unit(extra: list[str]) -> list[str]:
+        inner = " ".join(simulate(tmp_path, "sglang", *extra))
+        return ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
+
+    exporter_follows_the_log(
+        tmp_path, start_exporter, {"journald_unit": unit}, in_the_unit, slack=JOURNAL_SLACK
+    )
+
+
+def test_a_fatal_line_fails_the_load_with_the_servers_message(
+    tmp_path: Path, start_exporter: Any
+) -> None:
+    port = free_port()
+    log_file = tmp_path / "server.log"
+    running: RunningExporter = start_exporter(
+        {
+            "sample_interval": f"{int(INTERVAL * 1000)}ms",
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [
+                {
+                    "name": "doomed",
+                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+                    "process": {"pidfile": str(tmp_path / "server.pid")},
+                    "log": {"file": str(log_file)},
+                }
+            ],
+        }
+    )
+    command = simulate(tmp_path, "vllm", "--crash-during-init", log_file=log_file)
+    with running_command(
+        [*command, "--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    ):
+        watch_load(running, "failed")
+    state = running.status()["targets"][0]
+    assert "simulated crash during initialization" in (state["fatal"] or "")
+    [load] = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+    assert load["outcome"] == "failed" and load["fatal"] == state["fatal"]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from exporter.history import HistoryStore
+from exporter.logmarkers import EventKind, LogEvent
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
@@ -45,6 +47,9 @@ class Sim:
     probe_every: int = 1
     ticks: int = 0
     probe: tuple[str, float] | None = None
+    logged: bool = False  # the target has a log source
+    log_lines: int = 0
+    log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
     states: list[TargetState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     records: list[LoadRecord] = field(default_factory=list)
@@ -53,6 +58,12 @@ class Sim:
         """Start a server process now; a new tree's counters start at zero."""
         self.pid, self.started = pid, self.time
         self.read_bytes = self.read_chars = self.gpu = 0
+
+    def say(self, kind: EventKind, ago: float = 0.0, **fields: Any) -> None:
+        """The server logs a marker, stamped `ago` seconds before the next tick."""
+        self.logged = True
+        self.log_lines += 1
+        self.log.append(LogEvent(kind, self.time + 1 - ago, **fields))
 
     def kill(self) -> None:
         self.pid = self.started = None
@@ -80,6 +91,8 @@ class Sim:
             resident_bytes=self.resident,
             resident_measured_at=self.time,
             disk_read_bytes=self.disk,
+            log_events=tuple(self.log),
+            log_lines=self.log_lines if self.logged else None,
         )
 
     def tick(
@@ -104,6 +117,7 @@ class Sim:
             if self.ticks % self.probe_every == 0:
                 self.probe = (self.endpoint, self.time)
             record = self.tracker.observe(self.observation())
+            self.log.clear()
             if record is not None:
                 self.records.append(record)
             self.states.append(self.tracker.state(self.time))
@@ -766,3 +780,122 @@ def test_second_load_of_another_temperature_has_a_ready_eta(tmp_path) -> None:
     weights_end = start + 10 + 40
     assert sim.state.eta_seconds == pytest.approx(init - (sim.time - weights_end), abs=1)
     store.close()
+
+
+# -- the server's own log ----------------------------------------------------------------------
+
+
+def test_log_markers_give_exact_boundaries_and_fine_steps() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(8)
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=0.4)  # before any byte moved: the log knows first
+    sim.tick()
+    began = sim.time - 0.4
+    assert sim.state.phase == "loading_weights" and sim.state.step == "weights"
+    rate = WEIGHTS // 100
+    sim.tick(60, read=rate)
+    sim.say(EventKind.WEIGHTS_PROGRESS, done=40, total=64)
+    sim.tick(1, read=rate)
+    assert sim.state.progress_ratio == pytest.approx(40 / 64)  # shards lead the bytes (61 %)
+    assert sim.state.progress_source == "log_shards"
+    sim.tick(38, read=rate)  # bytes all in: only the log may end the weights
+    assert sim.state.phase == "loading_weights"
+    sim.say(EventKind.WEIGHTS_END, ago=0.25)
+    sim.tick()
+    weights_end = sim.time - 0.25
+    assert sim.state.phase == "initializing" and sim.state.progress_ratio == 1.0
+    sim.say(EventKind.KV_CACHE)
+    sim.tick(3)
+    sim.say(EventKind.CUDA_GRAPH_BEGIN)
+    sim.tick(10)
+    assert sim.state.step == "cuda_graph"
+    sim.say(EventKind.CUDA_GRAPH_END)
+    sim.tick()
+    sim.say(EventKind.WARMUP_BEGIN)
+    sim.tick(2)
+    sim.say(EventKind.READY, ago=0.5)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.phase_seconds == pytest.approx(
+        {
+            "starting": began - T0,
+            "loading_weights": weights_end - began,
+            "initializing": sim.time - weights_end,
+            "kv_cache": 3.0,
+            "cuda_graph": 10.0,
+            "warmup": 1.5,
+        }
+    )
+    assert sim.state.step == "none"
+
+
+def test_a_fatal_line_fails_the_load_at_once_with_the_servers_words() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(100, read=WEIGHTS // 100)
+    message = "RuntimeError: CUDA out of memory; cause: ValueError: KV cache too large"
+    sim.say(EventKind.FATAL, ago=0.5, detail=message)
+    sim.tick()
+    [record] = sim.records
+    assert (record.outcome, record.fatal) == ("failed", message)
+    assert record.ended_at == sim.time - 0.5  # the process is still there: failed anyway
+    assert sim.state.phase == "failed" and sim.state.fatal == message
+
+
+def test_markers_of_the_previous_process_are_not_this_loads() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(3)
+    sim.say(EventKind.FATAL, ago=10, detail="the old server's last words")
+    sim.tick()
+    assert sim.state.in_progress and sim.records == []
+
+
+def test_new_log_lines_are_movement() -> None:
+    """Compiling kernels for minutes moves no byte, but the server keeps logging."""
+    sim = Sim(tracker(stall_after=30), logged=True)
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(100, read=WEIGHTS // 100)
+    for _ in range(60):
+        sim.log_lines += 1
+        sim.tick()
+    assert sim.state.phase == "initializing" and not sim.state.stalled
+    sim.tick(30)
+    assert sim.state.stalled
+
+
+def test_without_a_log_there_is_no_step() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(3)
+    assert sim.state.step is None
+
+
+def test_an_exit_waits_a_tick_for_the_logs_last_words() -> None:
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(50, read=COLD_RATE)
+    sim.kill()
+    sim.tick()
+    assert sim.records == [] and sim.state.in_progress  # the log may still say why
+    exited = sim.time
+    sim.say(EventKind.FATAL, ago=1.5, detail="torch.OutOfMemoryError: CUDA out of memory")
+    sim.tick()
+    [record] = sim.records
+    assert record.fatal == "torch.OutOfMemoryError: CUDA out of memory"
+    assert record.ended_at == exited - 0.5  # the fatal line, just before the exit was seen
+
+
+def test_an_exit_without_a_log_fails_at_once() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.kill()
+    sim.tick()
+    [record] = sim.records
+    assert record.outcome == "failed" and record.ended_at == sim.time and record.fatal is None

@@ -219,6 +219,10 @@ class ProcessFinder:
     def _find_root(self, table: dict[int, _Proc]) -> tuple[_Proc, Iterable[int], str | None] | None:
         """The root process, extra members that belong to the tree, and the root's cmdline."""
         config = self._config
+        if config.pid is not None:
+            proc = table.get(config.pid)
+            exact = proc is not None and proc.start_ticks == config.start_ticks
+            return (proc, (), None) if exact and proc is not None and not proc.zombie else None
         if config.pidfile is not None:
             root = self._from_pidfile(config.pidfile, table)
             return (root, (), None) if root is not None else None
