@@ -27,10 +27,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from exporter.discovery import Discoverer  # noqa: E402
+from exporter.discovery import Discoverer
 
 PATTERN = "sglang|vllm|llama-server|llama_cpp|text-generation-launcher|tritonserver"
 

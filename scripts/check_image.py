@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from exporter.cachectl import evict
+from exporter.sources.pagecache import file_residency
 
-from exporter.cachectl import evict  # noqa: E402
-from exporter.sources.pagecache import file_residency  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
 
 MiB = 1 << 20
 MARKER = "model-load-image-check-reader"

@@ -293,16 +293,10 @@ def first(seen: list[dict[str, Any]], key: str, value: str) -> float:
     return float(next(s["time"] for s in seen if s.get(key) == value))
 
 
-def exporter_follows_the_log(
-    tmp_path: Path,
-    start_exporter: Any,
-    log: dict[str, str],
-    command: Callable[[list[str]], list[str]],
-    slack: float,
-) -> None:
-    """Phases and steps in /api/v1/status follow the simulator's markers within one interval,
-    and the finished load records the steps the log timed."""
-    port = free_port()
+def exporter_with_log(
+    start_exporter: Any, tmp_path: Path, port: int, log: dict[str, str]
+) -> RunningExporter:
+    """An exporter watching one simulator (by its pidfile) and following its log."""
     running: RunningExporter = start_exporter(
         {
             "sample_interval": f"{int(INTERVAL * 1000)}ms",
@@ -317,6 +311,20 @@ def exporter_follows_the_log(
             ],
         }
     )
+    return running
+
+
+def exporter_follows_the_log(
+    tmp_path: Path,
+    start_exporter: Any,
+    log: dict[str, str],
+    command: Callable[[list[str]], list[str]],
+    slack: float,
+) -> None:
+    """Phases and steps in /api/v1/status follow the simulator's markers within one interval,
+    and the finished load records the steps the log timed."""
+    port = free_port()
+    running = exporter_with_log(start_exporter, tmp_path, port, log)
     wait_for(lambda: running.status()["targets"][0].get("step") == "none")
     extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
     report_file = tmp_path / "report.json"
@@ -379,20 +387,7 @@ def test_a_fatal_line_fails_the_load_with_the_servers_message(
 ) -> None:
     port = free_port()
     log_file = tmp_path / "server.log"
-    running: RunningExporter = start_exporter(
-        {
-            "sample_interval": f"{int(INTERVAL * 1000)}ms",
-            "history_path": str(tmp_path / "history.sqlite"),
-            "targets": [
-                {
-                    "name": "doomed",
-                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
-                    "process": {"pidfile": str(tmp_path / "server.pid")},
-                    "log": {"file": str(log_file)},
-                }
-            ],
-        }
-    )
+    running = exporter_with_log(start_exporter, tmp_path, port, {"file": str(log_file)})
     command = simulate(tmp_path, "vllm", "--crash-during-init", log_file=log_file)
     with running_command(
         [*command, "--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
