@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from exporter.cachectl import evict, prewarm_files
 from exporter.sources.memory import read_meminfo
 from exporter.sources.pagecache import file_residency
