@@ -6,10 +6,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers.require import require_all
 from helpers.support import ModelServer, RunningExporter
 
 from exporter.config import parse_config
 from exporter.webconfig import WebConfig
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.requires(...)`: skip without the prerequisites, fail under MLE_STRICT=1."""
+    for marker in item.iter_markers("requires"):
+        require_all(*marker.args)
 
 
 @pytest.fixture

@@ -12,6 +12,14 @@ import pytest
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 from helpers.support import RunningExporter, sample_value, wait_for
 
+from exporter.sources.nvml_pids import NvmlPidCheck
+
+
+def host_pids() -> NvmlPidCheck:
+    """An exporter in the host's PID namespace: NVML's PIDs are its own (see test_nvml_pids)."""
+    return NvmlPidCheck(host_namespace=True)
+
+
 # A server whose tree is two processes, like a launcher and its TP worker.
 TREE = (
     "import subprocess, sys, time\n"
@@ -61,6 +69,7 @@ def test_eight_gpus_with_per_process_attribution(
             ]
         },
         nvml=nvml,
+        gpu_pid_check=host_pids(),
     )
 
     def attributed() -> str | None:
@@ -78,7 +87,7 @@ def test_eight_gpus_with_per_process_attribution(
     for index in range(8):
         total = sample_value(text, "model_load_gpu_memory_total_bytes", gpu=str(index))
         assert total == nvml.gpus[index].total_bytes
-    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="2") == GIB // 2 + 25 * GIB
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="2") == 25 * GIB
     # The tree's share only: the other tenant's 5 GiB on GPU 2 is not the target's.
     assert sample_value(text, "model_load_process_gpu_memory_bytes", target="kimi", gpu="2") == (
         20 * GIB
@@ -117,9 +126,15 @@ def test_eight_gpus_with_per_process_attribution(
 def test_gpu_lost_mid_run_degrades_that_gpu_only(start_exporter: Any, model_server: Any) -> None:
     nvml = FakeNvml(h200_node(8))
     running: RunningExporter = start_exporter(
-        {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]}, nvml=nvml
+        {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]},
+        nvml=nvml,
+        gpu_pid_check=host_pids(),
     )
-    wait_for(lambda: sample_value(running.metrics(), "model_load_gpu_memory_used_bytes", gpu="3"))
+    wait_for(
+        lambda: (
+            sample_value(running.metrics(), "model_load_gpu_memory_used_bytes", gpu="3") is not None
+        )
+    )
     nvml.gpus[3].lost = True
     text = wait_for(
         lambda: (
@@ -129,4 +144,4 @@ def test_gpu_lost_mid_run_degrades_that_gpu_only(start_exporter: Any, model_serv
         )
     )
     assert sample_value(text, "model_load_source_up", source="nvml", target="") == 1
-    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="4") == GIB // 2
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="4") == 0
