@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from exporter import __version__
 from exporter.collector import ExporterCollector
 from exporter.runtime import Runtime
+from exporter.sampler import Reading
 from exporter.snapshot import Snapshot
 from exporter.sources import DISK, LOGS, PAGECACHE
 from exporter.tracker import LoadRecord
@@ -59,6 +60,11 @@ def record_json(record: LoadRecord) -> dict[str, Any]:
     return data
 
 
+def _note(reading: Reading[Any]) -> str | None:
+    """What a source says about a sample that succeeded but is incomplete (its `note`)."""
+    return getattr(reading.value, "note", None)
+
+
 def status_json(snap: Snapshot) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
     disk = snap.host_value(DISK)
@@ -69,6 +75,7 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
             r.source: {
                 "up": r.ok,
                 "error": r.error,
+                "note": _note(r),
                 "duration_seconds": round(r.duration_seconds, 6),
                 "age_seconds": round(snap.time - r.finished_at, 3),
             }
@@ -130,7 +137,12 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 )
         targets.append(entry)
     host = {
-        r.source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
+        r.source: {
+            "up": r.ok,
+            "error": r.error,
+            "note": _note(r),
+            "duration_seconds": round(r.duration_seconds, 6),
+        }
         for r in (snap.host[source] for source in sorted(snap.host))
     }
     return {

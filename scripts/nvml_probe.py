@@ -44,7 +44,11 @@ ALLOCATED_TIMEOUT_SECONDS = 60.0
 ALLOCATOR = """
 import ctypes, sys, time
 total, chunk = int(sys.argv[1]), int(sys.argv[2])
-cuda = ctypes.CDLL("libcuda.so.1")
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError as err:
+    print(f"error libcuda.so.1: {err}", flush=True)
+    sys.exit(1)
 cuda.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
 def check(result, what):
     if result != 0:
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     report["source"] = _sample_json(first)
     if not args.json:
         _print_raw(report)
-    child, allocator = _start_allocator(args.allocate_gib, report["errors"])
+    child, allocator = _start_allocator(args.allocate_gib)
     report["attribution"]["allocator"] = allocator
     try:
         last, report["samples"] = _watch(source, args.seconds, args.interval, child, args.json)
@@ -149,7 +153,7 @@ def _empty_report() -> dict[str, Any]:
         },
         # {t, unavailable, used_bytes: [per GPU], attributed_bytes (allocator), problem, errors}
         "samples": [],
-        "errors": [],  # what failed in the probe's own calls
+        "errors": [],  # what failed in the probe's own NVML and nvidia-smi calls
     }
 
 
@@ -307,9 +311,7 @@ def _print_raw(report: dict[str, Any]) -> None:
     print(f"\nNvmlSource.sample():\n  {report['source']}")
 
 
-def _start_allocator(
-    gib: float, errors: list[str]
-) -> tuple[subprocess.Popen[str] | None, dict[str, Any] | None]:
+def _start_allocator(gib: float) -> tuple[subprocess.Popen[str] | None, dict[str, Any] | None]:
     """Starts the allocating child and waits until it holds the memory (or fails)."""
     if gib <= 0:
         return None, None
@@ -332,7 +334,6 @@ def _start_allocator(
         info["allocated_bytes"] = int(line.split()[1])
     else:
         info["error"] = line or "no answer from the allocator"
-        errors.append(f"allocator: {info['error']}")
     return child, info
 
 

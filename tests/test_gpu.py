@@ -438,6 +438,14 @@ def test_source_agrees_with_the_real_pynvml_here(
         assert 0 <= device.memory_used_bytes + reserved <= device.memory_total_bytes
 
 
+def load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, PROBE.parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_probe(cwd: Path, *args: str) -> str:
     done = subprocess.run(
         [sys.executable, str(PROBE), *args], cwd=cwd, capture_output=True, text=True, timeout=120
@@ -478,10 +486,7 @@ def test_probe_report_shape_with_gpus(
     gpus[1].processes = [FakeProcess(os.getpid(), 3 * GIB)]
     nvml = FakeNvml(gpus)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    spec = importlib.util.spec_from_file_location("nvml_probe", PROBE)
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("nvml_probe")
 
     assert probe.main(["--json", "--seconds", "0.2", "--interval", "0.1"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -513,3 +518,40 @@ def test_probe_report_shape_with_gpus(
     assert len(report["samples"]) >= 2 and report["samples"][0]["used_bytes"] == [0, 3 * GIB]
     assert report["errors"] == []
     assert nvml.refcount == 0  # the probe gave back every init it took
+
+
+def test_gpu_check_judges_a_probe_report(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/gpu_check.py runs once on a lent GPU host: its checks are proven here first."""
+    gpus = h200_node(2)
+    gpus[1].used_bytes = 3 * GIB
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
+    probe, check = load_script("nvml_probe"), load_script("gpu_check")
+    assert probe.main(["--json", "--seconds", "0", "--allocate-gib", "0.25"]) == 0
+    report = json.loads(capsys.readouterr().out)
+
+    verdicts = {name: (passed, detail) for name, passed, detail in check._judge(report)}
+    # No libcuda here: the allocation fails and says why; on a GPU host that is a failure.
+    assert {name for name, (passed, _) in verdicts.items() if passed is False} == {"allocation"}
+    assert verdicts["allocation"][1].startswith("failed: error libcuda.so.1: ")
+    assert verdicts["raw errors"] == (True, "none")
+    assert verdicts["v2 memory"] == (True, "v2 adds up; reserved MiB per GPU: 512, 512")
+    assert verdicts["agreement"][0] is True and verdicts["source errs"] == (True, "none")
+
+    report["source"]["devices"][1]["memory_used_bytes"] += GIB  # a source that misreads
+    report["devices"][0]["memory_v1"]["used"] -= GIB  # a v1 that does not hold the reserve
+    wrong = {name: passed for name, passed, _ in check._judge(report)}
+    assert wrong["agreement"] is False and wrong["v2 memory"] is False
+
+    attribution = report["attribution"]
+    attribution["allocator"].update(allocated_bytes=GIB // 4, error=None)
+    for trusted, problem, attributed, verdict in [
+        (True, None, GIB // 4, True),
+        (True, None, 0, False),  # NVML's PIDs trusted, yet the child's memory not found
+        (False, "NVML reports host process IDs ...", 0, True),  # refused, and said why
+        (False, None, 0, False),  # refused without a reason
+    ]:
+        attribution.update(trusted=trusted, problem=problem, allocator_attributed_bytes=attributed)
+        found = {name: passed for name, passed, _ in check._judge(report)}
+        assert found["attribution"] is verdict, (trusted, problem, attributed)

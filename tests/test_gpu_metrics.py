@@ -12,14 +12,6 @@ import pytest
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 from helpers.support import RunningExporter, sample_value, wait_for
 
-from exporter.sources.nvml_pids import NvmlPidCheck
-
-
-def host_pids() -> NvmlPidCheck:
-    """An exporter in the host's PID namespace: NVML's PIDs are its own (see test_nvml_pids)."""
-    return NvmlPidCheck(host_namespace=True)
-
-
 # A server whose tree is two processes, like a launcher and its TP worker.
 TREE = (
     "import subprocess, sys, time\n"
@@ -69,7 +61,6 @@ def test_eight_gpus_with_per_process_attribution(
             ]
         },
         nvml=nvml,
-        gpu_pid_check=host_pids(),
     )
 
     def attributed() -> str | None:
@@ -128,7 +119,6 @@ def test_gpu_lost_mid_run_degrades_that_gpu_only(start_exporter: Any, model_serv
     running: RunningExporter = start_exporter(
         {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]},
         nvml=nvml,
-        gpu_pid_check=host_pids(),
     )
     wait_for(
         lambda: (
