@@ -1,8 +1,9 @@
 """Whether NVML's PIDs are this PID namespace's: real processes, real /proc, real namespaces.
 
 Only the GPU device is a stand-in: a GPU client is a process holding `/dev/nvidia*` open, and
-here a child process holds a file named like one (`device_prefix` points the check at it).
-The namespace tests run the source inside a real new PID namespace (`unshare --pid`).
+here the test process holds a file named like one (`device_prefix` points the check at it).
+The namespace tests run the source inside a real new PID namespace (`unshare --pid`), where a
+child holds the stand-in device; the unprivileged one runs the check as `nobody`.
 """
 
 from __future__ import annotations
@@ -35,38 +36,29 @@ HOLDER = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\
 
 
 class Devices:
-    """A directory of stand-in device files and the processes holding them."""
+    """A stand-in GPU device file, held open by this test process: the GPU client NVML lists."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.path = root / "nvidia0"
         self.prefix = str(root / "nvidia")
-        (root / "nvidia0").write_text("")
-        self.children: list[subprocess.Popen[str]] = []
+        self.path.write_text("")
+        self._held = self.path.open()
 
     def client(self) -> int:
-        """A process that holds the stand-in GPU device open: what NVML lists."""
-        return self._start(str(self.root / "nvidia0"))
+        """A process here that holds the (stand-in) GPU device open."""
+        return os.getpid()
 
     def bystander(self) -> int:
         """A process here with no GPU device open: what a host PID can collide with."""
-        return self._start(__file__)
+        return os.getppid()
 
     def check(self, **kwargs: Any) -> NvmlPidCheck:
         """A check as in a container: outside the host's namespace, so PIDs are verified."""
         return NvmlPidCheck(host_namespace=False, device_prefix=self.prefix, **kwargs)
 
-    def _start(self, path: str) -> int:
-        child = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, path], stdout=subprocess.PIPE, text=True
-        )
-        assert child.stdout is not None and child.stdout.readline() == "holding\n"
-        self.children.append(child)
-        return child.pid
-
-    def stop(self) -> None:
-        for child in self.children:
-            child.kill()
-            child.wait()
+    def close(self) -> None:
+        self._held.close()
 
 
 @pytest.fixture
@@ -78,7 +70,7 @@ def devices() -> Iterator[Devices]:
     try:
         yield made
     finally:
-        made.stop()
+        made.close()
         for path in root.iterdir():
             path.unlink()
         root.rmdir()
@@ -103,7 +95,7 @@ def test_in_the_host_namespace_every_pid_is_ours() -> None:
 def test_gpu_clients_here_are_trusted(devices: Devices) -> None:
     check = devices.check()
     assert "not checked yet" in (check.problem(set()) or "")
-    assert check.problem({devices.client(), devices.client()}) is None
+    assert check.problem({devices.client()}) is None
 
 
 def test_a_listed_pid_without_a_gpu_device_means_host_pids(devices: Devices) -> None:
@@ -158,7 +150,6 @@ def test_source_refuses_attribution_but_keeps_memory(devices: Devices) -> None:
     )
 
 
-@pytest.mark.system
 def test_exporter_drops_the_process_series_and_says_why_in_status(
     devices: Devices, start_exporter: Any, model_server: Any
 ) -> None:
@@ -239,7 +230,7 @@ def test_in_a_new_pid_namespace_host_pids_are_refused_and_local_ones_trusted(
     host_client = devices.client()
     done = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", IN_NAMESPACE,
-         devices.prefix, str(devices.root / "nvidia0"), str(host_client), HOLDER],
+         devices.prefix, str(devices.path), str(host_client), HOLDER],
         env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}"},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -272,7 +263,7 @@ print(json.dumps(check.problem({int(sys.argv[2])})))
 def test_unprivileged_exporter_cannot_check_and_attributes_nothing(devices: Devices) -> None:
     python = nobody_python()
     assert python is not None
-    client = devices.client()  # root's: its /proc/PID/fd is closed to nobody
+    client = devices.client()  # this root process: its /proc/PID/fd is closed to nobody
     done = as_nobody(python, "-c", UNREADABLE, devices.prefix, str(client))
     assert done.returncode == 0, done.stderr
     problem = json.loads(done.stdout)

@@ -153,14 +153,11 @@ class ProcessFinder:
             parent = table.get(proc.ppid)
             self._seen[proc.key] = _Seen(*counters, parent.key if parent is not None else None)
         if unreadable is not None:
-            return (
-                None,
-                None,
-                (
-                    f"read counters unknown: /proc/PID/io not readable as uid {os.geteuid()}"
-                    f" ({unreadable}); run as root or as the server's user"
-                ),
+            problem = (
+                f"read counters unknown: /proc/PID/io not readable as uid {os.geteuid()}"
+                f" ({unreadable}); run as root or as the server's user"
             )
+            return None, None, problem
         live_bytes = sum(s.read_bytes for s in self._seen.values())
         live_chars = sum(s.read_chars for s in self._seen.values())
         self._high_bytes = max(self._high_bytes, self._departed_bytes + live_bytes)
