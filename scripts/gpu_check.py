@@ -13,6 +13,12 @@ allocates 1 GiB on GPU 0 through libcuda in a child process while sampling, then
 - no per-call errors in the source's samples;
 - the tests that talk to the real NVML (marker `nvml`) and the GPU tests pass here.
 Exit status 0 when every check passes. The probe's JSON and the test output go to --out.
+
+On a machine without the venv (a lent GPU host), bring the packages instead, built here with the
+same Python minor version as there (25 MB):
+    python3 -m pip install --target .gpu-deps prometheus_client psutil nvidia-ml-py requests \
+        PyYAML bcrypt pytest pytest-timeout
+    PYTHONPATH=.gpu-deps:. python3 scripts/gpu_check.py --out "$OUT"     # there
 """
 
 from __future__ import annotations

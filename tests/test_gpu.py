@@ -261,14 +261,17 @@ def test_zero_gpus_is_unavailable_and_releases_nvml() -> None:
     assert not nvml.initialized
 
 
+@pytest.mark.parametrize(
+    "function", ["nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses"]
+)
 def test_driver_gone_mid_run_is_unavailable_then_reinitialised(
-    caplog: pytest.LogCaptureFixture,
+    function: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     nvml = loading_node()
     clock = Clock()
     source = host_source(nvml, clock=clock)
     source.sample()
-    nvml.failing["nvmlDeviceGetMemoryInfo"] = NVMLError_DriverNotLoaded
+    nvml.failing[function] = NVMLError_DriverNotLoaded
 
     with pytest.raises(NvmlUnavailable, match="Driver Not Loaded"):
         source.sample()
@@ -276,7 +279,7 @@ def test_driver_gone_mid_run_is_unavailable_then_reinitialised(
         source.sample()
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
-    del nvml.failing["nvmlDeviceGetMemoryInfo"]
+    del nvml.failing[function]
     clock.now += 60.0
     assert source.sample().errors == ()
     assert nvml.calls["nvmlInit"] == 2

@@ -31,6 +31,7 @@ from exporter.sources.nvml_pids import (
 )
 
 TESTS = Path(__file__).resolve().parent
+PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 # A GPU client stand-in: holds the device file named in argv open until killed.
 HOLDER = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(120)\n"
 
@@ -231,7 +232,7 @@ def test_in_a_new_pid_namespace_host_pids_are_refused_and_local_ones_trusted(
     done = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", IN_NAMESPACE,
          devices.prefix, str(devices.path), str(host_client), HOLDER],
-        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}"},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), *PYTHONPATH])},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

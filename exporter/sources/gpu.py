@@ -326,12 +326,14 @@ class NvmlSource:
         """One NVML call on one GPU: None on a per-call error, `_GpuLost` when the GPU is gone."""
         try:
             return self._guarded(index, errors, what, call)
+        except self._fatal:
+            raise
         except self._per_call as err:
             errors.append(f"gpu {index}: {what}: {_text(err)}")
             return None
 
     def _guarded(self, index: int, errors: list[str], what: str, call: Callable[[], Any]) -> Any:
-        """Runs a call; fatal errors pass, a lost GPU becomes `_GpuLost`, per-call errors raise."""
+        """Runs a call: a lost GPU becomes `_GpuLost`; every other error is the caller's."""
         try:
             return call()
         except self._fatal:

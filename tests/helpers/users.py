@@ -17,11 +17,17 @@ def as_nobody(*argv: str, cwd: Path = Path("/")) -> subprocess.CompletedProcess[
     return subprocess.run(
         [*SETPRIV, *argv],
         cwd=cwd,
-        env={"PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1", "PATH": os.defpath},
+        env={"PYTHONPATH": _pythonpath(), "PYTHONDONTWRITEBYTECODE": "1", "PATH": os.defpath},
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def _pythonpath() -> str:
+    """The checkout first, then whatever this run was given (packages outside a venv)."""
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(REPO), *extra])
 
 
 @functools.cache
