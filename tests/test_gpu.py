@@ -267,6 +267,7 @@ def test_zero_gpus_is_unavailable_and_releases_nvml() -> None:
 def test_driver_gone_mid_run_is_unavailable_then_reinitialised(
     function: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="exporter.sources.gpu")
     nvml = loading_node()
     clock = Clock()
     source = host_source(nvml, clock=clock)
@@ -278,6 +279,8 @@ def test_driver_gone_mid_run_is_unavailable_then_reinitialised(
     with pytest.raises(NvmlUnavailable):
         source.sample()
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    # A dead driver is not a driver without v2 memory info.
+    assert not [r for r in caplog.records if "no v2 memory info" in r.getMessage()]
 
     del nvml.failing[function]
     clock.now += 60.0
