@@ -35,6 +35,7 @@ from exporter.sources.endpoint import EndpointProber
 from exporter.sources.gpu import NvmlSource, process_gpu_memory
 from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
+from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.pagecache import ResidencySource
 from exporter.sources.process import ProcessFinder
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
@@ -72,6 +73,7 @@ class Runtime:
         config: Config,
         *,
         nvml: ModuleType | None = None,
+        gpu_pid_check: NvmlPidCheck | None = None,
         proc_root: str = "/proc",
         sys_root: str = "/sys",
         clock: Callable[[], float] = time.time,
@@ -93,7 +95,7 @@ class Runtime:
         self.targets: dict[str, TargetRuntime] = {}
         for target in config.targets:
             self._add_target(target)
-        self.nvml = NvmlSource(nvml)
+        self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
         self.sampler.add(DISK, "", self.disk.sample)
         self.sampler.add(MEMORY, "", MemorySource(proc_root).sample)
         self.sampler.add(NVML, "", self.nvml.sample)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from exporter import livepage
 from exporter.collector import ExporterCollector
 from exporter.runtime import Runtime
+from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, LOGS, NVML, PAGECACHE
 from exporter.tracker import LoadRecord
@@ -45,6 +46,11 @@ def record_json(record: LoadRecord) -> dict[str, Any]:
     data = dataclasses.asdict(record)
     data["duration_seconds"] = record.duration_seconds
     return data
+
+
+def _note(reading: Reading[Any]) -> str | None:
+    """What a source says about a sample that succeeded but is incomplete (its `note`)."""
+    return getattr(reading.value, "note", None)
 
 
 def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
@@ -84,6 +90,7 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
             r.source: {
                 "up": r.ok,
                 "error": r.error,
+                "note": _note(r),
                 "duration_seconds": round(r.duration_seconds, 6),
                 "age_seconds": round(snap.time - r.finished_at, 3),
             }
@@ -146,7 +153,12 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
                 )
         targets.append(entry)
     host = {
-        r.source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
+        r.source: {
+            "up": r.ok,
+            "error": r.error,
+            "note": _note(r),
+            "duration_seconds": round(r.duration_seconds, 6),
+        }
         for r in (snap.host[source] for source in sorted(snap.host))
     }
     return {

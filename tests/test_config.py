@@ -208,7 +208,7 @@ def test_cli_config_check_accepts_an_empty_file(tmp_path: Path) -> None:
     assert "0 target(s)" in result.stdout
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+@pytest.mark.requires("root")
 def test_unreadable_weights_path(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.mkdir(mode=0o700)

@@ -29,9 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 OTHER_UID = 4242  # owns neither this process nor the test files
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
-)
+needs_root = pytest.mark.requires("root", "setpriv")
 
 RESIDENCY = """
 import json, sys
@@ -121,9 +119,7 @@ def test_another_users_proc_io_needs_sys_ptrace_and_dac_read_search() -> None:
         server.wait()
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare"
-)
+@pytest.mark.requires("root", "unshare")
 def test_block_device_found_when_sys_dev_block_is_masked_as_podman_does() -> None:
     st_dev = os.stat("/var/tmp").st_dev
     expected = resolve_block_device(st_dev)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.require import require
 from helpers.standins import install
 from helpers.support import free_port, wait_for
 
@@ -302,9 +303,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def _server(fleet: Fleet, case_id: str) -> DiscoveredServer:
     case = fleet.cases.get(case_id)
-    if case is None:
-        pytest.skip("needs unshare (root with CAP_SYS_ADMIN) and ip (iproute2)")
-    assert case.proc is not None
+    require(case is not None, "needs unshare (root with CAP_SYS_ADMIN) and ip (iproute2)")
+    assert case is not None and case.proc is not None
     return fleet.servers[case.proc.pid]
 
 

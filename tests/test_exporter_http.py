@@ -17,6 +17,7 @@ import bcrypt
 import pytest
 import requests
 import yaml
+from helpers.real_nvml import real_nvml
 from helpers.support import (
     ModelServer,
     RunningExporter,
@@ -25,7 +26,7 @@ from helpers.support import (
     sample_value,
     wait_for,
 )
-from test_pagecache import NOBODY, REPO, nobody_python
+from helpers.users import NOBODY, REPO, nobody_python
 
 from exporter.cachectl import evict
 from exporter.webconfig import load_web_config
@@ -36,6 +37,7 @@ def target(name: str, url: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.mark.system
+@pytest.mark.nvml
 def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
@@ -46,7 +48,11 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
         {"targets": [{**target("m", model_server.url), "weights": {"paths": [str(weights)]}}]}
     )
     text = metrics_when(
-        running.url, lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1
+        running.url,
+        lambda t: (
+            sample_value(t, "model_load_phase", target="m", phase="ready") == 1
+            and sample_value(t, "model_load_source_up", source="nvml", target="") is not None
+        ),
     )
     assert sample_value(text, "model_load_endpoint_probes_total", target="m", result="ready") >= 1  # type: ignore[operator]
     assert sample_value(text, "model_load_weights_bytes", target="m") == 1 << 20
@@ -54,9 +60,13 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
     assert sample_value(text, "model_load_source_up", source="endpoint", target="m") == 1
     assert sample_value(text, "model_load_phase", target="m", phase="ready") == 1
     assert sample_value(text, "model_load_host_memory_total_bytes") > 0  # type: ignore[operator]
-    # No GPU here: the NVML source is down and no GPU series are invented.
-    assert sample_value(text, "model_load_source_up", source="nvml", target="") == 0
-    assert "model_load_gpu_memory_used_bytes{" not in text
+    # The NVML source is up exactly where pynvml itself sees GPUs; none are invented elsewhere.
+    gpus = real_nvml().gpus if real_nvml().present else ()
+    assert sample_value(text, "model_load_source_up", source="nvml", target="") == bool(gpus)
+    for gpu in gpus:
+        total = sample_value(text, "model_load_gpu_memory_total_bytes", gpu=str(gpu.index))
+        assert total == gpu.total_bytes
+    assert text.count("model_load_gpu_memory_used_bytes{") == len(gpus)
     check = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
@@ -284,13 +294,12 @@ def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
 
 
 @pytest.mark.system
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
+@pytest.mark.requires("root", "setpriv", "nobody_python")
 def test_unprivileged_exporter_exports_no_residency_rather_than_a_false_one(
     model_server: ModelServer,
 ) -> None:
     python = nobody_python()
-    if python is None:
-        pytest.skip("no Python interpreter that nobody may run")
+    assert python is not None
     directory = Path(tempfile.mkdtemp(prefix="residency-nobody-", dir="/tmp"))
     try:
         directory.chmod(0o755)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import requests
+from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config import LogConfig
@@ -193,14 +194,14 @@ def _journald_listening() -> bool:
 @pytest.fixture(scope="module")
 def journald() -> Iterator[None]:
     """The host's journald, or one started here (no systemd as PID 1 in this sandbox)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: journald and a unit's cgroup")
-    if not (shutil.which("systemd-cat") and shutil.which("journalctl")):
-        pytest.skip("systemd-cat or journalctl missing")
+    require(os.geteuid() == 0, "needs root: journald and a unit's cgroup")
+    require(
+        bool(shutil.which("systemd-cat") and shutil.which("journalctl")),
+        "systemd-cat or journalctl missing",
+    )
     started = None
     if not _journald_listening():
-        if not os.access(JOURNALD, os.X_OK):
-            pytest.skip(f"no journald running and no {JOURNALD}")
+        require(os.access(JOURNALD, os.X_OK), f"no journald running and no {JOURNALD}")
         JOURNAL_SOCKET.parent.mkdir(parents=True, exist_ok=True)
         started = subprocess.Popen([JOURNALD], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10

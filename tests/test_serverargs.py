@@ -7,10 +7,12 @@ same rules is tests/test_discovery.py.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.require import require
 
 from exporter.config import ConfigError, parse_config
 from exporter.discovery import _local_addresses, _probe_host, _snapshot, _url_host, target_name
@@ -228,10 +230,8 @@ def test_ipv6_hosts_are_bracketed_in_urls() -> None:
 
 @pytest.mark.system
 def test_local_addresses_match_ip_addr() -> None:
-    try:
-        out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("needs ip (iproute2)")
+    require(shutil.which("ip") is not None, "needs ip (iproute2)")
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True)
     expected = {line.split()[3].split("/")[0] for line in out.stdout.splitlines()}
     expected = {a for a in expected if not a.startswith("127.")}
     assert set(_local_addresses(f"/proc/{os.getpid()}")) == expected
