@@ -24,7 +24,7 @@ import pytest
 import requests
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 from helpers.processes import Simulator, evict_dir
-from helpers.support import RunningExporter, free_port
+from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config import parse_config
 from exporter.sim.shards import generate_shards
@@ -164,6 +164,8 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
     fast = ("--read-rate", "64MB/s", "--init-seconds", "1.5")
     first = Simulator(tmp_path, weights, port, *fast)  # history for "expected" and recent loads
     first.result()
+    # Stopped only once the exporter has seen it ready: stopped earlier, it would be a failed load.
+    wait_for(lambda: requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"])
     first.stop()
     evict_dir(weights)
     page = browser.new_page(viewport={"width": 820, "height": 480})
