@@ -3,7 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench dashboards image manifests
+
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' exporter/__init__.py)
+IMAGE ?= model-load-exporter:$(VERSION)
+REVISION := $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# docker if its engine answers, else podman (no base image is pulled: build it or load it first).
+ENGINE ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo podman)
+ENGINE_FLAGS_podman := --format docker --isolation=chroot --pull=never
+# IMAGE_BUILD_FLAGS: anything else the build needs here, e.g. a proxy's CA mounted for pip.
 
 $(BIN)/model-load-exporter: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,12 +23,23 @@ demo: $(BIN)/model-load-exporter
 	$(BIN)/model-load-exporter demo
 
 lint: $(BIN)/model-load-exporter
-	$(BIN)/ruff check exporter tests bench scripts
-	$(BIN)/ruff format --check exporter tests bench scripts
+	$(BIN)/ruff check exporter tests bench scripts grafana
+	$(BIN)/ruff format --check exporter tests bench scripts grafana
 	$(BIN)/mypy
 
 test: lint
 	$(BIN)/pytest -ra
 
+# Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
+dashboards: $(BIN)/model-load-exporter
+	$(BIN)/python grafana/generate.py
+
 bench: $(BIN)/model-load-exporter
 	$(BIN)/python bench/residency.py
+
+image:
+	$(ENGINE) build $(ENGINE_FLAGS_$(ENGINE)) $(IMAGE_BUILD_FLAGS) -f docker/Dockerfile \
+		--build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
+
+manifests: $(BIN)/model-load-exporter
+	$(BIN)/python scripts/gen_prometheusrule.py

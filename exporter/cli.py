@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("exporter.serve", "run the exporter (default)"),
     "simulate": ("exporter.sim.simulate", "run a stand-in model server"),
     "demo": ("exporter.sim.demo", "watch the simulator load real files"),
+    "wait": ("exporter.wait", "block until a target is ready (0), failed (1) or timed out (124)"),
+    "status": ("exporter.status", "one table of every target of a running exporter"),
+    "prewarm": ("exporter.prewarm", "pull weight files into the page cache (or --evict them)"),
+    "history": ("exporter.history_cmd", "past loads from a running exporter or its SQLite file"),
 }
 
 

@@ -30,7 +30,7 @@ from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.vocabulary import Phase, ProbeResult
+from exporter.vocabulary import Cache, Phase, ProbeResult, Step
 
 NS = "model_load"
 T = TypeVar("T")
@@ -85,7 +85,15 @@ GPU_INFO = _gauge("gpu_info", "GPU identity from NVML.", "gpu", "uuid", "name", 
 GPU_USED = _gauge("gpu_memory_used_bytes", "GPU memory in use (NVML).", "gpu", "uuid")
 GPU_TOTAL = _gauge("gpu_memory_total_bytes", "GPU memory size (NVML).", "gpu", "uuid")
 # Per target: what the sources see
-TARGET_INFO = _gauge("target_info", "Configured target.", "target", "endpoint", "model", "server")
+TARGET_INFO = _gauge(
+    "target_info",
+    "A watched model server: configured, or discovered from its command line.",
+    "target",
+    "endpoint",
+    "model",
+    "server",
+    "discovered",
+)
 WEIGHTS_BYTES = _gauge("weights_bytes", "Total size of the weight files.", "target")
 WEIGHTS_FILES = _gauge("weights_files", "Number of weight files.", "target")
 RESIDENT = _gauge(
@@ -111,6 +119,13 @@ PROCESS_GPU = _gauge(
 )
 # Per target: the load
 PHASE = _gauge("phase", "1 for the current load phase of the target.", "target", "phase")
+STEP = _gauge("step", "1 for the fine step the server's log says it is in.", "target", "step")
+CACHE_TEMPERATURE = _gauge(
+    "cache_temperature",
+    "1 for the cache temperature of the current (or last) load.",
+    "target",
+    "cache",
+)
 IN_PROGRESS = _gauge("in_progress", "1 while a load is in progress.", "target")
 STARTED = _gauge("started_timestamp_seconds", "Start of the current or last load.", "target")
 ELAPSED = _gauge("elapsed_seconds", "Seconds since the current load started.", "target")
@@ -142,8 +157,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     DISK_READ, DISK_RATE, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
-    PHASE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT, WEIGHTS_ETA, ETA,
-    SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LOAD_DURATION, PHASE_DURATION,
+    PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
+    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LOAD_DURATION,
+    PHASE_DURATION,
 )  # fmt: skip
 
 
@@ -259,8 +275,10 @@ def _exporter(out: Scrape, snap: Snapshot) -> None:
 
 def _target_info(out: Scrape, view: TargetView) -> None:
     endpoint = view.config.endpoint
+    discovered = "true" if view.discovered is not None else "false"
     # Credentials in the URL are the probe's, never a label's.
-    out.add(TARGET_INFO, [view.name, endpoint.display_url, endpoint.model or "", view.server], 1)
+    labels = [view.name, endpoint.display_url, endpoint.model or "", view.server, discovered]
+    out.add(TARGET_INFO, labels, 1)
 
 
 def _gpu_memory(out: Scrape, view: TargetView) -> None:
@@ -274,6 +292,13 @@ def _load(out: Scrape, view: TargetView) -> None:
         return
     for phase in Phase:
         out.add(PHASE, [name, phase], 1 if state.phase == phase else 0)
+    if state.step is not None:  # only targets whose log is read
+        for step in Step:
+            out.add(STEP, [name, step], 1 if state.step == step else 0)
+    if state.started_at is not None:  # no temperature before a target's first load
+        temperature = state.cache or Cache.UNKNOWN
+        for cache in Cache:
+            out.add(CACHE_TEMPERATURE, [name, cache], 1 if temperature == cache else 0)
     out.add(IN_PROGRESS, [name], 1 if state.in_progress else 0)
     out.add(STARTED, [name], state.started_at)
     out.add(ELAPSED, [name], state.elapsed_seconds)

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
-from exporter.vocabulary import LogFormat, ProbeKind
+from exporter.vocabulary import LogFormat, ProbeKind, ServerKind
 
 DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
     ProbeKind.COMPLETION: "/v1/completions",
@@ -38,6 +38,10 @@ DEFAULT_RESIDENCY_CPU_BUDGET = 0.01
 # a typo like 99999999999h is an error here instead of an OverflowError in every sampler thread.
 MAX_DURATION = 3650 * 86400.0
 MAX_SAMPLE_INTERVAL = 3600.0
+# The servers discovery can recognise by their command lines (exporter/serverargs.py).
+DISCOVERY_SERVERS: tuple[ServerKind, ...] = tuple(k for k in ServerKind if k != ServerKind.UNKNOWN)
+DEFAULT_DISCOVERY_INTERVAL = 5.0
+DEFAULT_DISCOVERY_KEEP_FOR = 3600.0
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -117,6 +121,9 @@ class ProcessConfig:
     systemd_unit: str | None = None
     pidfile: str | None = None
     cmdline: str | None = None
+    # A discovered server's process: its pid and start ticks (never from the YAML).
+    pid: int | None = None
+    start_ticks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,12 +145,26 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Finding model servers by their command lines; `auto` is on when no target is configured."""
+
+    enabled: Literal["auto"] | bool = "auto"
+    interval: float = DEFAULT_DISCOVERY_INTERVAL
+    keep_for: float = DEFAULT_DISCOVERY_KEEP_FOR
+    servers: tuple[ServerKind, ...] = DISCOVERY_SERVERS
+
+    def active(self, has_targets: bool) -> bool:
+        return self.enabled is True or (self.enabled == "auto" and not has_targets)
+
+
+@dataclass(frozen=True)
 class Config:
     targets: tuple[TargetConfig, ...]
     sample_interval: float = DEFAULT_SAMPLE_INTERVAL
     history_path: str = DEFAULT_HISTORY_PATH
     residency_cpu_budget: float = DEFAULT_RESIDENCY_CPU_BUDGET
     source: str = "flags"
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
 
 def parse_duration(value: object, where: str, maximum: float = MAX_DURATION) -> float:
@@ -464,17 +485,51 @@ def _target(data: object, where: str, env: Mapping[str, str]) -> TargetConfig:
     )
 
 
+def _discovery(data: object, where: str) -> DiscoveryConfig:
+    if data is None:
+        return DiscoveryConfig()
+    r = _Reader(data, where, ("enabled", "interval", "keep_for", "servers"))
+    raw_enabled = r.data.get("enabled", "auto")
+    if raw_enabled is not True and raw_enabled is not False and raw_enabled != "auto":
+        raise ConfigError(f"{r.key('enabled')}: expected auto, true or false, got {raw_enabled!r}")
+    enabled: Literal["auto"] | bool = "auto" if raw_enabled == "auto" else bool(raw_enabled)
+    servers = r.str_list("servers", DISCOVERY_SERVERS)
+    for i, server in enumerate(servers):
+        if server not in DISCOVERY_SERVERS:
+            raise ConfigError(
+                f"{r.key('servers')}[{i}]: must be one of {', '.join(DISCOVERY_SERVERS)}, "
+                f"got {server!r}"
+            )
+    return DiscoveryConfig(
+        enabled=enabled,
+        interval=r.duration("interval", DEFAULT_DISCOVERY_INTERVAL),
+        keep_for=r.duration("keep_for", DEFAULT_DISCOVERY_KEEP_FOR),
+        servers=tuple(dict.fromkeys(ServerKind(s) for s in servers)),
+    )
+
+
 def parse_config(
     data: object, source: str = "config", env: Mapping[str, str] | None = None
 ) -> Config:
-    """Validate an already-loaded YAML document."""
+    """Validate an already-loaded YAML document (an empty one means: discover everything)."""
     env = os.environ if env is None else env
     if data is None:
         data = {}
-    r = _Reader(data, "", ("sample_interval", "history_path", "residency_cpu_budget", "targets"))
+    r = _Reader(
+        data,
+        "",
+        ("sample_interval", "history_path", "residency_cpu_budget", "discovery", "targets"),
+    )
+    discovery = _discovery(r.data.get("discovery"), "discovery")
     raw_targets = r.data.get("targets")
-    if not isinstance(raw_targets, list) or not raw_targets:
-        raise ConfigError("targets: expected a non-empty list of targets")
+    if raw_targets is None:
+        raw_targets = []
+    if not isinstance(raw_targets, list):
+        raise ConfigError("targets: expected a list of targets")
+    if not raw_targets and not discovery.active(has_targets=False):
+        raise ConfigError(
+            "targets: expected a non-empty list of targets (discovery.enabled is false)"
+        )
     targets = tuple(_target(t, f"targets[{i}]", env) for i, t in enumerate(raw_targets))
     seen: set[str] = set()
     for i, target in enumerate(targets):
@@ -495,6 +550,7 @@ def parse_config(
         history_path=history_path,
         residency_cpu_budget=float(budget),
         source=source,
+        discovery=discovery,
     )
 
 

@@ -25,7 +25,7 @@ from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -44,16 +44,37 @@ CREATE TABLE IF NOT EXISTS loads (
     bytes_read INTEGER,
     gpu_bytes_at_weights_end INTEGER
 );
-CREATE INDEX IF NOT EXISTS loads_by_target ON loads (target, ended_at);
+CREATE INDEX IF NOT EXISTS loads_by_target ON loads (target, ended_at)
 """
+# Statements that bring a file from version N-1 to N, in order; version 0 is an empty file.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    tuple(_SCHEMA.split(";")),
+    (
+        "ALTER TABLE loads ADD COLUMN seen_late INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE loads ADD COLUMN fatal TEXT",
+    ),
+)
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
-    "bytes_read, gpu_bytes_at_weights_end"
+    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal"
 )
 _NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
 
 _T = TypeVar("_T")
-_Row = tuple[str, float, float, str, str | None, int, str, int | None, int | None, int | None]
+_Row = tuple[
+    str,
+    float,
+    float,
+    str,
+    str | None,
+    int,
+    str,
+    int | None,
+    int | None,
+    int | None,
+    int,
+    str | None,
+]
 
 
 class HistoryStore:
@@ -116,7 +137,7 @@ class HistoryStore:
             while self._pending:
                 try:
                     db.execute(
-                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                         _row(self._pending[0]),
                     )
                 except sqlite3.Error as exc:
@@ -145,15 +166,26 @@ class HistoryStore:
         return [_record(row) for row in rows]
 
     def expected_duration(self, target: str, cache: Cache | None) -> float | None:
-        """Median duration of the recent successful, non-partial loads of this target and cache."""
+        """Median duration of the recent successful, non-partial loads of this target and cache
+        temperature (None: any temperature)."""
         good = self._good_loads(target, cache)
         return statistics.median(r.duration_seconds for r in good) if good else None
 
     def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]:
-        """Median seconds per phase over the same loads (a skipped phase counts as 0 s)."""
+        """Median seconds per phase over the same loads.
+
+        A phase a watched load skipped counts as 0 s; a phase of a load first seen mid-way that
+        the exporter could not time is left out of that phase's median instead.
+        """
         good = self._good_loads(target, cache)
         phases = sorted({phase for r in good for phase in r.phase_seconds})
-        return {p: statistics.median(r.phase_seconds.get(p, 0.0) for r in good) for p in phases}
+        medians = {}
+        for p in phases:
+            known = [
+                r.phase_seconds.get(p, 0.0) for r in good if p in r.phase_seconds or not r.seen_late
+            ]
+            medians[p] = statistics.median(known)
+        return medians
 
     def expected_weights_gpu_bytes(self, target: str) -> int | None:
         """GPU memory at the end of the weights of the last successful load that measured it."""
@@ -178,11 +210,17 @@ class HistoryStore:
             self.enabled = False
 
     def _good_loads(self, target: str, cache: Cache | None) -> list[LoadRecord]:
+        """Recent successful, non-partial loads; of one cache temperature, or any (None)."""
+        where, args = "", list[str | None]([target])
+        if cache is not None:
+            # Unknown temperature is stored as NULL.
+            where = "AND cache IS ?"
+            args.append(None if cache == Cache.UNKNOWN else str(cache))
         sql = (
-            f"SELECT {_COLUMNS} FROM loads WHERE target = ? AND cache IS ? AND outcome = 'ready' "
+            f"SELECT {_COLUMNS} FROM loads WHERE target = ? {where} AND outcome = 'ready' "
             f"AND partial = 0 {_NEWEST_FIRST} LIMIT {EXPECTATION_LOADS}"
         )
-        rows: list[_Row] = self._run(lambda db: db.execute(sql, (target, cache)).fetchall(), [])
+        rows: list[_Row] = self._run(lambda db: db.execute(sql, args).fetchall(), [])
         return [_record(row) for row in rows]
 
     def _run(self, query: Callable[[sqlite3.Connection], _T], default: _T) -> _T:
@@ -231,9 +269,10 @@ def _migrate(db: sqlite3.Connection) -> None:
         )
     db.execute("BEGIN IMMEDIATE")
     try:
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                db.execute(statement)
+        for statements in _MIGRATIONS[version:]:
+            for statement in statements:
+                if statement.strip():
+                    db.execute(statement)
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         db.execute("COMMIT")
     except sqlite3.Error:
@@ -253,11 +292,13 @@ def _row(record: LoadRecord) -> tuple[object, ...]:
         record.weights_bytes,
         record.bytes_read,
         record.gpu_bytes_at_weights_end,
+        int(record.seen_late),
+        record.fatal,
     )
 
 
 def _record(row: _Row) -> LoadRecord:
-    target, started, ended, outcome, cache, partial, phases, weights, read, gpu = row
+    target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late, fatal = row
     try:
         parsed = json.loads(phases)
     except ValueError:
@@ -278,4 +319,6 @@ def _record(row: _Row) -> LoadRecord:
         weights_bytes=weights,
         bytes_read=read,
         gpu_bytes_at_weights_end=gpu,
+        seen_late=bool(late),
+        fatal=fatal,
     )

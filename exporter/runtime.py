@@ -3,6 +3,12 @@
 The sampler threads write readings; one tracker tick per interval turns the latest readings of each
 target into an `Observation`, feeds the tracker and files finished loads. `snapshot()` hands the
 HTTP side an immutable view, so a scrape never waits on a source.
+
+Targets come from the config, and, with discovery on, from the model servers found in /proc:
+a discovered target is added when its server first appears, follows it across restarts (same
+name, same tracker and history, a new process is a new load) and is dropped `keep_for` after
+its process went away. Discovery scans every `discovery.interval`, and every sample interval
+while a discovered server is gone, so its restart is seen at once.
 """
 
 from __future__ import annotations
@@ -12,22 +18,25 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
 from exporter import __version__
 from exporter.cadence import ProbeCadence
-from exporter.config import Config, TargetConfig
+from exporter.config import Config, ProcessConfig, TargetConfig
+from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, ENDPOINT, MEMORY, NVML, PAGECACHE, PROCESS
+from exporter.sources import DISK, ENDPOINT, LOGS, MEMORY, NVML, PAGECACHE, PROCESS
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
 from exporter.sources.gpu import NvmlSource, process_gpu_memory
+from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
+from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.pagecache import ResidencySource
 from exporter.sources.process import ProcessFinder
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
@@ -42,8 +51,8 @@ TRACKER_LOOP = "tracker"
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
-# The temperatures history can expect a duration for (unknown loads have no comparable median).
-EXPECTED_CACHES = (Cache.COLD, Cache.WARM, Cache.MIXED)
+# Every temperature, unknown too: where residency cannot be measured all loads are unknown.
+EXPECTED_CACHES = tuple(Cache)
 
 
 @dataclass
@@ -56,6 +65,10 @@ class TargetRuntime:
     cadence: ProbeCadence
     finder: ProcessFinder | None
     residency: ResidencySource | None
+    discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
+    gone_since: float | None = None  # a discovered server's process went away at this time
+    logs: LogSource | None = None  # made once the process's start is known (a journal's start)
+    log_seq: int = 0  # the last log event handed to the tracker
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
@@ -72,12 +85,14 @@ class Runtime:
         config: Config,
         *,
         nvml: ModuleType | None = None,
+        gpu_pid_check: NvmlPidCheck | None = None,
         proc_root: str = "/proc",
         sys_root: str = "/sys",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self._clock = clock
+        self._proc_root = proc_root
         self.reload_successful = True  # set False by a failed reload while this one keeps running
         self.sampler = Sampler(config.sample_interval, clock)
         self.history = HistoryStore(config.history_path)
@@ -88,17 +103,29 @@ class Runtime:
         self._last: dict[str, float] = {}
         self._ticked = threading.Event()
         self._last_tick: float | None = None
-        self.targets = {t.name: self._build_target(t, proc_root) for t in config.targets}
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
         self.disk = DiskSource(weights, proc_root=proc_root, sys_root=sys_root)
-        self.nvml = NvmlSource(nvml)
+        self.targets: dict[str, TargetRuntime] = {}
+        for target in config.targets:
+            self._add_target(target)
+        self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
         self.sampler.add(DISK, "", self.disk.sample)
         self.sampler.add(MEMORY, "", MemorySource(proc_root).sample)
         self.sampler.add(NVML, "", self.nvml.sample)
         self.sampler.add_loop(TRACKER_LOOP, self.tick)
+        self.discoverer: Discoverer | None = None
+        # With configured targets, discovery waits a tick: their process trees say which
+        # servers they already watch.
+        self._discovery_due = clock() + config.sample_interval if config.targets else 0.0
+        self._unreachable: set[str] = set()
+        if config.discovery.active(bool(config.targets)):
+            self.discoverer = Discoverer(config.discovery.servers, proc_root=proc_root)
+            self.sampler.add_loop("discovery", self.discover)
         self._refresh_expectations()
 
-    def _build_target(self, target: TargetConfig, proc_root: str) -> TargetRuntime:
+    # -- targets -----------------------------------------------------------------------------
+
+    def _add_target(self, target: TargetConfig, found: DiscoveredServer | None = None) -> None:
         runtime = TargetRuntime(
             config=target,
             tracker=self._tracker(target),
@@ -108,13 +135,27 @@ class Runtime:
                 target.endpoint.ready_interval,
                 process_matching=target.process is not None,
             ),
-            finder=ProcessFinder(target.process, proc_root=proc_root) if target.process else None,
-            residency=(
-                ResidencySource(target.weights, cpu_budget=self.config.residency_cpu_budget)
-                if target.weights
-                else None
-            ),
+            finder=None,
+            residency=None,
+            discovered=found,
         )
+        with self._lock:
+            self.targets[target.name] = runtime
+        self._wire(runtime)
+
+    def _wire(self, runtime: TargetRuntime) -> None:
+        """(Re)build the sources of a target from its config and register their loops."""
+        target = runtime.config
+        runtime.finder = (
+            ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
+        )
+        runtime.residency = (
+            ResidencySource(target.weights, cpu_budget=self.config.residency_cpu_budget)
+            if target.weights
+            else None
+        )
+        runtime.cadence.ready_interval = target.endpoint.ready_interval
+        runtime.cadence.process_matching = target.process is not None
         self.sampler.add(
             ENDPOINT,
             target.name,
@@ -124,13 +165,87 @@ class Runtime:
         )
         if runtime.finder is not None:
             self.sampler.add(PROCESS, target.name, runtime.finder.sample)
+        else:
+            self.sampler.discard(PROCESS, target.name)
         if runtime.residency is not None:
             self.sampler.add(PAGECACHE, target.name, runtime.residency.sample)
-        if target.log is not None:
-            log.warning(
-                "target %s: log markers are not read yet; phases come from heuristics", target.name
-            )
-        return runtime
+        else:
+            self.sampler.discard(PAGECACHE, target.name)
+        self.disk.watch(target.name, target.weights.paths if target.weights else None)
+
+    def _drop_target(self, name: str) -> None:
+        with self._lock:
+            runtime = self.targets.pop(name)
+        runtime.prober.close()
+        self.sampler.remove(name)
+        self.disk.watch(name, None)
+        if runtime.logs is not None:
+            runtime.logs.close()
+        log.info("target %s: its server has been gone for %gs, no longer watched", name,
+                 self.config.discovery.keep_for)  # fmt: skip
+
+    def discover(self) -> None:
+        """One discovery pass when due: add, follow and, after keep_for, drop discovered targets."""
+        assert self.discoverer is not None
+        now = self._clock()
+        if now < self._discovery_due:
+            return
+        found = self._claimable(self.discoverer.scan())
+        for name, server in found.items():
+            runtime = self.targets.get(name)
+            if runtime is None:
+                log.info("target %s: discovered %s server, pid %d", name, server.kind, server.pid)
+                self._add_target(_target_config(server), server)
+                self._refresh_expectations()
+            elif runtime.discovered is not None:
+                runtime.gone_since = None
+                if runtime.discovered != server:
+                    self._follow(runtime, server)
+        for runtime in list(self.targets.values()):
+            if runtime.discovered is None or runtime.config.name in found:
+                continue
+            if runtime.gone_since is None:
+                runtime.gone_since = now
+            elif now - runtime.gone_since >= self.config.discovery.keep_for:
+                self._drop_target(runtime.config.name)
+        waiting = any(rt.gone_since is not None for rt in self.targets.values())
+        interval = self.config.sample_interval if waiting else self.config.discovery.interval
+        self._discovery_due = now + interval
+
+    def _claimable(self, servers: tuple[DiscoveredServer, ...]) -> dict[str, DiscoveredServer]:
+        """The discovered servers no configured target watches, by name; configured ones win."""
+        configured = [rt for rt in self.targets.values() if rt.discovered is None]
+        pids: set[int] = set()
+        for runtime in configured:
+            process = self.sampler.value(PROCESS, runtime.config.name)
+            if process is not None:
+                pids.update(process.pids)
+        urls = {rt.config.endpoint.url.rstrip("/") for rt in configured}
+        claimable = {}
+        for server in servers:
+            if server.pid in pids or server.url in urls:
+                continue
+            if not server.reachable:
+                if server.name not in self._unreachable:
+                    self._unreachable.add(server.name)
+                    log.warning("discovered %s at pid %d, but its port cannot be reached from "
+                                "here; not watched", server.name, server.pid)  # fmt: skip
+                continue
+            claimable[server.name] = server
+        return claimable
+
+    def _follow(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
+        """The same server, changed: restarted (a new process, so a new load) or new weights."""
+        runtime.discovered = server
+        fresh = _target_config(server)
+        if fresh.endpoint != runtime.config.endpoint:
+            runtime.prober.close()
+            runtime.prober = EndpointProber(fresh.endpoint)
+        runtime.config = replace(runtime.config, endpoint=fresh.endpoint,
+                                 weights=fresh.weights, process=fresh.process)  # fmt: skip
+        self._wire(runtime)
+
+    # -- sampling ----------------------------------------------------------------------------
 
     def _tracker(self, target: TargetConfig) -> Tracker:
         return Tracker(
@@ -147,6 +262,9 @@ class Runtime:
         for runtime in self.targets.values():
             runtime.prober.close()  # a probe in flight ends now, not at its timeout
         self.sampler.stop()
+        for runtime in self.targets.values():
+            if runtime.logs is not None:
+                runtime.logs.close()
         self.nvml.close()
         self.history.close()
 
@@ -161,7 +279,10 @@ class Runtime:
         self._note_clock_step(now)
         self.history.retry()  # loads a full disk could not take yet
         disk = self.sampler.value(DISK)
-        for runtime in self.targets.values():
+        with self._lock:
+            runtimes = list(self.targets.values())
+        for runtime in runtimes:
+            self._open_log(runtime, now)
             observation, gpu_memory = self._observe(runtime, now, disk)
             if runtime.residency is not None:
                 runtime.residency.note_device_reads(observation.disk_read_bytes)
@@ -244,16 +365,42 @@ class Runtime:
             log.info("target %s: the endpoint answers again", name)
         runtime.hung = hung
 
+    def _open_log(self, runtime: TargetRuntime, now: float) -> None:
+        """Start following a target's log once it is known where to start reading a journal.
+
+        From the server process's start (so an exporter started mid-load still reads the whole
+        load's markers), or from now when there is no process or it is not running.
+        """
+        config = runtime.config.log
+        if config is None or runtime.logs is not None:
+            return
+        since: float | None = now
+        if runtime.finder is not None:
+            reading = self.sampler.latest(PROCESS, runtime.config.name)
+            if reading is None:
+                return  # the first process sample is not in yet
+            process = reading.good
+            if process is not None and process.found and process.start_time is not None:
+                since = process.start_time
+        runtime.logs = LogSource(config, since=since)
+        self.sampler.add(LOGS, runtime.config.name, runtime.logs.sample)
+
     def _observe(
         self, runtime: TargetRuntime, now: float, disk: DiskSample | None
     ) -> tuple[Observation, dict[int, int]]:
         """The tick's observation of one target, and the GPU memory its tree holds per GPU."""
         name = runtime.config.name
         probe = self.sampler.latest(ENDPOINT, name)
-        process = self.sampler.value(PROCESS, name)
+        process = self.sampler.value(PROCESS, name) if runtime.finder is not None else None
         # Taken even when residency is unknown: the weights' size is still measured then.
-        pagecache = self.sampler.latest(PAGECACHE, name)
+        pagecache = self.sampler.latest(PAGECACHE, name) if runtime.residency else None
         residency = pagecache.value if pagecache is not None else None
+        # Events even from a log that is down now (journalctl died after writing them).
+        logs = self.sampler.latest(LOGS, name) if runtime.logs is not None else None
+        log_sample = logs.value if logs is not None else None
+        events = new_events(log_sample, runtime.log_seq) if log_sample is not None else ()
+        if log_sample is not None:
+            runtime.log_seq = log_sample.last_seq
         gpu = self.sampler.value(NVML)
         probe_value = probe.good if probe is not None else None
         gpu_memory: dict[int, int] = {}
@@ -275,17 +422,20 @@ class Runtime:
             resident_bytes=residency.resident_bytes if residency else None,
             resident_measured_at=min(residency.measured_at, now) if residency else None,
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
+            log_events=events,
+            log_lines=log_sample.lines_total if log_sample is not None else None,
         )
         return observation, gpu_memory
 
     def _finish(self, record: LoadRecord) -> None:
         log.info(
-            "target %s: load %s after %.1fs (cache=%s%s)",
+            "target %s: load %s after %.1fs (cache=%s%s)%s",
             record.target,
             record.outcome,
             record.duration_seconds,
             record.cache or Cache.UNKNOWN,
             ", partial" if record.partial else "",
+            f": {record.fatal}" if record.fatal else "",
         )
         self.history.add(record)
         if not record.partial:
@@ -298,10 +448,10 @@ class Runtime:
         self._refresh_expectations()
 
     def _refresh_expectations(self) -> None:
-        """Read history once per finished load, not once per scrape."""
+        """Read history once per finished load (or new target), not once per scrape."""
         expected: dict[tuple[str, Cache], float] = {}
         last: dict[str, float] = {}
-        for name in self.targets:
+        for name in list(self.targets):
             for cache in EXPECTED_CACHES:
                 value = self.history.expected_duration(name, cache)
                 if value is not None:
@@ -314,15 +464,21 @@ class Runtime:
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
-        by_target: dict[str, dict[str, Reading[Any]]] = {name: {} for name in self.targets}
+        by_target: dict[str, dict[str, Reading[Any]]] = {}
         for reading in self.sampler.readings():
             if reading.target:
-                by_target[reading.target][reading.source] = reading
+                by_target.setdefault(reading.target, {})[reading.source] = reading
             else:
                 host[reading.source] = reading
         with self._lock:
             views = tuple(
-                TargetView(rt.config, rt.state, by_target[name], dict(rt.gpu_memory))
+                TargetView(
+                    rt.config,
+                    rt.state,
+                    by_target.get(name, {}),
+                    dict(rt.gpu_memory),
+                    rt.discovered,
+                )
                 for name, rt in self.targets.items()
             )
             return Snapshot(
@@ -342,3 +498,13 @@ class Runtime:
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         return self.history.loads(target, limit)
+
+
+def _target_config(server: DiscoveredServer) -> TargetConfig:
+    """A discovered server as if it had been configured, its process matched by identity."""
+    return TargetConfig(
+        name=server.name,
+        endpoint=endpoint_config(server),
+        weights=weights_config(server),
+        process=ProcessConfig(pid=server.pid, start_ticks=server.start_ticks),
+    )

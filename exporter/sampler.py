@@ -81,7 +81,8 @@ class Periodic:
         self._wake.set()
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # never started: nothing to wait for
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
@@ -122,15 +123,21 @@ def _loop_name(source: SourceKey[Any], target: str) -> str:
 
 
 class Sampler:
-    """Owns the periodic source threads and their latest readings."""
+    """Owns the periodic source threads and their latest readings.
+
+    Sources may come and go while it runs (discovered targets): `add` starts a loop at once when
+    the sampler is running and replaces one already registered under the same key, `remove`
+    stops a target's loops and forgets its readings.
+    """
 
     def __init__(self, interval: float, clock: Callable[[], float] = time.time) -> None:
         self.interval = interval
         self._clock = clock
         self._lock = threading.Lock()
         self._latest: dict[tuple[str, str], Reading[Any]] = {}
-        self._loops: dict[str, Periodic] = {}
+        self._loops: dict[tuple[str, str], Periodic] = {}
         self._failing: set[tuple[str, str]] = set()
+        self._running = False
 
     def add(
         self,
@@ -142,30 +149,60 @@ class Sampler:
     ) -> None:
         """Register a source; `fn` returns its dataclass or raises. `every` paces it when the
         sample interval does not (asked after each sample); `after` sees each stored reading."""
-        name = _loop_name(source, target)
 
         def sample() -> None:
             reading = self.run_once(source, target, fn)
             if after is not None:
                 after(reading)
 
-        self._loops[name] = Periodic(name, every or self.interval, sample)
+        loop = Periodic(_loop_name(source, target), every or self.interval, sample)
+        self._register((source.name, target), loop)
 
     def add_loop(self, name: str, fn: Callable[[], None]) -> None:
-        """Register a periodic task that is not a source (the tracker tick)."""
-        self._loops[name] = Periodic(name, self.interval, fn)
+        """Register a periodic task that is not a source (the tracker tick, discovery)."""
+        self._register((name, ""), Periodic(name, self.interval, fn))
 
     def run_soon(self, name: str) -> None:
         """Run a loop added with add_loop (the tracker tick) now rather than when due."""
-        loop = self._loops.get(name)
+        with self._lock:
+            loop = self._loops.get((name, ""))
         if loop is not None:
             loop.run_soon()
 
     def wake(self, source: SourceKey[Any], target: str = "") -> None:
         """Have a source's loop re-ask its pace now (it may be due sooner than planned)."""
-        loop = self._loops.get(_loop_name(source, target))
+        with self._lock:
+            loop = self._loops.get((source.name, target))
         if loop is not None:
             loop.wake()
+
+    def _register(self, key: tuple[str, str], loop: Periodic) -> None:
+        with self._lock:
+            old, self._loops[key] = self._loops.get(key), loop
+            running = self._running
+        if old is not None:
+            old.stop()
+        if running:
+            loop.start()
+
+    def discard(self, source: SourceKey[Any], target: str) -> None:
+        """Stop one source of one target, if it runs, and drop its reading."""
+        key = (source.name, target)
+        with self._lock:
+            loop = self._loops.pop(key, None)
+            self._latest.pop(key, None)
+        if loop is not None:
+            loop.stop()
+
+    def remove(self, target: str) -> None:
+        """Stop every source of one target and drop its readings."""
+        with self._lock:
+            keys = [key for key in self._loops if key[1] == target]
+            loops = [self._loops.pop(key) for key in keys]
+            for key in [key for key in self._latest if key[1] == target]:
+                del self._latest[key]
+        for loop in loops:
+            loop.stop()
 
     def run_once(self, source: SourceKey[T], target: str, fn: Callable[[], T]) -> Reading[T]:
         """Take one sample now and store it; public so tests can step sources by hand."""
@@ -216,16 +253,22 @@ class Sampler:
             return list(self._latest.values())
 
     def start(self) -> None:
-        for loop in self._loops.values():
+        with self._lock:
+            self._running = True
+            loops = list(self._loops.values())
+        for loop in loops:
             loop.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop every loop; a source stuck in a syscall is a daemon thread and is left behind."""
-        for loop in self._loops.values():
+        with self._lock:
+            self._running = False
+            loops = list(self._loops.values())
+        for loop in loops:
             loop.stop()
         deadline = time.monotonic() + timeout
-        for loop in self._loops.values():
+        for loop in loops:
             loop.join(max(0.0, deadline - time.monotonic()))
-        stuck = [loop.name for loop in self._loops.values() if loop.alive]
+        stuck = [loop.name for loop in loops if loop.alive]
         if stuck:
             log.warning("still running after stop: %s", ", ".join(stuck))

@@ -119,9 +119,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 f"--{single[0].replace('_', '.')} cannot be combined with --config.file"
             )
         config = load_config(args.config_file)
+    elif not single:
+        # No config at all: discover the model servers on this host.
+        config = parse_config({}, source="no config (discovery)")
     else:
         if not args.target or not args.endpoint:
-            raise UsageError("no targets: pass --config.file, or --target and --endpoint")
+            raise UsageError("one target needs both --target and --endpoint")
         target: dict[str, Any] = {
             "name": args.target,
             "endpoint": {"url": args.endpoint, "probe": args.probe},
@@ -154,6 +157,13 @@ def summary(config: Config) -> str:
         f"sample interval {format_duration(config.sample_interval)}, history {history}, "
         f"residency CPU budget {config.residency_cpu_budget:.1%} of a core"
     ]
+    found = config.discovery
+    if found.active(bool(config.targets)):
+        lines.append(
+            f"  discovery: {', '.join(found.servers)} servers from /proc every "
+            f"{format_duration(found.interval)}, kept {format_duration(found.keep_for)} "
+            "after they exit"
+        )
     for t in config.targets:
         e = t.endpoint
         probe = (

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from exporter.config import TargetConfig
+from exporter.discovery import DiscoveredServer
 from exporter.loadstats import HistogramCounts
 from exporter.sampler import Reading
-from exporter.sources import ENDPOINT, SourceKey
+from exporter.sources import ENDPOINT, LOGS, SourceKey
 from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, ServerKind
 
@@ -32,6 +33,7 @@ class TargetView:
     state: TargetState | None  # None until the first tracker tick
     readings: Mapping[str, Reading[Any]]  # this target's per-target sources, by source name
     gpu_memory: Mapping[int, int]  # bytes the server's process tree holds, per GPU index
+    discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
 
     @property
     def name(self) -> str:
@@ -47,6 +49,12 @@ class TargetView:
 
     @property
     def server(self) -> ServerKind:
+        """The server kind, from the best evidence: its command line, its log, its answers."""
+        if self.discovered is not None:
+            return self.discovered.kind
+        logs = self.reading(LOGS)
+        if logs is not None and logs.value is not None and logs.value.format is not None:
+            return ServerKind(logs.value.format)
         probe = self.value(ENDPOINT)
         return probe.server if probe is not None else ServerKind.UNKNOWN
 

@@ -8,12 +8,20 @@ Rules, because every number on the dashboard comes from them:
 * A load starts when a new server process (pid, start time) appears, at that process's own start
   time. Without process matching: when a ready endpoint fails 3 distinct probes in a row (start =
   the first failure), or when a never-ready endpoint answers "up but not ready" (503, timeout,
-  bad response). A load first seen more than 2 intervals + 1 s after its start, or the latter
-  endpoint-only kind, is `partial`: its start and the residency at its start were not seen.
-  A partial process load whose first fresh probe already says ready is dropped: nothing of it was
-  watched.
+  bad response). That last kind, and a process whose start time cannot be read, is `partial`:
+  its start is unknown, so it is kept in history but never observed into the histograms.
+* A process load first seen more than 2 intervals + 1 s after its start (the exporter started or
+  restarted mid-load) is `seen_late`: its duration is exact (the process's start time) and it is
+  observed like any other. Its residency at the start is rebuilt as the first pass's residency
+  less what the tree has read from storage since it started (/proc/PID/io counts from the
+  process start), and is unknown when those counters cannot be read. Phase boundaries it
+  crossed before its first tick are unknown, and the phases beside them are left out of its
+  record rather than reported as 0 s. A late load whose first fresh probe already says ready is
+  dropped: nothing of it was watched.
 * It ends `ready` on the first probe finished after the start that says ready; `failed` when the
-  process is gone first (or replaced by another one). `failed` stays until the next load.
+  process is gone first (or replaced by another one), or at once when the server's log reports a
+  fatal error (with the server's message). With a log, a process exit waits one tick for the
+  log's last lines, which say why. `failed` stays until the next load.
 * Weights progress is the highest ratio among the signals that may drive it, clamped to 0..1,
   and never falls within a load. The signals, and what makes a ratio of 1.0:
 
@@ -51,20 +59,30 @@ Rules, because every number on the dashboard comes from them:
   progress and nothing moved for `stall_after`.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
   driving signal. ETA = remaining weights / throughput + the medians history has for the phases
-  still ahead; None whenever a part has no basis.
+  still ahead, from loads of the same cache temperature; the phases after the weights do not
+  depend on the page cache, so where those loads have none, loads of any temperature give them.
+  None whenever a part has no basis.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
-from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult
+from exporter.logmarkers import EventKind, LogEvent, StepTimeline
+from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Step
 
 # Tie-break order when two signals report the same progress.
-PROGRESS_SOURCES = ("gpu_memory", "page_cache", "process_reads", "process_read_chars", "disk_reads")
+PROGRESS_SOURCES = (
+    "gpu_memory",
+    "page_cache",
+    "process_reads",
+    "process_read_chars",
+    "disk_reads",
+    "log_shards",
+)
 
 ENDPOINT_FAILURES_FOR_LOAD = 3
 START_GRACE_INTERVALS = 2.0
@@ -78,6 +96,10 @@ QUIET_INTERVALS = 5
 RATE_WINDOW_SECONDS = 10.0
 RATE_MIN_INTERVALS = 3
 MOVE_BYTES = 1 << 20
+# Phases whose length does not depend on the page cache: ETAs may take them from any load.
+CACHE_INDEPENDENT = (Phase.INITIALIZING,)
+LOG_SKEW_SECONDS = 1.0  # a log line stamped this much before a load's start still belongs to it
+FATAL_WITHOUT_DETAIL = "the server's log reported a fatal error"
 
 _STORAGE = ("page_cache", "process_reads", "disk_reads")
 _WHOLE = ("gpu_memory", "process_read_chars")
@@ -104,6 +126,8 @@ class Observation:
     resident_bytes: int | None  # page-cache bytes of the weight files; None = not measurable
     resident_measured_at: float | None  # when resident_bytes was measured
     disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
+    log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
+    log_lines: int | None = None  # lines the server's log has written; None without a log
 
 
 @dataclass(frozen=True)
@@ -115,11 +139,13 @@ class LoadRecord:
     ended_at: float
     outcome: Outcome
     cache: Cache | None  # None when residency at the start is unknown
-    partial: bool  # start not observed: kept out of histograms
+    partial: bool  # start not known (no process matching): kept out of histograms
     phase_seconds: Mapping[str, float]  # the in-progress phases the load went through
     weights_bytes: int | None
     bytes_read: int | None  # storage bytes the process tree read during the load
     gpu_bytes_at_weights_end: int | None  # the GPU size to expect next time
+    seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
+    fatal: str | None = None  # the server's own fatal message, when its log gave one
 
     @property
     def duration_seconds(self) -> float:
@@ -143,15 +169,20 @@ class TargetState:
     stalled: bool
     cache: Cache | None
     partial: bool
+    seen_late: bool
     progress_source: str | None  # the signal that last drove progress (PROGRESS_SOURCES)
     signals: Mapping[str, float | int | None]  # the raw evidence, for /api/v1/status
     last_record: LoadRecord | None
+    step: Step | None  # the fine step the server's log says; None without log markers
+    fatal: str | None  # why the last load failed, in the server's own words (from its log)
 
 
 class Expectations(Protocol):
     """What history expects of a target's next load (implemented by history.HistoryStore)."""
 
-    def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]: ...
+    def expected_phase_seconds(self, target: str, cache: Cache | None) -> Mapping[str, float]:
+        """Median seconds per phase of recent good loads of this cache temperature (None: any)."""
+        ...
 
     def expected_weights_gpu_bytes(self, target: str) -> int | None: ...
 
@@ -163,7 +194,7 @@ class _Probe(NamedTuple):
 
 class _Evidence(NamedTuple):
     ratio: float
-    basis: float  # bytes that make a ratio of 1.0
+    basis: float | None  # bytes that make a ratio of 1.0; None: not bytes (shards of a log)
 
 
 @dataclass
@@ -171,7 +202,9 @@ class _Load:
     """Mutable bookkeeping of the current (or last) load."""
 
     started_at: float
+    seen_at: float  # the first tick of this load
     partial: bool
+    seen_late: bool
     seen_failing: bool
     expected_gpu: int | None
     disk_base: int | None
@@ -179,6 +212,9 @@ class _Load:
     last_move: float
     weights_began: float | None = None
     weights_ended: float | None = None
+    # Whether those boundaries were watched; a load seen late may have crossed them before.
+    weights_began_seen: bool = False
+    weights_ended_seen: bool = False
     progress: float | None = None
     source: str | None = None
     basis: float | None = None
@@ -190,6 +226,12 @@ class _Load:
     gpu_prev: int | None = None
     gpu_at_rise: int | None = None
     gpu_at_weights_end: int | None = None
+    log_weights_open: bool = False  # the log said the weights began and has not said they ended
+    log_from_start: bool = False  # the log showed this load's weights begin: its steps are whole
+    log_shards: tuple[int, int] | None = None  # (done, total) from the log's progress lines
+    steps: StepTimeline = field(default_factory=StepTimeline)  # the log's fine steps, this load
+    fatal: str | None = None
+    fatal_at: float | None = None
     bytes_read: int | None = None
     weights_bytes: int | None = None
     evidence: dict[str, _Evidence] = field(default_factory=dict)
@@ -221,12 +263,14 @@ class Tracker:
         self._probe: _Probe | None = None
         self._fail_streak = 0
         self._fail_start = 0.0
+        self._logged = False  # whether the target has a log source (observations carry lines)
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
         prev = self._last_obs
         if prev is not None and obs.time < prev.time:
             return None
+        self._logged = obs.log_lines is not None
         last_probe = self._probe
         probe = self._take_probe(obs)
         record = None
@@ -240,10 +284,13 @@ class Tracker:
                 probe is not None and last_probe is not None and probe.result != last_probe.result
             )
             self._follow(load, obs, prev, answer_changed)
-            if probe is not None and probe.result != ProbeResult.READY:
+            if load.fatal_at is not None and record is None:
+                # The server said it cannot start: failed now, not when its process exits.
+                record = self._finish(load, load.fatal_at, Outcome.FAILED)
+            elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
             elif probe is not None and probe.time > load.started_at and record is None:
-                record = self._finish(load, probe.time, Outcome.READY)  # the answer, not the tick
+                record = self._finish(load, probe.time, Outcome.READY)  # when it answered
         else:
             self._settle(obs)
         self._last_obs = obs
@@ -268,9 +315,12 @@ class Tracker:
                 stalled=False,
                 cache=load.cache if load else None,
                 partial=load.partial if load else False,
+                seen_late=load.seen_late if load else False,
                 progress_source=load.source if load and phase is Phase.FAILED else None,
                 signals=self._signals(load),
                 last_record=self._last_record,
+                step=Step.NONE if self._logged else None,
+                fatal=load.fatal if load and phase is Phase.FAILED else None,
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
@@ -294,9 +344,12 @@ class Tracker:
             stalled=since >= self.stall_after,
             cache=load.cache,
             partial=load.partial,
+            seen_late=load.seen_late,
             progress_source=load.source,
             signals=self._signals(load),
             last_record=self._last_record,
+            step=load.steps.step if self._logged else None,
+            fatal=None,
         )
 
     # -- load boundaries ---------------------------------------------------------------------
@@ -317,11 +370,20 @@ class Tracker:
         if not obs.process_found:
             if self._proc_key is not None and self._proc_gone_at is None:
                 self._proc_gone_at = obs.time
-            return (
-                self._finish(load, obs.time, Outcome.FAILED)
-                if load is not None and running
-                else None
-            )
+            if load is None or not running:
+                return None
+            gone = self._proc_gone_at if self._proc_gone_at is not None else obs.time
+            if self._logged and gone == obs.time:
+                return None  # one tick for the log to say why: its last lines come with the exit
+            for event in obs.log_events:  # ... or the next: the log is sampled on its own thread
+                if (
+                    event.kind is EventKind.FATAL
+                    and event.time >= load.started_at - LOG_SKEW_SECONDS
+                ):
+                    load.fatal = event.detail or FATAL_WITHOUT_DETAIL
+                    gone = min(gone, max(event.time, load.started_at))
+                    break
+            return self._finish(load, gone, Outcome.FAILED)
         self._proc_gone_at = None
         key = (obs.process_pid, obs.process_start_time)
         if key == self._proc_key:
@@ -336,7 +398,7 @@ class Tracker:
         self._proc_key = key
         late = obs.time - start > START_GRACE_INTERVALS * self.interval + START_GRACE_SECONDS
         unknown_age = obs.process_start_time is None and self._last_obs is None
-        self._begin(obs, start, partial=late or unknown_age, seen_failing=False)
+        self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
 
     def _track_endpoint(self, obs: Observation, probe: _Probe | None) -> None:
@@ -355,40 +417,51 @@ class Tracker:
         elif probe.result in _UP_NOT_READY:
             self._begin(obs, probe.time, partial=True, seen_failing=True)
 
-    def _begin(self, obs: Observation, start: float, partial: bool, seen_failing: bool) -> None:
+    def _begin(
+        self,
+        obs: Observation,
+        start: float,
+        partial: bool,
+        seen_failing: bool,
+        seen_late: bool = False,
+    ) -> None:
         expected_gpu = (
             self.expectations.expected_weights_gpu_bytes(self.target) if self.expectations else None
         )
+        unseen = partial or seen_late
         self._load = _Load(
             started_at=start,
+            seen_at=obs.time,
             partial=partial,
+            seen_late=seen_late,
             seen_failing=seen_failing,
             expected_gpu=expected_gpu,
             disk_base=_value_at([*self._recent, obs], start),
-            # A partial load's GPU memory already holds weights: count all of it.
-            gpu_base=0 if partial else None,
-            last_move=obs.time if partial else start,
+            # A load seen late already holds weights on its GPUs: count all of it.
+            gpu_base=0 if unseen else None,
+            last_move=obs.time if unseen else start,
             last_rise=start,
             flat_time=start,
         )
         self._phase = Phase.STARTING
 
     def _finish(self, load: _Load, at: float, outcome: Outcome) -> LoadRecord | None:
-        if outcome is Outcome.READY and load.partial and not load.seen_failing:
+        if outcome is Outcome.READY and (load.partial or load.seen_late) and not load.seen_failing:
             # Ready at the first chance to ask: the exporter watched no load at all.
             self._load = None
             self._phase = Phase.READY
             return None
+        # (phase, its start, whether that start was watched); the load's start always is.
         marks = [
-            (name, mark)
-            for name, mark in (
-                (Phase.STARTING, load.started_at),
-                (Phase.LOADING_WEIGHTS, load.weights_began),
-                (Phase.INITIALIZING, load.weights_ended),
+            (name, mark, seen)
+            for name, mark, seen in (
+                (Phase.STARTING, load.started_at, True),
+                (Phase.LOADING_WEIGHTS, load.weights_began, load.weights_began_seen),
+                (Phase.INITIALIZING, load.weights_ended, load.weights_ended_seen),
             )
             if mark is not None
         ]
-        ends = [mark for _, mark in marks[1:]] + [at]
+        ends = [(mark, seen) for _, mark, seen in marks[1:]] + [(at, True)]
         record = LoadRecord(
             target=self.target,
             started_at=load.started_at,
@@ -396,16 +469,37 @@ class Tracker:
             outcome=outcome,
             cache=load.cache,
             partial=load.partial,
+            seen_late=load.seen_late,
+            # A boundary the exporter was not there to see is unknown, and so are both phases
+            # beside it: left out rather than reported as 0 s.
             phase_seconds={
-                name: max(0.0, end - mark) for (name, mark), end in zip(marks, ends, strict=True)
+                **{
+                    name: max(0.0, end - mark)
+                    for (name, mark, seen), (end, end_seen) in zip(marks, ends, strict=True)
+                    if seen and end_seen
+                },
+                **self._fine_steps(load, at),
             },
             weights_bytes=load.weights_bytes,
             bytes_read=load.bytes_read,
-            gpu_bytes_at_weights_end=load.gpu_at_weights_end,
+            gpu_bytes_at_weights_end=load.gpu_at_weights_end if load.weights_ended_seen else None,
+            fatal=load.fatal,
         )
         self._phase = Phase(outcome)
         self._last_record = record
         return record
+
+    @staticmethod
+    def _fine_steps(load: _Load, at: float) -> dict[str, float]:
+        """Seconds per fine step the log showed (KV cache, compile, CUDA graphs, warm-up).
+
+        Weights are the coarse phase already. A load first seen late whose log did not show
+        its weights begin (a file is read from its end) has steps cut short: none are kept.
+        """
+        if load.seen_late and not load.log_from_start:
+            return {}
+        load.steps.close(at)
+        return {str(k): v for k, v in load.steps.durations.items() if k is not Step.WEIGHTS}
 
     def _settle(self, obs: Observation) -> None:
         """The phase between loads."""
@@ -430,7 +524,10 @@ class Tracker:
     def _follow(
         self, load: _Load, obs: Observation, prev: Observation | None, answer_changed: bool
     ) -> None:
-        if answer_changed or _moved(prev, obs):
+        logged = bool(obs.log_events) or (
+            prev is not None and obs.log_lines is not None and prev.log_lines != obs.log_lines
+        )
+        if answer_changed or logged or _moved(prev, obs):
             load.last_move = obs.time
         if obs.weights_bytes is not None:
             load.weights_bytes = obs.weights_bytes
@@ -441,22 +538,63 @@ class Tracker:
         if load.gpu_base is None and obs.process_gpu_bytes:
             load.gpu_base = obs.process_gpu_bytes
         self._note_residency(load, obs)
+        self._follow_log(load, obs)
         load.evidence = self._evidence(load, obs)
         self._advance_progress(load, obs)
         self._advance_phase(load, obs)
         load.gpu_prev = obs.process_gpu_bytes
 
+    def _follow_log(self, load: _Load, obs: Observation) -> None:
+        """The server's own markers: exact phase boundaries, shard progress, a fatal error.
+
+        They win over the byte heuristics: a boundary the heuristics crossed first is moved to
+        the time the log gives, and while the log says the weights are still loading, no
+        heuristic ends them. Lines stamped before the load's start are the previous process's.
+        """
+        for event in obs.log_events:
+            if event.time < load.started_at - LOG_SKEW_SECONDS:
+                continue
+            at = min(max(event.time, load.started_at), obs.time)
+            load.steps.apply(replace(event, time=at))
+            kind = event.kind
+            # The log dates a boundary exactly, even one crossed before the exporter arrived.
+            if kind is EventKind.WEIGHTS_BEGIN:
+                load.log_weights_open = load.log_from_start = True
+                if self._phase is Phase.STARTING:
+                    self._begin_weights(load, at, load.progress or 0.0, obs.time, seen=True)
+                elif self._phase is Phase.LOADING_WEIGHTS:
+                    load.weights_began, load.weights_began_seen = at, True
+            elif kind is EventKind.WEIGHTS_PROGRESS and event.total:
+                load.log_shards = (event.done or 0, event.total)
+            elif kind is EventKind.WEIGHTS_END:
+                load.log_weights_open = False
+                load.progress = 1.0
+                if self._phase in (Phase.STARTING, Phase.LOADING_WEIGHTS):
+                    gpu = load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
+                    self._end_weights(load, at, gpu, obs.time, seen=True)
+                elif self._phase is Phase.INITIALIZING:
+                    load.weights_ended, load.weights_ended_seen = at, True
+            elif kind is EventKind.FATAL and load.fatal_at is None:
+                load.fatal = event.detail or FATAL_WITHOUT_DETAIL
+                load.fatal_at = at
+
     def _note_residency(self, load: _Load, obs: Observation) -> None:
-        """Cache temperature and the storage baseline come from the first pass after the start."""
+        """Cache temperature and the storage baseline come from the first pass after the start.
+
+        The pass lands up to a couple of intervals after the start (or, for a load first seen
+        mid-way, long after it). What the tree has read from storage since it started was not
+        cached at the start, so it is taken back out: otherwise the first second of a cold load
+        at 240 MB/s would already read as "mixed", and a cold load seen half-way as "mixed" too.
+        A load seen late whose tree's storage reads are unknown keeps an unknown temperature.
+        """
         if load.resident_start is not None or load.partial or obs.resident_bytes is None:
             return
         measured = obs.resident_measured_at if obs.resident_measured_at is not None else obs.time
         if measured < load.started_at:
             return
-        # The pass lands up to a couple of intervals after the start. What the tree has read from
-        # storage since it started was not cached at the start, so take it back out: otherwise
-        # the first second of a cold load at 240 MB/s would already read as "mixed".
         read_since_start = obs.process_read_bytes if obs.process_found else None
+        if load.seen_late and read_since_start is None:
+            return
         load.resident_start = max(0, obs.resident_bytes - (read_since_start or 0))
         if load.weights_bytes:
             load.cache = temperature(load.resident_start / load.weights_bytes)
@@ -483,6 +621,9 @@ class Tracker:
                 out["disk_reads"] = _Evidence(reads / storage_basis, storage_basis)
         if obs.process_read_chars is not None and weights:
             out["process_read_chars"] = _Evidence(obs.process_read_chars / weights, weights)
+        if load.log_shards is not None:
+            done, total = load.log_shards
+            out["log_shards"] = _Evidence(done / total, weights or None)
         base = load.gpu_base
         if obs.process_gpu_bytes is not None and base is not None:
             expected = load.expected_gpu
@@ -507,7 +648,8 @@ class Tracker:
 
     def _advance_progress(self, load: _Load, obs: Observation) -> None:
         best: tuple[str, _Evidence] | None = None
-        allowed = self._driving(load, obs)
+        # Shards the log has counted are this load's whatever the cache says.
+        allowed = (*self._driving(load, obs), "log_shards")
         for source in PROGRESS_SOURCES:
             ev = load.evidence.get(source)
             if source in allowed and ev is not None and (best is None or ev.ratio > best[1].ratio):
@@ -518,7 +660,8 @@ class Tracker:
             ratio = min(1.0, max(0.0, ev.ratio))
             before = load.progress
             if before is None or ratio > before:
-                rose = (ratio - (before or 0.0)) * ev.basis >= MOVE_BYTES
+                gained = ratio - (before or 0.0)
+                rose = ev.basis is None or gained * ev.basis >= MOVE_BYTES
                 load.progress, load.source, load.basis = ratio, source, ev.basis
         if rose:
             load.last_rise = obs.time
@@ -532,27 +675,42 @@ class Tracker:
         if progress is None:
             return
         if self._phase is Phase.STARTING and progress >= BEGIN_RATIO:
-            load.weights_began = max(load.flat_time, load.started_at)
-            load.rate = deque([(load.weights_began, load.flat_progress)])
-            self._enter(load, Phase.LOADING_WEIGHTS, now)
+            # Backdated to the last flat tick: watched only if that tick was (a load seen late
+            # may have begun before the exporter's first tick).
+            at = max(load.flat_time, load.started_at)
+            seen = not load.seen_late or at >= load.seen_at
+            self._begin_weights(load, at, load.flat_progress, now, seen)
         if self._phase is not Phase.LOADING_WEIGHTS:
             return
         quiet = now - load.last_rise >= QUIET_INTERVALS * self.interval
-        if progress >= DONE_RATIO:
+        if load.log_weights_open:
+            pass  # the server's log says the weights are still loading: it will say when not
+        elif progress >= DONE_RATIO:
             # KV-cache allocation can follow the last weight within one tick: take the tick before.
-            load.weights_ended = now
-            load.gpu_at_weights_end = (
-                load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
-            )
-        elif progress >= QUIET_DONE_RATIO and quiet:
-            load.weights_ended = max(load.last_rise, load.weights_began or load.started_at)
-            load.gpu_at_weights_end = load.gpu_at_rise
-        else:
-            load.rate.append((now, progress))
-            horizon = now - max(RATE_WINDOW_SECONDS, RATE_MIN_INTERVALS * self.interval)
-            while len(load.rate) >= 2 and load.rate[1][0] <= horizon:
-                load.rate.popleft()
+            gpu = load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
+            # A finish first seen on the load's first tick may have happened long before.
+            self._end_weights(load, now, gpu, now, seen=not load.seen_late or now > load.seen_at)
             return
+        elif progress >= QUIET_DONE_RATIO and quiet:
+            at = max(load.last_rise, load.weights_began or load.started_at)
+            seen = not load.seen_late or at > load.seen_at  # a rise on the first tick: unknown
+            self._end_weights(load, at, load.gpu_at_rise, now, seen)
+            return
+        load.rate.append((now, progress))
+        horizon = now - max(RATE_WINDOW_SECONDS, RATE_MIN_INTERVALS * self.interval)
+        while len(load.rate) >= 2 and load.rate[1][0] <= horizon:
+            load.rate.popleft()
+
+    def _begin_weights(
+        self, load: _Load, at: float, progress_then: float, now: float, seen: bool
+    ) -> None:
+        load.weights_began, load.weights_began_seen = at, seen
+        load.rate = deque([(at, progress_then)])
+        self._enter(load, Phase.LOADING_WEIGHTS, now)
+
+    def _end_weights(self, load: _Load, at: float, gpu: int | None, now: float, seen: bool) -> None:
+        load.weights_ended, load.weights_ended_seen = at, seen
+        load.gpu_at_weights_end = gpu
         self._enter(load, Phase.INITIALIZING, now)
 
     def _enter(self, load: _Load, phase: Phase, now: float) -> None:
@@ -585,13 +743,21 @@ class Tracker:
         return max(0.0, starting - (now - load.started_at)) + weights + init
 
     def _expected(self, load: _Load) -> Mapping[str, float]:
-        """History's phase medians for this load's cache, read once per load and cache value."""
-        if self.expectations is None:
+        """History's phase medians for this load's cache, read once per load and cache value.
+
+        The phases after the weights do not depend on the page cache, so where loads of this
+        temperature have none, loads of any temperature give them.
+        """
+        history = self.expectations
+        if history is None:
             return {}
         if load.cache not in load.expected:
-            load.expected[load.cache] = dict(
-                self.expectations.expected_phase_seconds(self.target, load.cache)
-            )
+            same = history.expected_phase_seconds(self.target, load.cache or Cache.UNKNOWN)
+            anywhere = history.expected_phase_seconds(self.target, None)
+            load.expected[load.cache] = {
+                **{p: anywhere[p] for p in CACHE_INDEPENDENT if p in anywhere},
+                **same,
+            }
         return load.expected[load.cache]
 
     def _signals(self, load: _Load | None) -> dict[str, float | int | None]:

@@ -82,3 +82,15 @@ class LogFormat(StrEnum):
     VLLM = "vllm"
     LLAMACPP = "llamacpp"
     TGI = "tgi"
+    TRITON = "triton"
+
+
+class Step(StrEnum):
+    """The fine step a server's own log says it is in (`model_load_step{step}`)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    COMPILE = "compile"
+    CUDA_GRAPH = "cuda_graph"
+    WARMUP = "warmup"
+    NONE = "none"

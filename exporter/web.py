@@ -17,12 +17,13 @@ from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from exporter import __version__
+from exporter import livepage
 from exporter.collector import ExporterCollector
 from exporter.httpserver import Limits, Server, somaxconn
 from exporter.runtime import Runtime
-from exporter.snapshot import Snapshot
-from exporter.sources import DISK, PAGECACHE
+from exporter.sampler import Reading
+from exporter.snapshot import Snapshot, TargetView
+from exporter.sources import DISK, LOGS, NVML, PAGECACHE
 from exporter.tracker import LoadRecord
 from exporter.webconfig import WebConfig
 
@@ -30,19 +31,6 @@ log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 MAX_LOADS = 1000
-
-LANDING = """<!doctype html>
-<html><head><title>model-load-exporter</title></head>
-<body><h1>model-load-exporter {version}</h1>
-<p>What each model server on this host is doing while it loads.</p>
-<ul>
-<li><a href="/metrics">/metrics</a>: Prometheus metrics</li>
-<li><a href="/api/v1/status">/api/v1/status</a>: per target phase, progress, ETA, stall</li>
-<li><a href="/api/v1/loads">/api/v1/loads</a>: history of finished loads</li>
-<li><a href="/-/healthy">/-/healthy</a>, <a href="/-/ready">/-/ready</a>;
-<code>POST /-/reload</code> re-reads the config (as SIGHUP does)</li>
-</ul></body></html>
-"""
 
 
 def _json_default(value: object) -> object:
@@ -59,7 +47,39 @@ def record_json(record: LoadRecord) -> dict[str, Any]:
     return data
 
 
-def status_json(snap: Snapshot) -> dict[str, Any]:
+def _note(reading: Reading[Any]) -> str | None:
+    """What a source says about a sample that succeeded but is incomplete (its `note`)."""
+    return getattr(reading.value, "note", None)
+
+
+def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
+    """What `status`, `wait` and the live page show beside the state: GPU memory the target holds
+    per device, and what history expects of a load at each cache temperature."""
+    gpu = snap.host_value(NVML)
+    devices = {d.index: d for d in gpu.devices} if gpu is not None else {}
+    gpu_memory = []
+    for index, used in sorted(view.gpu_memory.items()):
+        device = devices.get(index)
+        gpu_memory.append(
+            {
+                "gpu": index,
+                "name": device.name if device else None,
+                "used_bytes": used,
+                "total_bytes": device.memory_total_bytes if device else None,
+            }
+        )
+    return {
+        "gpu_memory": gpu_memory,
+        "expected_duration_seconds": {
+            str(cache): seconds
+            for (target, cache), seconds in snap.expected_durations.items()
+            if target == view.name
+        },
+        "last_duration_seconds": snap.last_durations.get(view.name),
+    }
+
+
+def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
     disk = snap.host_value(DISK)
     targets = []
@@ -69,6 +89,7 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
             r.source: {
                 "up": r.ok,
                 "error": r.error,
+                "note": _note(r),
                 "duration_seconds": round(r.duration_seconds, 6),
                 "age_seconds": round(snap.time - r.finished_at, 3),
             }
@@ -94,6 +115,32 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 "last_full_pass_cpu_seconds": value.pass_cpu_seconds,
                 "reason": value.reason,
             }
+        entry.update(_operator_view(snap, view))
+        logs = view.reading(LOGS)
+        if logs is not None and logs.value is not None:
+            sample = logs.value
+            entry["log"] = {
+                "source": sample.source,
+                "up": sample.up,
+                "reason": sample.reason,
+                "format": sample.format,
+                "format_reason": sample.format_reason,
+                "step": sample.step,
+                "step_since": sample.step_since,
+                "weights_shards": sample.weights,
+                "cuda_graphs": sample.cuda_graphs,
+                "fatal": sample.fatal,
+                "lines": sample.lines_total,
+                "last_line_at": sample.last_line_at,
+            }
+        if view.discovered is not None:
+            found = view.discovered
+            entry["discovered"] = {
+                "pid": found.pid,
+                "kind": found.kind,
+                "weights": list(found.weights),
+                "why": [dataclasses.asdict(e) for e in found.evidence],
+            }
         if disk is not None:
             entry["block_devices"] = list(disk.devices_by_target.get(name, ()))
             unbacked = list(disk.unbacked_by_target.get(name, ()))
@@ -105,12 +152,18 @@ def status_json(snap: Snapshot) -> dict[str, Any]:
                 )
         targets.append(entry)
     host = {
-        r.source: {"up": r.ok, "error": r.error, "duration_seconds": round(r.duration_seconds, 6)}
+        r.source: {
+            "up": r.ok,
+            "error": r.error,
+            "note": _note(r),
+            "duration_seconds": round(r.duration_seconds, 6),
+        }
         for r in (snap.host[source] for source in sorted(snap.host))
     }
     return {
         "time": snap.time,
         "version": snap.build["version"],
+        "sample_interval_seconds": sample_interval,
         "targets": targets,
         "host_sources": host,
         "history": {
@@ -173,8 +226,8 @@ class WebApp:
 
     @staticmethod
     def _landing(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        body = LANDING.format(version=__version__).encode()
-        return _reply(start_response, "200 OK", body, "text/html; charset=utf-8")
+        body, headers = livepage.page()
+        return _reply(start_response, "200 OK", body, livepage.CONTENT_TYPE, headers)
 
     @staticmethod
     def _healthy(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -186,7 +239,10 @@ class WebApp:
         return _reply(start_response, "503 Service Unavailable", b"Not ready\n")
 
     def _status(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        return _json(start_response, status_json(self.runtime.snapshot()))
+        runtime = self.runtime
+        return _json(
+            start_response, status_json(runtime.snapshot(), runtime.config.sample_interval)
+        )
 
     def _loads(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)

@@ -1,53 +1,73 @@
 #!/usr/bin/env python3
 """Check what NVML reports on a real GPU host, and what the exporter's GPU source makes of it.
 
-Prints the driver, each GPU, the compute processes per GPU with their command lines, one
-`NvmlSource.sample()`, then samples for a while. With `--allocate-gib N` (and torch importable) a
-child process allocates N GiB on GPU 0 during that window, so one can see whether the per-process
-attribution grows. It does not when NVML's pids are not this PID namespace's (a container without
-the host's PID namespace): worth knowing before trusting `model_load_process_gpu_memory_bytes`.
+Reads the driver, each GPU's memory (v2 and v1) and compute processes straight from `pynvml`,
+then one `NvmlSource.sample()`, nvidia-smi's own figures when it is installed, and samples for a
+while. With `--allocate-gib N` a child process allocates N GiB on GPU 0 through the CUDA driver
+(libcuda, no framework needed) and the probe reports whether NVML lists it and whether the
+source attributes it: it cannot when NVML's PIDs are not this PID namespace's (a container
+without the host's PID namespace and an older driver), and then the source says so.
 
-    python scripts/nvml_probe.py [--seconds 10] [--interval 1] [--allocate-gib 8] [--json]
+    python scripts/nvml_probe.py [--seconds 10] [--interval 1] [--allocate-gib 1] [--json]
 
-Exits 0 with "no NVML: <reason>" on a host without a GPU or driver.
+`--json` prints one document whose keys are always present (schema 1; see `_empty_report`), for
+scripts/gpu_check.py and other checks to assert on. Exits 0 with "no NVML: <reason>" (or
+`"nvml": false`) on a host without a GPU or driver; 1 only when the probe itself breaks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
+import importlib.metadata
 import json
 import logging
+import os
+import select
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from exporter.sources.gpu import (
-    GpuSample,
-    NvmlSource,
-    NvmlUnavailable,
-    process_gpu_memory,
-)
+from exporter.sources.gpu import GpuSample, NvmlSource, NvmlUnavailable, process_gpu_memory
+from exporter.sources.nvml_pids import in_initial_pid_namespace
 
+SCHEMA = 1
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 CHUNK_BYTES = 256 * MIB
+ALLOCATED_TIMEOUT_SECONDS = 60.0
 
-# Runs in the child: allocate in chunks spread over `spread` seconds, then hold until killed.
-ALLOCATOR = f"""
-import sys, time, torch
-total, spread = int(sys.argv[1]), float(sys.argv[2])
-chunk = {CHUNK_BYTES}
-count = max(1, total // chunk)
+# Runs in the child: allocate through the CUDA driver API, say so, hold until killed.
+ALLOCATOR = """
+import ctypes, sys, time
+total, chunk = int(sys.argv[1]), int(sys.argv[2])
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError as err:
+    print(f"error libcuda.so.1: {err}", flush=True)
+    sys.exit(1)
+cuda.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+def check(result, what):
+    if result != 0:
+        name = ctypes.c_char_p()
+        cuda.cuGetErrorName(result, ctypes.byref(name))
+        print(f"error {what}: {(name.value or b'?').decode()} ({result})", flush=True)
+        sys.exit(1)
+check(cuda.cuInit(0), "cuInit")
+device = ctypes.c_int()
+check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+context = ctypes.c_void_p()
+check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 held = []
-for _ in range(count):
-    held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda:0"))
-    torch.cuda.synchronize()
-    time.sleep(spread / count)
-print("allocated", len(held) * chunk, flush=True)
+while len(held) * chunk < total:
+    pointer = ctypes.c_uint64()
+    check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), chunk), "cuMemAlloc")
+    held.append(pointer)
+print(f"allocated {len(held) * chunk}", flush=True)
 time.sleep(86400)
 """
 
@@ -56,28 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     # The probe prints the source's reasons itself; its once-only warnings would repeat them.
     logging.getLogger("exporter.sources.gpu").setLevel(logging.ERROR)
+    report = _empty_report()
     try:
         import pynvml
     except ImportError as err:
-        return _no_nvml(f"pynvml not installed ({err})", args.json)
+        return _no_nvml(report, f"pynvml not installed ({err})", args.json)
+    report["binding"] = _binding_version()
     source = NvmlSource(pynvml)
     try:
         first = source.sample()
     except NvmlUnavailable as err:
-        return _no_nvml(str(err), args.json)
-    report: dict[str, Any] = {
-        "nvml": True,
-        "raw": _raw(pynvml),
-        "sample": dataclasses.asdict(first),
-    }
+        return _no_nvml(report, str(err), args.json)
+    report["nvml"] = True
+    report.update(_raw(pynvml, report["errors"]))
+    report["nvidia_smi"] = _nvidia_smi(report["errors"])
+    report["source"] = _sample_json(first)
     if not args.json:
-        _print_raw(report["raw"])
-        print("\nNvmlSource.sample():")
-        print(f"  {first!r}")
-    child = _start_allocator(args.allocate_gib, args.seconds, args.json)
-    report["allocator_pid"] = child.pid if child else None
+        _print_raw(report)
+    child, allocator = _start_allocator(args.allocate_gib)
+    report["attribution"]["allocator"] = allocator
     try:
-        report["samples"] = _watch(source, args.seconds, args.interval, child, args.json)
+        last, report["samples"] = _watch(source, args.seconds, args.interval, child, args.json)
+        last = last or first
+        report["source"] = _sample_json(last)
+        report["attribution"].update(_attribution(last, child))
     finally:
         if child is not None:
             child.kill()
@@ -86,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
+    else:
+        _print_attribution(report["attribution"])
     return 0
 
 
@@ -97,67 +121,228 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--allocate-gib",
         type=float,
         default=0.0,
-        help="allocate this much on GPU 0 in a child process while sampling (needs torch)",
+        help="allocate this much on GPU 0 in a child process while sampling (needs libcuda)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     return parser.parse_args(argv)
 
 
-def _no_nvml(reason: str, as_json: bool) -> int:
+def _empty_report() -> dict[str, Any]:
+    """Every key of the JSON document, so a check never meets a missing one."""
+    return {
+        "schema": SCHEMA,
+        "nvml": False,
+        "reason": None,  # why NVML cannot be used, when "nvml" is false
+        "binding": None,  # nvidia-ml-py version
+        "driver_version": None,
+        "pid_namespace": {
+            "inode": _pid_namespace_inode(),
+            "host": in_initial_pid_namespace(),
+        },
+        # Straight from pynvml: index, uuid, name, memory (v2 where the driver has it, else v1,
+        # with "version"), memory_v1, processes (pid, used_bytes, here, cmdline), errors.
+        "devices": [],
+        "nvidia_smi": None,  # [{index, memory_used_mib, memory_total_mib, memory_reserved_mib}]
+        "source": None,  # NvmlSource's last sample: devices, processes, errors, attribution
+        "attribution": {
+            "trusted": None,  # whether the source attributes per-process memory by these PIDs
+            "problem": None,
+            "allocator": None,  # {pid, requested_bytes, allocated_bytes, error}
+            "allocator_listed_bytes": None,  # what NVML lists under the allocator's PID
+            "allocator_attributed_bytes": None,  # what process_gpu_memory gives that PID
+        },
+        # {t, unavailable, used_bytes: [per GPU], attributed_bytes (allocator), problem, errors}
+        "samples": [],
+        "errors": [],  # what failed in the probe's own NVML and nvidia-smi calls
+    }
+
+
+def _no_nvml(report: dict[str, Any], reason: str, as_json: bool) -> int:
+    report["reason"] = reason
     if as_json:
-        print(json.dumps({"nvml": False, "reason": reason}))
+        print(json.dumps(report))
     else:
         print(f"no NVML: {reason}")
     return 0
 
 
-def _raw(nvml: Any) -> dict[str, Any]:
+def _binding_version() -> str | None:
+    try:
+        return importlib.metadata.version("nvidia-ml-py")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _pid_namespace_inode() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _raw(nvml: Any, errors: list[str]) -> dict[str, Any]:
     """What the driver says directly, without the exporter's source in between."""
-    gpus = []
-    for index in range(nvml.nvmlDeviceGetCount()):
-        gpu: dict[str, Any] = {"index": index}
+    nvml.nvmlInit()
+    try:
+        devices = [_raw_device(nvml, index) for index in range(nvml.nvmlDeviceGetCount())]
+        driver = _text(nvml.nvmlSystemGetDriverVersion())
+    finally:
+        nvml.nvmlShutdown()
+    errors.extend(f"gpu {d['index']}: {e}" for d in devices for e in d["errors"])
+    return {"driver_version": driver, "devices": devices}
+
+
+def _raw_device(nvml: Any, index: int) -> dict[str, Any]:
+    failures = (nvml.NVMLError, nvml.NVMLLibraryMismatchError)
+    gpu: dict[str, Any] = {
+        "index": index,
+        "uuid": None,
+        "name": None,
+        "memory": None,
+        "memory_v1": None,
+        "processes": [],
+        "errors": [],
+    }
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        gpu["uuid"] = _text(nvml.nvmlDeviceGetUUID(handle))
+        gpu["name"] = _text(nvml.nvmlDeviceGetName(handle))
+    except failures as err:
+        gpu["errors"].append(f"identity: {_text(err)}")
+        return gpu
+    reads = {
+        "memory": lambda: _memory(nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)),
+        "memory_v1": lambda: _memory(nvml.nvmlDeviceGetMemoryInfo(handle)),
+        "processes": lambda: [
+            _process(p.pid, p.usedGpuMemory)
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        ],
+    }
+    for key, read in reads.items():
         try:
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            gpu["name"] = _text(nvml.nvmlDeviceGetName(handle))
-            gpu["uuid"] = _text(nvml.nvmlDeviceGetUUID(handle))
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            gpu["used_bytes"], gpu["total_bytes"] = int(memory.used), int(memory.total)
-            gpu["processes"] = [
-                {"pid": p.pid, "used_bytes": p.usedGpuMemory, "cmdline": _cmdline(p.pid)}
-                for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            ]
-        except (nvml.NVMLError, getattr(nvml, "NVMLLibraryMismatchError", nvml.NVMLError)) as err:
-            gpu["error"] = _text(err)
-        gpus.append(gpu)
-    return {"driver_version": _text(nvml.nvmlSystemGetDriverVersion()), "gpus": gpus}
+            gpu[key] = read()
+        except failures as err:
+            gpu["errors"].append(f"{key}: {_text(err)}")
+    if gpu["memory"] is None:
+        gpu["memory"] = gpu["memory_v1"]
+    return gpu
 
 
-def _print_raw(raw: dict[str, Any]) -> None:
-    print(f"driver {raw['driver_version']}, {len(raw['gpus'])} GPU(s)")
-    for gpu in raw["gpus"]:
-        line = f"gpu {gpu['index']}: {gpu.get('name', '?')} {gpu.get('uuid', '?')}"
-        if "total_bytes" in gpu:
-            line += f"  used {_mib(gpu['used_bytes'])} / {_mib(gpu['total_bytes'])}"
-        if "error" in gpu:
-            line += f"  error: {gpu['error']}"
+def _memory(struct: Any) -> dict[str, Any]:
+    reserved = getattr(struct, "reserved", None)
+    return {
+        "total": int(struct.total),
+        "reserved": None if reserved is None else int(reserved),
+        "used": int(struct.used),
+        "free": int(struct.free),
+        "version": 1 if reserved is None else 2,
+    }
+
+
+def _process(pid: int, used: int | None) -> dict[str, Any]:
+    cmdline = _cmdline(pid)
+    return {"pid": int(pid), "used_bytes": used, "here": cmdline is not None, "cmdline": cmdline}
+
+
+def _nvidia_smi(errors: list[str]) -> list[dict[str, Any]] | None:
+    """nvidia-smi's own memory figures, the ones users compare with (None when not installed)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = ["index", "memory.used", "memory.total", "memory.reserved"]
+    for query in (fields, fields[:3]):  # memory.reserved is unknown to older nvidia-smi
+        try:
+            done = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            errors.append(f"nvidia-smi: {err}")
+            return None
+        if done.returncode == 0:
+            return [_smi_row(line, len(query)) for line in done.stdout.splitlines() if line]
+    errors.append(f"nvidia-smi: {done.stdout.strip() or done.stderr.strip()}")
+    return None
+
+
+def _smi_row(line: str, width: int) -> dict[str, Any]:
+    values = [value.strip() for value in line.split(",")] + ["[N/A]"]
+    numbers = [int(v) if v.isdigit() else None for v in values]
+    return {
+        "index": numbers[0],
+        "memory_used_mib": numbers[1],
+        "memory_total_mib": numbers[2],
+        "memory_reserved_mib": numbers[3] if width > 3 else None,
+    }
+
+
+def _sample_json(sample: GpuSample) -> dict[str, Any]:
+    data = dataclasses.asdict(sample)
+    data["note"] = sample.note
+    return data
+
+
+def _print_raw(report: dict[str, Any]) -> None:
+    namespace = report["pid_namespace"]
+    print(
+        f"driver {report['driver_version']}, nvidia-ml-py {report['binding']},"
+        f" {len(report['devices'])} GPU(s); PID namespace {namespace['inode']}"
+        f" ({'host' if namespace['host'] else 'not the host'})"
+    )
+    for gpu in report["devices"]:
+        line = f"gpu {gpu['index']}: {gpu['name']} {gpu['uuid']}"
+        memory = gpu["memory"]
+        if memory is not None:
+            line += f"  used {_mib(memory['used'])} / {_mib(memory['total'])}"
+            line += f" (v{memory['version']}, reserved {_mib(memory['reserved'])})"
+        if gpu["memory_v1"] is not None:
+            line += f"; v1 used {_mib(gpu['memory_v1']['used'])}"
         print(line)
-        for proc in gpu.get("processes", []):
+        for error in gpu["errors"]:
+            print(f"    error: {error}")
+        for proc in gpu["processes"]:
             print(f"    pid {proc['pid']:>8}  {_mib(proc['used_bytes']):>12}  {proc['cmdline']}")
+    for row in report["nvidia_smi"] or ():
+        print(
+            f"nvidia-smi gpu {row['index']}: used {row['memory_used_mib']} MiB"
+            f" / {row['memory_total_mib']} MiB, reserved {row['memory_reserved_mib']} MiB"
+        )
+    print(f"\nNvmlSource.sample():\n  {report['source']}")
 
 
-def _start_allocator(gib: float, seconds: float, as_json: bool) -> subprocess.Popen[str] | None:
+def _start_allocator(gib: float) -> tuple[subprocess.Popen[str] | None, dict[str, Any] | None]:
+    """Starts the allocating child and waits until it holds the memory (or fails)."""
     if gib <= 0:
-        return None
-    if importlib.util.find_spec("torch") is None:
-        _note("torch not importable: sampling without allocating", as_json)
-        return None
+        return None, None
+    requested = int(gib * GIB)
+    info: dict[str, Any] = {
+        "pid": None,
+        "requested_bytes": requested,
+        "allocated_bytes": None,
+        "error": None,
+    }
     child = subprocess.Popen(
-        [sys.executable, "-c", ALLOCATOR, str(int(gib * GIB)), str(seconds / 2)],
-        stdout=sys.stderr if as_json else None,
+        [sys.executable, "-c", ALLOCATOR, str(requested), str(min(CHUNK_BYTES, requested))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
-    _note(f"allocator child pid {child.pid}: {gib:g} GiB on GPU 0 over {seconds / 2:g}s", as_json)
-    return child
+    info["pid"] = child.pid
+    line = _read_line(child, ALLOCATED_TIMEOUT_SECONDS)
+    if line.startswith("allocated "):
+        info["allocated_bytes"] = int(line.split()[1])
+    else:
+        info["error"] = line or "no answer from the allocator"
+    return child, info
+
+
+def _read_line(child: subprocess.Popen[str], timeout: float) -> str:
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], timeout)
+    if not ready:
+        return f"nothing within {timeout:g}s"
+    return child.stdout.readline().strip()
 
 
 def _watch(
@@ -166,67 +351,80 @@ def _watch(
     interval: float,
     child: subprocess.Popen[str] | None,
     as_json: bool,
-) -> list[dict[str, Any]]:
-    """Samples until `seconds` pass; prints device usage and the child's attributed usage."""
+) -> tuple[GpuSample | None, list[dict[str, Any]]]:
+    """Samples until `seconds` pass; the last sample and one entry per sample."""
     start = time.monotonic()
-    samples = []
+    last, samples = None, []
     while (elapsed := time.monotonic() - start) <= seconds:
+        entry: dict[str, Any] = {"t": round(elapsed, 2), "unavailable": None}
         try:
-            sample = source.sample()
+            last = source.sample()
         except NvmlUnavailable as err:
-            _note(f"t={elapsed:5.1f}s unavailable: {err}", as_json)
+            entry.update(used_bytes=[], attributed_bytes=None, problem=None, errors=[])
+            entry["unavailable"] = str(err)
         else:
-            entry = _entry(sample, elapsed, child)
-            samples.append(entry)
-            if not as_json:
-                print(_line(entry))
+            attributed = process_gpu_memory(last, [child.pid]) if child else {}
+            entry.update(
+                used_bytes=[d.memory_used_bytes for d in last.devices],
+                attributed_bytes=sum(attributed.values()) if child else None,
+                problem=last.attribution_problem,
+                errors=list(last.errors),
+            )
+        samples.append(entry)
+        if not as_json:
+            print(_line(entry))
         time.sleep(interval)
-    if child is not None and child.poll() is not None:
-        _note(f"allocator child exited early with status {child.returncode}", as_json)
-    elif child is not None and samples and not samples[-1]["child_gpu_bytes"]:
-        _note(
-            f"pid {child.pid} never appeared in NVML's process list: NVML reports host pids,"
-            " so this PID namespace differs from the host's (or the allocation failed)",
-            as_json,
-        )
-    return samples
+    return last, samples
 
 
-def _entry(
-    sample: GpuSample, elapsed: float, child: subprocess.Popen[str] | None
-) -> dict[str, Any]:
-    return {
-        "t": round(elapsed, 2),
-        "used_bytes": {d.index: d.memory_used_bytes for d in sample.devices},
-        "processes": [dataclasses.asdict(p) for p in sample.processes],
-        "child_gpu_bytes": process_gpu_memory(sample, [child.pid]) if child else {},
-        "errors": list(sample.errors),
+def _attribution(sample: GpuSample, child: subprocess.Popen[str] | None) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "trusted": sample.attribution_problem is None,
+        "problem": sample.attribution_problem,
     }
+    if child is not None:
+        listed = [p.used_bytes or 0 for p in sample.processes if p.pid == child.pid]
+        result["allocator_listed_bytes"] = sum(listed) if listed else None
+        result["allocator_attributed_bytes"] = sum(process_gpu_memory(sample, [child.pid]).values())
+    return result
+
+
+def _print_attribution(attribution: dict[str, Any]) -> None:
+    if attribution["trusted"]:
+        print("attribution: trusted (NVML's PIDs are this namespace's)")
+    else:
+        print(f"attribution: refused: {attribution['problem']}")
+    allocator = attribution["allocator"]
+    if allocator is not None:
+        print(
+            f"allocator pid {allocator['pid']}: allocated {_mib(allocator['allocated_bytes'])}"
+            f" ({allocator['error'] or 'ok'}); NVML lists"
+            f" {_mib(attribution['allocator_listed_bytes'])} under that PID, the source"
+            f" attributes {_mib(attribution['allocator_attributed_bytes'])}"
+        )
 
 
 def _line(entry: dict[str, Any]) -> str:
-    used = " ".join(f"{i}:{_mib(b)}" for i, b in entry["used_bytes"].items())
+    if entry["unavailable"]:
+        return f"t={entry['t']:5.1f}s unavailable: {entry['unavailable']}"
+    used = " ".join(f"{i}:{_mib(b)}" for i, b in enumerate(entry["used_bytes"]))
     parts = [f"t={entry['t']:5.1f}s used {used}"]
-    if entry["child_gpu_bytes"]:
-        child = " ".join(f"gpu{i}={_mib(b)}" for i, b in entry["child_gpu_bytes"].items())
-        parts.append(f"child {child}")
-    for proc in entry["processes"]:
-        parts.append(f"pid {proc['pid']} gpu{proc['gpu_index']}={_mib(proc['used_bytes'])}")
+    if entry["attributed_bytes"] is not None:
+        parts.append(f"allocator attributed {_mib(entry['attributed_bytes'])}")
+    if entry["problem"]:
+        parts.append(f"attribution refused: {entry['problem']}")
     if entry["errors"]:
         parts.append("errors: " + "; ".join(entry["errors"]))
     return " | ".join(parts)
 
 
-def _note(message: str, as_json: bool) -> None:
-    print(message, file=sys.stderr if as_json else sys.stdout)
-
-
-def _cmdline(pid: int) -> str:
+def _cmdline(pid: int) -> str | None:
+    """The command line, or None when the PID is no process here (another PID namespace?)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return "(no /proc entry here: another PID namespace?)"
-    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() or "(empty)"
+        return None
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
 
 
 def _mib(value: int | None) -> str:

@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from exporter.config import (
+    DISCOVERY_SERVERS,
     ConfigError,
+    DiscoveryConfig,
     format_duration,
     load_config,
     parse_config,
@@ -117,7 +119,15 @@ MALFORMED: list[tuple[str, object, str]] = [
     ("missing name", {"targets": [{"endpoint": {"url": "http://h:1"}}]}, "targets[0].name: required"),
     ("bad name", _target(name="has space"), "targets[0].name"),
     ("duplicate names", {"targets": [_target()["targets"][0], _target()["targets"][0]]}, "targets[1].name: duplicate target name 'a'"),  # type: ignore[index]
-    ("no targets", {"targets": []}, "targets: expected a non-empty list"),
+    ("no targets, discovery off", {"targets": [], "discovery": {"enabled": False}}, "targets: expected a non-empty list of targets (discovery.enabled is false)"),
+    ("targets not a list", {"targets": {"name": "a"}}, "targets: expected a list of targets"),
+    ("unknown discovery key", {"discovery": {"intervall": "5s"}}, "discovery: unknown key 'intervall'"),
+    ("discovery not a mapping", {"discovery": ["sglang"]}, "discovery: expected a mapping"),
+    ("bad discovery enabled", {"discovery": {"enabled": "yes please"}}, "discovery.enabled: expected auto, true or false, got 'yes please'"),
+    ("bad discovery interval", {"discovery": {"interval": 5}}, "discovery.interval: expected a duration"),
+    ("zero keep_for", {"discovery": {"keep_for": "0s"}}, "discovery.keep_for: duration must be positive"),
+    ("unknown server kind", {"discovery": {"servers": ["vllm", "ollama"]}}, "discovery.servers[1]: must be one of sglang, vllm, llamacpp, tgi, triton, got 'ollama'"),
+    ("empty server list", {"discovery": {"servers": []}}, "discovery.servers: expected a non-empty list"),
     ("missing weights path", _target(weights={"paths": ["/nonexistent/model"]}), "targets[0].weights.paths[0]: /nonexistent/model does not exist"),
     ("weights paths not a list", _target(weights={"paths": 3}), "targets[0].weights.paths"),
     ("two process matchers", _target(process={"pidfile": "/run/x.pid", "cmdline": "x"}), "set exactly one of"),
@@ -145,7 +155,60 @@ def test_malformed_config_is_one_line_error(
     assert message.startswith(str(path))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_empty_config_means_discovery(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    config = load_config(str(path))
+    assert config.targets == ()
+    assert config.discovery == DiscoveryConfig()
+    assert config.discovery.active(has_targets=False)
+    assert parse_config(None).discovery.active(has_targets=False)
+
+
+def test_discovery_section_parses_into_a_dataclass() -> None:
+    config = parse_config(
+        {"discovery": {"enabled": True, "interval": "10s", "keep_for": "2h", "servers": ["vllm"]}}
+    )
+    assert config.discovery == DiscoveryConfig(
+        enabled=True, interval=10.0, keep_for=7200.0, servers=("vllm",)
+    )
+    assert DiscoveryConfig().servers == DISCOVERY_SERVERS
+    assert (DiscoveryConfig().interval, DiscoveryConfig().keep_for) == (5.0, 3600.0)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "has_targets", "active"),
+    [
+        ("auto", False, True),
+        ("auto", True, False),
+        (True, True, True),
+        (False, False, False),
+    ],
+)
+def test_discovery_auto_is_on_only_without_targets(
+    enabled: bool | str, has_targets: bool, active: bool
+) -> None:
+    data: dict[str, object] = {"discovery": {"enabled": enabled}}
+    if has_targets:
+        data.update(_target())
+    if not has_targets and not active:
+        with pytest.raises(ConfigError):
+            parse_config(data)
+        return
+    config = parse_config(data)
+    assert config.discovery.active(has_targets=bool(config.targets)) is active
+
+
+@pytest.mark.system
+def test_cli_config_check_accepts_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing: discover the servers\n")
+    result = run_cli("--config.file", str(path), "--config.check")
+    assert result.returncode == 0, result.stderr
+    assert "0 target(s)" in result.stdout
+
+
+@pytest.mark.requires("root")
 def test_unreadable_weights_path(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.mkdir(mode=0o700)
@@ -204,5 +267,12 @@ def test_cli_usage_errors_exit_2(tmp_path: Path, weights: Path) -> None:
     assert both.returncode == 2 and "cannot be combined" in both.stderr
     unknown = run_cli("--no-such-flag")
     assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1
-    nothing = run_cli("serve")
-    assert nothing.returncode == 2 and "no targets" in nothing.stderr
+    half = run_cli("--target", "x", "--config.check")
+    assert half.returncode == 2 and "--target and --endpoint" in half.stderr
+
+
+@pytest.mark.system
+def test_cli_with_no_config_at_all_discovers() -> None:
+    done = run_cli("--config.check")
+    assert done.returncode == 0, done.stderr
+    assert "0 target(s)" in done.stdout and "discovery: sglang, vllm" in done.stdout

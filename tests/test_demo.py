@@ -16,7 +16,7 @@ def test_demo_shows_a_cold_then_a_warm_load(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "exporter", "demo", "--dir", str(tmp_path), "--cycles", "2",
          "--shards", "2", "--shard-size", "16MiB", "--read-rate", "40MB/s",
-         "--init-seconds", "2", "--serve-seconds", "3",
+         "--init-seconds", "1", "--serve-seconds", "3", "--startup-seconds", "0.5",
          "--web.listen-address", f"127.0.0.1:{free_port()}", "--sim-port", str(free_port())],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -101,7 +101,8 @@ def watch(running: RunningExporter, until: str, timeout: float = 60) -> list[dic
     seen: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = running.status()["targets"][0]
+        status = running.status()
+        state = {**status["targets"][0], "time": status["time"]}
         seen.append(state)
         if state.get("phase") == until:
             return seen
@@ -213,3 +214,69 @@ def test_history_survives_exporter_restart(scenario: Any, weights: Path) -> None
     assert sample_value(text, "model_load_last_duration_seconds", target="sim") == pytest.approx(
         before[0]["duration_seconds"]
     )
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_exporter_started_mid_load_measures_the_whole_load(
+    scenario: Any, weights: Path, cache: str
+) -> None:
+    """The server starts first and reads its weights at a throttled pace; the exporter arrives
+    half-way, yet records the load once, from the process's own start."""
+    exporter, simulate = scenario
+    if cache == "cold":
+        evict_all(weights)
+        pace = ("--read-rate", "16MB/s")
+    else:
+        for shard in weights.glob("*.safetensors"):
+            prewarm(str(shard))
+        pace = ("--cached-read-rate", "16MB/s")
+    sim = simulate(*pace)
+    time.sleep(3.0)  # 1 s of startup, then about a third of the 67 MB of weights
+    assert sim.proc.poll() is None
+    running = exporter(stall_after="30s")
+    arrived = wait_for(lambda: (s := running.status()["targets"][0]).get("in_progress") and s)
+    assert arrived["seen_late"] and not arrived["partial"]
+    watch(running, "ready")
+    report = sim.result()
+    assert report["cache"] == cache
+    text, measured = finished(running, outcome="ready")
+    assert abs(measured - report["load_seconds"]) < 0.5, (measured, report["load_seconds"])
+    counts = {
+        label: sample_value(text, "model_load_duration_seconds_count", target="sim", cache=label)
+        for label in ("cold", "warm", "mixed", "unknown")
+    }
+    observed = {label: count for label, count in counts.items() if count}
+    assert observed in ({cache: 1}, {"unknown": 1}), observed
+
+
+def test_second_load_of_another_temperature_has_a_ready_eta(scenario: Any, weights: Path) -> None:
+    exporter, simulate = scenario
+    evict_all(weights)
+    running = exporter(stall_after="30s")
+    cold = simulate()
+    watch(running, "ready")
+    assert cold.result()["cache"] == "cold"
+    finished(running, cache="cold", outcome="ready")
+    cold.stop()
+    watch(running, "down")
+    for shard in weights.glob("*.safetensors"):
+        prewarm(str(shard))
+    warm = simulate("--cached-read-rate", "24MB/s")
+    seen = watch(running, "ready")
+    report = warm.result()
+    assert report["cache"] == "warm"
+    loading = [s for s in seen if s["phase"] == "loading_weights" and s["cache"] == "warm"]
+    assert any(s["eta_seconds"] is not None for s in loading)
+    rows = []
+    for share in (0.25, 0.5, 0.75):
+        state = next(
+            s for s in loading if s["progress_ratio"] >= share and s["eta_seconds"] is not None
+        )
+        remaining = report["ready_at"] - state["time"]
+        rows.append((share, state["eta_seconds"], remaining))
+    print("\nready ETA of a warm load after one cold load (seconds)")
+    print("weights progress  ETA    real remaining  error")
+    for share, eta, remaining in rows:
+        print(f"{share:>15.0%}  {eta:5.2f}  {remaining:14.2f}  {eta - remaining:+5.2f}")
+    for _, eta, remaining in rows:
+        assert abs(eta - remaining) < max(2.0, remaining / 2)

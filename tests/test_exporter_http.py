@@ -17,6 +17,7 @@ import bcrypt
 import pytest
 import requests
 import yaml
+from helpers.real_nvml import real_nvml
 from helpers.support import (
     ModelServer,
     RunningExporter,
@@ -25,7 +26,7 @@ from helpers.support import (
     sample_value,
     wait_for,
 )
-from test_pagecache import NOBODY, REPO, nobody_python
+from helpers.users import NOBODY, REPO, nobody_python
 
 from exporter.cachectl import evict
 from exporter.webconfig import load_web_config
@@ -36,6 +37,7 @@ def target(name: str, url: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.mark.system
+@pytest.mark.nvml
 def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
@@ -46,7 +48,11 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
         {"targets": [{**target("m", model_server.url), "weights": {"paths": [str(weights)]}}]}
     )
     text = metrics_when(
-        running.url, lambda t: sample_value(t, "model_load_phase", target="m", phase="ready") == 1
+        running.url,
+        lambda t: (
+            sample_value(t, "model_load_phase", target="m", phase="ready") == 1
+            and sample_value(t, "model_load_source_up", source="nvml", target="") is not None
+        ),
     )
     assert sample_value(text, "model_load_endpoint_probes_total", target="m", result="ready") >= 1  # type: ignore[operator]
     assert sample_value(text, "model_load_weights_bytes", target="m") == 1 << 20
@@ -54,9 +60,13 @@ def test_metrics_reflect_a_real_endpoint_and_pass_promtool(
     assert sample_value(text, "model_load_source_up", source="endpoint", target="m") == 1
     assert sample_value(text, "model_load_phase", target="m", phase="ready") == 1
     assert sample_value(text, "model_load_host_memory_total_bytes") > 0  # type: ignore[operator]
-    # No GPU here: the NVML source is down and no GPU series are invented.
-    assert sample_value(text, "model_load_source_up", source="nvml", target="") == 0
-    assert "model_load_gpu_memory_used_bytes{" not in text
+    # The NVML source is up exactly where pynvml itself sees GPUs; none are invented elsewhere.
+    gpus = real_nvml().gpus if real_nvml().present else ()
+    assert sample_value(text, "model_load_source_up", source="nvml", target="") == bool(gpus)
+    for gpu in gpus:
+        total = sample_value(text, "model_load_gpu_memory_total_bytes", gpu=str(gpu.index))
+        assert total == gpu.total_bytes
+    assert text.count("model_load_gpu_memory_used_bytes{") == len(gpus)
     check = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
@@ -110,7 +120,7 @@ def test_status_landing_health_and_ready(start_exporter: Any, model_server: Mode
     assert entry["target"] == "m" and entry["phase"] == "ready"
     assert entry["sources"]["endpoint"]["up"] is True
     landing = requests.get(running.url + "/", timeout=5)
-    assert landing.status_code == 200 and 'href="/metrics"' in landing.text
+    assert landing.status_code == 200 and 'href="metrics"' in landing.text
     assert requests.get(running.url + "/-/healthy", timeout=5).status_code == 200
     assert requests.get(running.url + "/-/ready", timeout=5).status_code == 200
     assert requests.get(running.url + "/api/v1/loads", timeout=5).json() == {"loads": []}
@@ -152,11 +162,37 @@ def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_
     assert ok.status_code == 200 and "model_load_exporter_build_info" in ok.text
 
 
+def test_a_partial_load_is_kept_in_history_and_adds_nothing_to_metrics(
+    start_exporter: Any, model_server: ModelServer, tmp_path: Path
+) -> None:
+    """Seen loading (503) with no process to date it: its start is unknown, so no histogram."""
+    model_server.mode = "503"
+    running = start_exporter(
+        {
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [target("late", model_server.url)],
+        }
+    )
+    wait_for(lambda: running.status()["targets"][0].get("partial"))
+    model_server.mode = "ready"
+    loads = wait_for(lambda: requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"])
+    assert [(r["outcome"], r["partial"]) for r in loads] == [("ready", True)]
+    text = running.metrics()
+    assert sample_value(text, "model_load_last_duration_seconds", target="late") is not None
+    assert "model_load_duration_seconds_count" not in text
+    assert "model_load_phase_duration_seconds_count" not in text
+
+
 @pytest.mark.system
 def test_real_prometheus_scrapes_the_exporter(
     start_exporter: Any, model_server: ModelServer, tmp_path: Path
 ) -> None:
-    running = start_exporter({"targets": [target("scraped", model_server.url)]})
+    running = start_exporter(
+        {
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [target("scraped", model_server.url)],
+        }
+    )
     prom_port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -179,11 +215,11 @@ def test_real_prometheus_scrapes_the_exporter(
     )  # fmt: skip
     try:
 
-        def query() -> list[dict[str, Any]] | None:
+        def query(promql: str) -> list[dict[str, Any]] | None:
             try:
                 response = requests.get(
                     f"http://127.0.0.1:{prom_port}/api/v1/query",
-                    params={"query": 'model_load_endpoint_up{target="scraped"}'},
+                    params={"query": promql},
                     timeout=5,
                 )
             except requests.ConnectionError:
@@ -191,9 +227,30 @@ def test_real_prometheus_scrapes_the_exporter(
             result: list[dict[str, Any]] = response.json()["data"]["result"]
             return result or None
 
-        result = wait_for(query, timeout=60, interval=0.5)
+        result = wait_for(lambda: query('model_load_endpoint_up{target="scraped"}'), 60, 0.5)
         assert result[0]["metric"]["job"] == "model-load"
         assert result[0]["value"][1] == "1"
+
+        # A load: the ready endpoint fails three probes, then answers again.
+        model_server.mode = "503"
+        wait_for(lambda: query('model_load_in_progress{target="scraped"} == 1'), 30, 0.2)
+        model_server.mode = "ready"
+        count = 'model_load_duration_seconds_count{target="scraped",outcome="ready"}'
+        wait_for(lambda: query(f"{count} == 1"), 30, 0.5)
+        [load] = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+        assert 0 < load["duration_seconds"] <= 5 and not load["partial"]
+        buckets = query('model_load_duration_seconds_bucket{target="scraped"}')
+        assert buckets is not None
+        by_le = {b["metric"]["le"]: float(b["value"][1]) for b in buckets}
+        assert by_le["5.0"] == by_le["+Inf"] == 1 and len(by_le) == 21
+        [median] = query(
+            "histogram_quantile(0.5, sum by (le) "
+            '(model_load_duration_seconds_bucket{target="scraped"}))'
+        ) or [None]
+        assert median is not None and 0 < float(median["value"][1]) <= 5
+        [total] = query('model_load_duration_seconds_sum{target="scraped"}') or [None]
+        assert total is not None
+        assert float(total["value"][1]) == pytest.approx(load["duration_seconds"])
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
@@ -237,13 +294,12 @@ def test_port_in_use_is_one_line_error(model_server: ModelServer) -> None:
 
 
 @pytest.mark.system
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
+@pytest.mark.requires("root", "setpriv", "nobody_python")
 def test_unprivileged_exporter_exports_no_residency_rather_than_a_false_one(
     model_server: ModelServer,
 ) -> None:
     python = nobody_python()
-    if python is None:
-        pytest.skip("no Python interpreter that nobody may run")
+    assert python is not None
     directory = Path(tempfile.mkdtemp(prefix="residency-nobody-", dir="/tmp"))
     try:
         directory.chmod(0o755)

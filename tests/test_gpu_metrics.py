@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
+from helpers.fake_nvml import (
+    GIB,
+    MEMORY_V2,
+    PROCESSES_V3,
+    RESERVED_BYTES,
+    FakeNvml,
+    FakeProcess,
+    h200_node,
+)
 from helpers.support import RunningExporter, sample_value, wait_for
+
+from exporter.config import parse_config
+from exporter.runtime import Runtime
+from exporter.sources import NVML
+from exporter.sources.nvml_pids import NvmlPidCheck
 
 # A server whose tree is two processes, like a launcher and its TP worker.
 TREE = (
@@ -78,7 +92,7 @@ def test_eight_gpus_with_per_process_attribution(
     for index in range(8):
         total = sample_value(text, "model_load_gpu_memory_total_bytes", gpu=str(index))
         assert total == nvml.gpus[index].total_bytes
-    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="2") == GIB // 2 + 25 * GIB
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="2") == 25 * GIB
     # The tree's share only: the other tenant's 5 GiB on GPU 2 is not the target's.
     assert sample_value(text, "model_load_process_gpu_memory_bytes", target="kimi", gpu="2") == (
         20 * GIB
@@ -117,9 +131,14 @@ def test_eight_gpus_with_per_process_attribution(
 def test_gpu_lost_mid_run_degrades_that_gpu_only(start_exporter: Any, model_server: Any) -> None:
     nvml = FakeNvml(h200_node(8))
     running: RunningExporter = start_exporter(
-        {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]}, nvml=nvml
+        {"targets": [{"name": "m", "endpoint": {"url": model_server.url}}]},
+        nvml=nvml,
     )
-    wait_for(lambda: sample_value(running.metrics(), "model_load_gpu_memory_used_bytes", gpu="3"))
+    wait_for(
+        lambda: (
+            sample_value(running.metrics(), "model_load_gpu_memory_used_bytes", gpu="3") is not None
+        )
+    )
     nvml.gpus[3].lost = True
     text = wait_for(
         lambda: (
@@ -129,4 +148,77 @@ def test_gpu_lost_mid_run_degrades_that_gpu_only(start_exporter: Any, model_serv
         )
     )
     assert sample_value(text, "model_load_source_up", source="nvml", target="") == 1
-    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="4") == GIB // 2
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="4") == 0
+
+
+def test_config_reload_overlap_keeps_nvml_for_the_new_runtime(model_server: Any) -> None:
+    """serve.reload starts the new runtime before it stops the old: one NVML, two holders."""
+    nvml = FakeNvml(h200_node(2))
+    config = parse_config(
+        {
+            "history_path": "",
+            "sample_interval": "100ms",
+            "targets": [{"name": "m", "endpoint": {"url": model_server.url}}],
+        }
+    )
+    runtimes = [
+        Runtime(config, nvml=nvml, gpu_pid_check=NvmlPidCheck(host_namespace=True))
+        for _ in range(2)
+    ]
+    for runtime in runtimes:
+        runtime.start()
+    old, fresh = runtimes
+    try:
+        wait_for(lambda: all(r.sampler.value(NVML) is not None for r in runtimes))
+        old.stop()
+        assert nvml.refcount == 1
+        stopped = time.time()
+
+        def sampled_since() -> bool:
+            reading = fresh.sampler.latest(NVML)
+            return reading is not None and reading.finished_at > stopped + 0.2 and reading.ok
+
+        wait_for(sampled_since)
+    finally:
+        fresh.stop()
+    assert nvml.refcount == 0 and nvml.calls["nvmlShutdown"] == 2
+
+
+@pytest.mark.system
+def test_driver_older_than_the_binding_keeps_gpu_memory_in_metrics(
+    start_exporter: Any, model_server: Any, server_tree: tuple[int, int], tmp_path: Path
+) -> None:
+    """No v2 memory info and no v3 process listing (NVMLLibraryMismatchError): the GPU series
+    stay, v1's used (with the driver's reserve in it), and no per-process figure is invented."""
+    root, _ = server_tree
+    pidfile = tmp_path / "server.pid"
+    pidfile.write_text(str(root))
+    gpus = h200_node(1)
+    gpus[0].processes = [FakeProcess(root, 10 * GIB)]
+    gpus[0].used_bytes = 10 * GIB
+    nvml = FakeNvml(gpus, missing_functions={MEMORY_V2, PROCESSES_V3})
+    running: RunningExporter = start_exporter(
+        {
+            "targets": [
+                {
+                    "name": "m",
+                    "endpoint": {"url": model_server.url},
+                    "process": {"pidfile": str(pidfile)},
+                }
+            ]
+        },
+        nvml=nvml,
+    )
+    text = wait_for(
+        lambda: (
+            (t := running.metrics())
+            and sample_value(t, "model_load_process_up", target="m") == 1
+            and sample_value(t, "model_load_gpu_memory_used_bytes", gpu="0") is not None
+            and t
+        )
+    )
+    assert sample_value(text, "model_load_source_up", source="nvml", target="") == 1
+    assert sample_value(text, "model_load_gpu_memory_used_bytes", gpu="0") == (
+        10 * GIB + RESERVED_BYTES
+    )
+    assert sample_value(text, "model_load_process_gpu_memory_bytes", target="m", gpu="0") is None

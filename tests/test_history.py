@@ -12,6 +12,7 @@ import pytest
 
 from exporter.history import SCHEMA_VERSION, HistoryStore
 from exporter.tracker import LoadRecord
+from exporter.vocabulary import Cache
 
 T0 = 1_750_000_000.0
 
@@ -26,6 +27,7 @@ def record(
     partial: bool = False,
     gpu: int | None = None,
     phases: dict[str, float] | None = None,
+    seen_late: bool = False,
 ) -> LoadRecord:
     return LoadRecord(
         target=target,
@@ -38,6 +40,7 @@ def record(
         weights_bytes=548 * 10**9,
         bytes_read=500 * 10**9,
         gpu_bytes_at_weights_end=gpu,
+        seen_late=seen_late,
     )
 
 
@@ -109,6 +112,48 @@ def test_a_phase_a_load_skipped_counts_as_zero(store: HistoryStore) -> None:
     assert store.expected_phase_seconds("kimi", "cold") == {"starting": 50.0, "initializing": 50.0}
 
 
+def test_a_phase_a_late_seen_load_could_not_time_is_left_out_not_zero(store: HistoryStore) -> None:
+    store.add(record(100.0, phases={"starting": 10.0, "initializing": 30.0}))
+    store.add(record(300.0, at=T0 + 1, phases={"initializing": 50.0}, seen_late=True))
+    store.add(record(100.0, at=T0 + 2, phases={"starting": 20.0, "initializing": 40.0}))
+    assert store.loads()[0].seen_late  # the newest: it ended last
+    assert store.expected_phase_seconds("kimi", "cold") == {"starting": 15.0, "initializing": 40.0}
+    assert store.expected_duration("kimi", "cold") == 100.0  # its duration is exact: it counts
+
+
+def test_phase_medians_of_any_temperature(store: HistoryStore) -> None:
+    store.add(record(100.0, cache="cold", phases={"loading_weights": 80.0, "initializing": 20.0}))
+    store.add(record(50.0, at=T0 + 1, cache="warm", phases={"loading_weights": 8.0}))
+    store.add(record(60.0, at=T0 + 2, cache=None, phases={"initializing": 40.0}))
+    assert store.expected_phase_seconds("kimi", None) == {
+        "loading_weights": 8.0,
+        "initializing": 20.0,
+    }
+    assert store.expected_phase_seconds("kimi", Cache.UNKNOWN) == {"initializing": 40.0}
+
+
+def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
+    """Files written before `seen_late` existed keep their loads, as watched from the start."""
+    path = tmp_path / "history.sqlite"
+    with sqlite3.connect(path) as db:
+        db.executescript(
+            "CREATE TABLE loads (id INTEGER PRIMARY KEY AUTOINCREMENT, target TEXT NOT NULL, "
+            "started_at REAL NOT NULL, ended_at REAL NOT NULL, outcome TEXT NOT NULL, cache TEXT, "
+            "partial INTEGER NOT NULL, phase_seconds TEXT NOT NULL, weights_bytes INTEGER, "
+            "bytes_read INTEGER, gpu_bytes_at_weights_end INTEGER);"
+            "INSERT INTO loads (target, started_at, ended_at, outcome, cache, partial, "
+            "phase_seconds) VALUES ('kimi', 10.0, 70.0, 'ready', 'warm', 0, '{\"starting\": 5}');"
+            "PRAGMA user_version = 1;"
+        )
+    store = HistoryStore(str(path))
+    [old] = store.loads()
+    assert (old.duration_seconds, old.cache, old.seen_late) == (60.0, "warm", False)
+    store.add(record(30.0, seen_late=True))
+    assert store.loads()[0].seen_late and store.enabled
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+
+
 def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) -> None:
     store.add(record(100.0, at=T0 - 1000, gpu=10))
     store.add(record(1.0, at=T0 + 10, partial=True, gpu=20))
@@ -116,7 +161,8 @@ def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) 
     store.add(record(3.0, at=T0 + 30, cache=None))
     assert store.expected_duration("kimi", "cold") == 100.0
     assert store.expected_weights_gpu_bytes("kimi") == 10
-    assert store.expected_duration("kimi", None) == 3.0  # unknown residency is its own group
+    assert store.expected_duration("kimi", Cache.UNKNOWN) == 3.0  # its own group
+    assert store.expected_duration("kimi", None) == 51.5  # any temperature: 100 s and 3 s
     assert store.last_duration("kimi") == 3.0
 
 

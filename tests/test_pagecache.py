@@ -7,7 +7,6 @@ checked against util-linux `fincore` (run as root, where its mincore answers are
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import json
 import logging
@@ -15,12 +14,12 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.users import NOBODY, as_nobody, nobody_python
 
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
@@ -34,28 +33,10 @@ from exporter.sources.pagecache import (
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
-REPO = Path(__file__).resolve().parents[1]
-NOBODY = 65534
 
-needs_fincore = pytest.mark.skipif(shutil.which("fincore") is None, reason="fincore not installed")
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="switching to nobody needs root and setpriv",
-)
-
-
-def _cachestat_works() -> bool:
-    fd = os.open(__file__, os.O_RDONLY)
-    try:
-        pagecache.cachestat(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-needs_cachestat = pytest.mark.skipif(not _cachestat_works(), reason="no cachestat here")
+needs_fincore = pytest.mark.requires("fincore")
+needs_root = pytest.mark.requires("root", "setpriv", "nobody_python")
+needs_cachestat = pytest.mark.requires("cachestat")
 
 
 def write_uncached(path: Path, size: int) -> Path:
@@ -477,31 +458,9 @@ def shared_dir() -> Iterator[Path]:
     shutil.rmtree(path)
 
 
-def as_nobody(*argv: str, cwd: Path = Path("/")) -> subprocess.CompletedProcess[str]:
-    setpriv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    return subprocess.run(
-        [*setpriv, *argv],
-        cwd=cwd,
-        env={"PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1", "PATH": os.defpath},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-
-
-@functools.cache
-def nobody_python() -> str | None:
-    """An interpreter `nobody` can run with PyYAML (a venv under /root may be out of its reach)."""
-    for python in (sys.executable, "/usr/bin/python3"):
-        if as_nobody(python, "-c", "import yaml").returncode == 0:
-            return python
-    return None
-
-
 def run_as_nobody(directory: Path, path: Path) -> dict:
     python = nobody_python()
-    if python is None:
-        pytest.skip("no Python interpreter with PyYAML that nobody may run")
+    assert python is not None  # needs_root requires it
     done = as_nobody(python, "-c", NOBODY_PROBE, str(directory), str(path), cwd=directory)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

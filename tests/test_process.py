@@ -275,7 +275,10 @@ def test_fake_proc_vanished_and_unreadable_entries(tmp_path: Path) -> None:
     unreadable = fake_process(proc, 103, 100, 700, rb=1, rc=1)
     (unreadable / "io").unlink()
     (unreadable / "io").mkdir()  # any read error stands in for EACCES (we run as root here)
-    assert finder.sample().read_bytes is None
+    sample = finder.sample()
+    assert (sample.read_bytes, sample.read_chars) == (None, None)
+    assert sample.read_problem is not None and "pid 103" in sample.read_problem
+    assert sample.note == sample.read_problem
 
 
 def test_cmdline_match_is_never_the_exporter_itself(tmp_path: Path) -> None:

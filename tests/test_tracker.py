@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from exporter.history import HistoryStore
+from exporter.logmarkers import EventKind, LogEvent
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6
+MIB = 2**20
 GB = 10**9
 T0 = 1_750_000_000.0
 WEIGHTS = 120 * GB
@@ -32,17 +35,21 @@ class Sim:
     time: float = T0
     configured: bool = True
     nvml: bool = False
+    io_readable: bool = True  # False: /proc/PID/io of the tree may not be read
     pid: int | None = None
     started: float | None = None
     read_bytes: int = 0
     read_chars: int = 0
     gpu: int = 0
     resident: int = 0
-    disk: int = 7 * GB
+    disk: int | None = 7 * GB  # None: no block device behind the weights
     endpoint: str = "refused"
     probe_every: int = 1
     ticks: int = 0
     probe: tuple[str, float] | None = None
+    logged: bool = False  # the target has a log source
+    log_lines: int = 0
+    log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
     states: list[TargetState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     records: list[LoadRecord] = field(default_factory=list)
@@ -51,6 +58,12 @@ class Sim:
         """Start a server process now; a new tree's counters start at zero."""
         self.pid, self.started = pid, self.time
         self.read_bytes = self.read_chars = self.gpu = 0
+
+    def say(self, kind: EventKind, ago: float = 0.0, **fields: Any) -> None:
+        """The server logs a marker, stamped `ago` seconds before the next tick."""
+        self.logged = True
+        self.log_lines += 1
+        self.log.append(LogEvent(kind, self.time + 1 - ago, **fields))
 
     def kill(self) -> None:
         self.pid = self.started = None
@@ -62,6 +75,7 @@ class Sim:
 
     def observation(self) -> Observation:
         alive = self.pid is not None
+        io = alive and self.configured and self.io_readable
         return Observation(
             time=self.time,
             endpoint_result=self.probe[0] if self.probe else None,
@@ -70,13 +84,15 @@ class Sim:
             process_found=alive,
             process_pid=self.pid,
             process_start_time=self.started,
-            process_read_bytes=self.read_bytes if alive and self.configured else None,
-            process_read_chars=self.read_chars if alive and self.configured else None,
+            process_read_bytes=self.read_bytes if io else None,
+            process_read_chars=self.read_chars if io else None,
             process_gpu_bytes=self.gpu if alive and self.configured and self.nvml else None,
             weights_bytes=self.weights,
             resident_bytes=self.resident,
             resident_measured_at=self.time,
             disk_read_bytes=self.disk,
+            log_events=tuple(self.log),
+            log_lines=self.log_lines if self.logged else None,
         )
 
     def tick(
@@ -95,11 +111,13 @@ class Sim:
             self.read_bytes += read
             self.read_chars += chars
             self.gpu += gpu
-            self.disk += read
+            if self.disk is not None:
+                self.disk += read
             self.resident = min(self.weights, self.resident + (read if cache is None else cache))
             if self.ticks % self.probe_every == 0:
                 self.probe = (self.endpoint, self.time)
             record = self.tracker.observe(self.observation())
+            self.log.clear()
             if record is not None:
                 self.records.append(record)
             self.states.append(self.tracker.state(self.time))
@@ -524,7 +542,7 @@ def test_endpoint_only_load_starts_after_three_distinct_failed_probes() -> None:
     assert record.bytes_read is None  # no process information
 
 
-def test_exporter_started_mid_load_records_a_partial_load_from_the_process_start() -> None:
+def test_exporter_started_mid_cold_load_measures_it_whole_from_the_process_start() -> None:
     sim = Sim(Tracker("other", stall_after=300))  # the exporter is not running yet
     sim.spawn()
     sim.tick(20)
@@ -532,18 +550,57 @@ def test_exporter_started_mid_load_records_a_partial_load_from_the_process_start
     sim.restart_exporter(tracker())
     sim.tick()
     arrived = sim.state
-    assert arrived.partial and arrived.in_progress
+    assert arrived.seen_late and not arrived.partial and arrived.in_progress
     assert arrived.started_at == T0
     assert arrived.elapsed_seconds == sim.time - T0
-    assert arrived.cache is None  # residency at the start was not seen
+    # Residency now (all of it read by the tree from storage) less the tree's reads: 0 at start.
+    assert arrived.cache == "cold"
+    assert arrived.signals["resident_bytes_at_start"] == 0
     assert arrived.progress_ratio == pytest.approx(sim.read_bytes / WEIGHTS)
     sim.tick(300, read=COLD_RATE)
+    weights_done = sim.time
     sim.tick(30)
     sim.endpoint = "ready"
     sim.tick()
     [record] = sim.records
-    assert record.partial and record.outcome == "ready"
+    assert not record.partial and record.seen_late and record.outcome == "ready"
     assert record.duration_seconds == sim.time - T0
+    assert record.cache == "cold"
+    # When the weights began was not watched: starting and loading_weights are unknown, not 0 s.
+    assert record.phase_seconds == {"initializing": sim.time - weights_done}
+
+
+def test_exporter_started_mid_warm_load_reads_warm() -> None:
+    sim = Sim(Tracker("other", stall_after=300), nvml=True, resident=WEIGHTS)
+    sim.spawn()
+    sim.tick(10)
+    sim.tick(20, chars=WEIGHTS // 40, gpu=WEIGHTS // 40)
+    sim.restart_exporter(tracker())
+    sim.tick(1, chars=WEIGHTS // 40, gpu=WEIGHTS // 40)
+    assert (sim.state.cache, sim.state.seen_late) == ("warm", True)
+    assert sim.state.progress_ratio == pytest.approx(21 / 40)  # all GPU memory counts
+
+
+def test_mid_load_with_unreadable_tree_counters_has_an_unknown_temperature() -> None:
+    """Residency alone cannot tell pages cached before the start from pages the load read."""
+    sim = Sim(Tracker("other", stall_after=300), io_readable=False)
+    sim.spawn()
+    sim.tick(100, read=COLD_RATE)
+    sim.restart_exporter(tracker())
+    sim.tick(100, read=COLD_RATE)
+    assert sim.state.seen_late and sim.state.cache is None
+    sim.endpoint = "ready"
+    record = sim.until_record()
+    assert record.cache is None and not record.partial
+
+
+@pytest.mark.parametrize(("first_tick", "late"), [(3.0, False), (3.5, True)])
+def test_start_grace_is_two_intervals_and_a_second(first_tick: float, late: bool) -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.time += first_tick - 1  # tick() adds the last second
+    sim.tick(read=COLD_RATE)
+    assert sim.state.seen_late is late and not sim.state.partial
 
 
 def test_server_already_ready_when_the_exporter_arrives_is_no_load() -> None:
@@ -554,7 +611,7 @@ def test_server_already_ready_when_the_exporter_arrives_is_no_load() -> None:
     sim.restart_exporter(tracker())
     sim.probe_every = 2
     sim.tick(2 - sim.ticks % 2)  # ticks before the first probe answers, then that probe
-    assert sim.states[-2].phase == "starting" and sim.states[-2].partial
+    assert sim.states[-2].phase == "starting" and sim.states[-2].seen_late
     sim.tick(4)
     assert sim.records == []
     assert sim.state.phase == "ready" and not sim.state.in_progress
@@ -574,3 +631,271 @@ def test_endpoint_only_server_seen_loading_is_a_partial_load() -> None:
     [record] = sim.records
     assert record.partial and record.started_at == loading_seen
     assert record.cache is None
+
+
+# -- the rules at their boundaries -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("share", "cache"),
+    [
+        (0.0, "cold"),
+        (0.1, "cold"),
+        (0.1001, "mixed"),
+        (0.2, "mixed"),
+        (0.5, "mixed"),
+        (0.8999, "mixed"),
+        (0.9, "warm"),
+        (0.95, "warm"),
+        (1.0, "warm"),
+    ],
+)
+def test_cache_temperature_at_the_start_at_and_beside_its_thresholds(
+    share: float, cache: str
+) -> None:
+    sim = Sim(tracker(), resident=round(share * WEIGHTS))
+    sim.spawn()
+    sim.tick()
+    assert sim.state.cache == cache
+
+
+@pytest.mark.parametrize(("stop_at", "quiet_done"), [(0.9, True), (0.95, True), (0.8999, False)])
+def test_weights_are_in_after_five_quiet_intervals_from_ninety_percent(
+    stop_at: float, quiet_done: bool
+) -> None:
+    """Quantized weights, or files the server does not read: progress stops short of 100 %."""
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(10)
+    target = round(stop_at * WEIGHTS)
+    sim.tick(99, read=target // 100)
+    sim.tick(1, read=target - 99 * (target // 100))
+    last_rise = sim.time
+    sim.tick(4)
+    assert sim.state.phase == "loading_weights"
+    sim.tick()
+    assert sim.state.phase == ("initializing" if quiet_done else "loading_weights")
+    sim.endpoint = "ready"
+    record = sim.until_record()
+    if quiet_done:  # backdated to the last rise
+        assert record.phase_seconds["initializing"] == record.ended_at - last_rise
+    else:
+        assert "initializing" not in record.phase_seconds
+
+
+def test_throughput_follows_a_new_rate_within_the_ten_second_window() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(60, read=COLD_RATE)
+    sim.tick(10, read=COLD_RATE // 4)  # the disk is shared now
+    assert sim.state.throughput_bytes_per_second == pytest.approx(COLD_RATE // 4)
+    assert sim.state_at(sim.time - 1).throughput_bytes_per_second > COLD_RATE // 4
+
+
+def test_a_change_of_probe_answer_is_movement() -> None:
+    """A server compiling for minutes shows nothing but its port: 503 after refused is life."""
+    sim = Sim(tracker(stall_after=60))
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(100, read=WEIGHTS // 100)
+    assert sim.state.phase == "initializing"
+    quiet_since = sim.time
+    sim.tick(50)
+    sim.endpoint = "http_error"
+    sim.tick()
+    answered = sim.time
+    sim.tick(59)
+    assert sim.time - quiet_since > 60 and not sim.state.stalled
+    sim.tick()
+    assert sim.state.stalled and sim.state.seconds_since_progress == sim.time - answered
+
+
+@pytest.mark.parametrize(("per_tick", "moving"), [(MIB, True), (MIB - 1, False)])
+def test_a_mebibyte_per_tick_is_movement_and_less_is_not(per_tick: int, moving: bool) -> None:
+    sim = Sim(tracker(stall_after=30))
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(10, read=COLD_RATE)
+    sim.tick(40, read=per_tick)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.stalled is not moving
+
+
+def test_progress_never_falls_when_page_cache_evidence_drops() -> None:
+    """Pages evicted mid-load (memory pressure, DAMON) are not weights leaving the GPU."""
+    sim = Sim(tracker(), io_readable=False, disk=None)  # residency is the only evidence
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(100, read=COLD_RATE)
+    before = sim.state.progress_ratio
+    assert sim.state.progress_source == "page_cache" and before is not None and before > 0.1
+    sim.tick(1, cache=-50 * COLD_RATE)
+    sim.tick(3, read=COLD_RATE)
+    assert [s.progress_ratio for s in sim.states[-4:]] == [before] * 4
+
+
+def test_progress_never_falls_when_the_driving_signal_switches() -> None:
+    """Warm: GPU memory leads; a freed staging buffer drops it below what read() bytes show."""
+    sim = Sim(tracker(), nvml=True, resident=WEIGHTS)
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(20, gpu=WEIGHTS // 40, chars=WEIGHTS // 80)
+    assert sim.state.progress_source == "gpu_memory"
+    before = sim.state.progress_ratio
+    sim.tick(1, gpu=-WEIGHTS // 4, chars=WEIGHTS // 80)
+    assert sim.state.progress_ratio == before
+    sim.tick(10, chars=WEIGHTS // 80)
+    assert sim.state.progress_ratio == before  # read() bytes (31/80) still below
+    sim.tick(10, chars=WEIGHTS // 80)  # ... until they pass it and take over
+    assert sim.state.progress_source == "process_read_chars"
+    assert sim.state.progress_ratio == pytest.approx(41 / 80)
+
+
+def test_second_load_of_another_temperature_has_a_ready_eta(tmp_path) -> None:
+    """Initializing does not depend on the page cache: a cold load's tells a warm one's."""
+    store = HistoryStore(str(tmp_path / "history.sqlite"))
+    first = Sim(tracker(expectations=store))
+    script = ColdScript(init=90)
+    cold_load(first, script)
+    [cold] = first.records
+    store.add(cold)
+    init = cold.phase_seconds["initializing"]
+
+    sim = Sim(tracker(expectations=store), nvml=True, resident=WEIGHTS, time=first.time + 600)
+    start = sim.time
+    sim.spawn()
+    sim.tick(10)
+    assert sim.state.eta_seconds is None  # how long warm weights take: no warm load yet
+    rate = WEIGHTS // 40
+    sim.tick(40, gpu=rate, chars=rate)
+    loading = [s for s in sim.states if s.phase == "loading_weights"]
+    assert loading and all(s.cache == "warm" for s in loading)
+    measured = [s for s in loading if s.weights_eta_seconds is not None]
+    assert measured and all(
+        s.eta_seconds == pytest.approx(s.weights_eta_seconds + init) for s in measured
+    )
+    sim.tick(30)
+    assert sim.state.phase == "initializing"
+    weights_end = start + 10 + 40
+    assert sim.state.eta_seconds == pytest.approx(init - (sim.time - weights_end), abs=1)
+    store.close()
+
+
+# -- the server's own log ----------------------------------------------------------------------
+
+
+def test_log_markers_give_exact_boundaries_and_fine_steps() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(8)
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=0.4)  # before any byte moved: the log knows first
+    sim.tick()
+    began = sim.time - 0.4
+    assert sim.state.phase == "loading_weights" and sim.state.step == "weights"
+    rate = WEIGHTS // 100
+    sim.tick(60, read=rate)
+    sim.say(EventKind.WEIGHTS_PROGRESS, done=40, total=64)
+    sim.tick(1, read=rate)
+    assert sim.state.progress_ratio == pytest.approx(40 / 64)  # shards lead the bytes (61 %)
+    assert sim.state.progress_source == "log_shards"
+    sim.tick(38, read=rate)  # bytes all in: only the log may end the weights
+    assert sim.state.phase == "loading_weights"
+    sim.say(EventKind.WEIGHTS_END, ago=0.25)
+    sim.tick()
+    weights_end = sim.time - 0.25
+    assert sim.state.phase == "initializing" and sim.state.progress_ratio == 1.0
+    sim.say(EventKind.KV_CACHE)
+    sim.tick(3)
+    sim.say(EventKind.CUDA_GRAPH_BEGIN)
+    sim.tick(10)
+    assert sim.state.step == "cuda_graph"
+    sim.say(EventKind.CUDA_GRAPH_END)
+    sim.tick()
+    sim.say(EventKind.WARMUP_BEGIN)
+    sim.tick(2)
+    sim.say(EventKind.READY, ago=0.5)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.phase_seconds == pytest.approx(
+        {
+            "starting": began - T0,
+            "loading_weights": weights_end - began,
+            "initializing": sim.time - weights_end,
+            "kv_cache": 3.0,
+            "cuda_graph": 10.0,
+            "warmup": 1.5,
+        }
+    )
+    assert sim.state.step == "none"
+
+
+def test_a_fatal_line_fails_the_load_at_once_with_the_servers_words() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(100, read=WEIGHTS // 100)
+    message = "RuntimeError: CUDA out of memory; cause: ValueError: KV cache too large"
+    sim.say(EventKind.FATAL, ago=0.5, detail=message)
+    sim.tick()
+    [record] = sim.records
+    assert (record.outcome, record.fatal) == ("failed", message)
+    assert record.ended_at == sim.time - 0.5  # the process is still there: failed anyway
+    assert sim.state.phase == "failed" and sim.state.fatal == message
+
+
+def test_markers_of_the_previous_process_are_not_this_loads() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(3)
+    sim.say(EventKind.FATAL, ago=10, detail="the old server's last words")
+    sim.tick()
+    assert sim.state.in_progress and sim.records == []
+
+
+def test_new_log_lines_are_movement() -> None:
+    """Compiling kernels for minutes moves no byte, but the server keeps logging."""
+    sim = Sim(tracker(stall_after=30), logged=True)
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(100, read=WEIGHTS // 100)
+    for _ in range(60):
+        sim.log_lines += 1
+        sim.tick()
+    assert sim.state.phase == "initializing" and not sim.state.stalled
+    sim.tick(30)
+    assert sim.state.stalled
+
+
+def test_without_a_log_there_is_no_step() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(3)
+    assert sim.state.step is None
+
+
+def test_an_exit_waits_a_tick_for_the_logs_last_words() -> None:
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.tick(5)
+    sim.tick(50, read=COLD_RATE)
+    sim.kill()
+    sim.tick()
+    assert sim.records == [] and sim.state.in_progress  # the log may still say why
+    exited = sim.time
+    sim.say(EventKind.FATAL, ago=1.5, detail="torch.OutOfMemoryError: CUDA out of memory")
+    sim.tick()
+    [record] = sim.records
+    assert record.fatal == "torch.OutOfMemoryError: CUDA out of memory"
+    assert record.ended_at == exited - 0.5  # the fatal line, just before the exit was seen
+
+
+def test_an_exit_without_a_log_fails_at_once() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.kill()
+    sim.tick()
+    [record] = sim.records
+    assert record.outcome == "failed" and record.ended_at == sim.time and record.fatal is None

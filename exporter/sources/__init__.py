@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from exporter.sources.disk import DiskSample
     from exporter.sources.endpoint import ProbeSample
     from exporter.sources.gpu import GpuSample
+    from exporter.sources.logs import LogSample
     from exporter.sources.memory import MemorySample
     from exporter.sources.pagecache import ResidencySample
     from exporter.sources.process import ProcessSample
@@ -36,3 +37,4 @@ NVML: SourceKey[GpuSample] = SourceKey("nvml", per_target=False)
 ENDPOINT: SourceKey[ProbeSample] = SourceKey("endpoint", per_target=True)
 PROCESS: SourceKey[ProcessSample] = SourceKey("process", per_target=True)
 PAGECACHE: SourceKey[ResidencySample] = SourceKey("pagecache", per_target=True)
+LOGS: SourceKey[LogSample] = SourceKey("logs", per_target=True)

@@ -56,6 +56,13 @@ class DiskSource:
         self._reported: set[str] = set()
         self._previous: dict[str, tuple[float, int]] = {}
 
+    def watch(self, target: str, paths: Sequence[str] | None) -> None:
+        """Watch another target's weight paths, or none (thread-safe: the mapping is swapped)."""
+        watched = {t: p for t, p in self._paths_by_target.items() if t != target}
+        if paths:
+            watched[target] = tuple(paths)
+        self._paths_by_target = watched
+
     def sample(self) -> DiskSample:
         devices_by_target: dict[str, tuple[str, ...]] = {}
         unbacked_by_target: dict[str, tuple[str, ...]] = {}
@@ -133,13 +140,37 @@ def resolve_block_device(st_dev: int, sys_root: str = "/sys") -> str | None:
     A partition resolves to its whole disk; dm-N and mdN stay themselves because their slaves
     also count the same bytes and only the top device is unambiguous.
     """
-    link = os.path.join(sys_root, "dev", "block", f"{os.major(st_dev)}:{os.minor(st_dev)}")
+    number = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    link = os.path.join(sys_root, "dev", "block", number)
     if not os.path.exists(link):
-        return None
+        found = _class_block_link(number, sys_root)
+        if found is None:
+            return None
+        link = found
     device_dir = os.path.realpath(link)
     if os.path.exists(os.path.join(device_dir, "partition")):
         device_dir = os.path.dirname(device_dir)
     return os.path.basename(device_dir)
+
+
+def _class_block_link(number: str, sys_root: str) -> str | None:
+    """The /sys/class/block entry whose `dev` is MAJ:MIN.
+
+    Podman masks /sys/dev/block with an empty tmpfs in containers; /sys/class/block stays.
+    """
+    class_dir = os.path.join(sys_root, "class", "block")
+    try:
+        names = os.listdir(class_dir)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(class_dir, name, "dev"), encoding="ascii") as f:
+                if f.read().strip() == number:
+                    return os.path.join(class_dir, name)
+        except OSError:
+            continue
+    return None
 
 
 def read_diskstats(proc_root: str = "/proc") -> dict[str, int]:

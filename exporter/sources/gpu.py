@@ -4,21 +4,39 @@ NVML is optional: hosts without a driver (or a CI runner) must still run the exp
 library is imported and initialised lazily, a failed init is retried at most every
 `INIT_RETRY_SECONDS` and logged once, and errors of one call on one GPU degrade only that field
 or device instead of the whole sample.
+
+Memory is read with `nvmlDeviceGetMemoryInfo_v2` where the driver has it (R510 and later):
+its `used` is what processes allocated, the figure nvidia-smi shows, and `reserved` is what the
+driver and firmware keep for themselves (hundreds of MiB, fixed per GPU), so total = reserved +
+used + free. The v1 call folds `reserved` into `used`, so an idle GPU reads as half a GiB used;
+it is the fallback for older drivers (as their nvidia-smi showed it), remembered per GPU.
+
+libnvidia-ml counts `nvmlInit` calls and shuts down at the last `nvmlShutdown`; a source gives
+back exactly the inits it took, so two runtimes overlapping in a config reload (or a host
+application that uses NVML too) keep their own reference.
+
+Per-process figures are only as good as NVML's PIDs: see `nvml_pids` for when they name
+processes in this PID namespace, and `GpuSample.attribution_problem` for when they do not.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
+from exporter.sources.nvml_pids import NvmlPidCheck
+
 log = logging.getLogger(__name__)
 
 INIT_RETRY_SECONDS = 60.0
+
+CLOSE_TIMEOUT_SECONDS = 5.0
 
 # Errors after which nothing on any GPU can work until NVML is initialised again.
 _FATAL_ERRORS = (
@@ -36,6 +54,8 @@ class GpuDevice:
     name: str
     memory_used_bytes: int | None  # None when this call failed for this GPU
     memory_total_bytes: int | None
+    # Held back by the driver and firmware (v2 only); None from the v1 call, whose used holds it.
+    memory_reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,8 +70,18 @@ class GpuProcess:
 class GpuSample:
     driver_version: str
     devices: tuple[GpuDevice, ...]
-    processes: tuple[GpuProcess, ...]  # compute processes on every GPU
+    processes: tuple[GpuProcess, ...]  # compute processes on every GPU, PIDs as NVML gave them
     errors: tuple[str, ...]  # per-call errors of this sample, e.g. "gpu 3: GetMemoryInfo: ..."
+    # Why the processes' PIDs cannot be matched to servers here (another PID namespace, or not
+    # checkable); None when they can. `process_gpu_memory` attributes nothing while it is set.
+    attribution_problem: str | None = None
+
+    @property
+    def note(self) -> str | None:
+        """What a status reader should know although the sample succeeded."""
+        if self.attribution_problem is None:
+            return None
+        return f"per-process GPU memory not attributed: {self.attribution_problem}"
 
     @property
     def up(self) -> bool:
@@ -79,7 +109,9 @@ class _GpuLost(Exception):
 class NvmlSource:
     """Samples every GPU through an NVML module (the real `pynvml` unless one is injected).
 
-    Not thread-safe: one sampler thread owns it.
+    One sampler thread calls `sample`; `close` may come from another (exporter shutdown), so the
+    two are serialised: a shutdown in the middle of a sample would give back the same NVML
+    reference twice, taking another holder's.
     """
 
     def __init__(
@@ -88,10 +120,14 @@ class NvmlSource:
         *,
         clock: Callable[[], float] = time.monotonic,
         retry_interval: float = INIT_RETRY_SECONDS,
+        pid_check: NvmlPidCheck | None = None,
     ) -> None:
         self._nvml: Any = nvml
         self._clock = clock
         self._retry_interval = retry_interval
+        self._pids = pid_check if pid_check is not None else NvmlPidCheck()
+        self._lock = threading.Lock()
+        self._closed = False
         self._initialized = False
         self._count = 0
         self._driver_version: str | None = None
@@ -100,11 +136,35 @@ class NvmlSource:
         self._logged_failure: str | None = None
         self._handles: dict[int, Any] = {}
         self._identity: dict[int, tuple[str, str]] = {}
+        self._memory_v1: set[int] = set()  # GPUs whose driver has no v2 memory info
         self._fatal: tuple[type[BaseException], ...] = ()
         self._per_call: tuple[type[BaseException], ...] = ()
 
     def sample(self) -> GpuSample:
         """One reading of every GPU; raises `NvmlUnavailable` while NVML cannot be used."""
+        with self._lock:
+            if self._closed:
+                raise NvmlUnavailable("NVML source closed")
+            return self._sample()
+
+    def close(self) -> None:
+        """Gives NVML back for good (exporter shutdown or the old runtime of a reload).
+
+        Waits for a sample in flight; one stuck in the driver keeps its reference rather than
+        stall the shutdown.
+        """
+        if not self._lock.acquire(timeout=CLOSE_TIMEOUT_SECONDS):
+            log.warning("NVML busy for %gs at close: not shut down", CLOSE_TIMEOUT_SECONDS)
+            return
+        try:
+            self._closed = True
+            if self._initialized:
+                self._initialized = False
+                self._shutdown()
+        finally:
+            self._lock.release()
+
+    def _sample(self) -> GpuSample:
         self._ensure_initialized()
         errors: list[str] = []
         devices: list[GpuDevice] = []
@@ -116,15 +176,14 @@ class NvmlSource:
                 devices.append(device)
                 processes.extend(procs)
         except self._fatal as err:
+            if isinstance(err, self._nvml.NVMLError_Uninitialized):
+                # NVML's count already reached zero (a holder gave back one too many): our
+                # reference is gone, and giving it back again could take someone else's.
+                self._initialized = False
             self._fail(f"NVML stopped working: {_text(err)}")
             raise NvmlUnavailable(self._failure) from err
-        return GpuSample(driver_version, tuple(devices), tuple(processes), tuple(errors))
-
-    def close(self) -> None:
-        """Releases NVML (on exporter shutdown); a later `sample` initialises it again."""
-        if self._initialized:
-            self._initialized = False
-            self._shutdown()
+        problem = self._pids.problem({p.pid for p in processes})
+        return GpuSample(driver_version, tuple(devices), tuple(processes), tuple(errors), problem)
 
     def _ensure_initialized(self) -> None:
         if self._initialized:
@@ -179,6 +238,7 @@ class NvmlSource:
         self._count = count
         self._handles.clear()
         self._identity.clear()
+        self._memory_v1.clear()  # the driver may have been upgraded while NVML was down
         self._driver_version = None
 
     def _fail(self, reason: str) -> None:
@@ -220,9 +280,7 @@ class NvmlSource:
             if handle is None:
                 return GpuDevice(index, uuid, name, None, None), []
             uuid, name = self._read_identity(index, handle, errors)
-            memory = self._call(
-                index, errors, "GetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle)
-            )
+            memory = self._read_memory(index, handle, errors)
             listed = self._call(
                 index,
                 errors,
@@ -233,11 +291,34 @@ class NvmlSource:
             return GpuDevice(index, uuid, name, None, None), []
         used = None if memory is None else int(memory.used)
         total = None if memory is None else int(memory.total)
+        reserved = None if memory is None else _optional_int(getattr(memory, "reserved", None))
         processes = [
             GpuProcess(int(p.pid), index, uuid, _optional_int(p.usedGpuMemory))
             for p in listed or ()
         ]
-        return GpuDevice(index, uuid, name, used, total), processes
+        return GpuDevice(index, uuid, name, used, total, reserved), processes
+
+    def _read_memory(self, index: int, handle: Any, errors: list[str]) -> Any:
+        """v2 memory info, or v1 where the driver lacks v2 (then for good, until re-init)."""
+        nvml = self._nvml
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if version is not None and index not in self._memory_v1:
+            try:
+                return self._guarded(
+                    index,
+                    errors,
+                    "GetMemoryInfo",
+                    lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=version),
+                )
+            except self._fatal:
+                raise
+            except self._per_call as err:
+                # FunctionNotFound before R510; NotSupported or Unknown on some virtual GPUs.
+                log.info("gpu %d: no v2 memory info (%s): used includes reserved", index, err)
+                self._memory_v1.add(index)
+        return self._call(
+            index, errors, "GetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle)
+        )
 
     def _handle(self, index: int) -> Any:
         if index not in self._handles:
@@ -257,19 +338,25 @@ class NvmlSource:
 
     def _call(self, index: int, errors: list[str], what: str, call: Callable[[], Any]) -> Any:
         """One NVML call on one GPU: None on a per-call error, `_GpuLost` when the GPU is gone."""
-        nvml = self._nvml
+        try:
+            return self._guarded(index, errors, what, call)
+        except self._fatal:
+            raise
+        except self._per_call as err:
+            errors.append(f"gpu {index}: {what}: {_text(err)}")
+            return None
+
+    def _guarded(self, index: int, errors: list[str], what: str, call: Callable[[], Any]) -> Any:
+        """Runs a call: a lost GPU becomes `_GpuLost`; every other error is the caller's."""
         try:
             return call()
         except self._fatal:
             raise
-        except nvml.NVMLError_GpuIsLost as err:
+        except self._nvml.NVMLError_GpuIsLost as err:
             # Forget only this GPU's handle, so a GPU that comes back after a reset is read again.
             self._handles.pop(index, None)
             errors.append(f"gpu {index}: {what}: {_text(err)}")
             raise _GpuLost from err
-        except self._per_call as err:
-            errors.append(f"gpu {index}: {what}: {_text(err)}")
-            return None
 
 
 def process_gpu_memory(
@@ -280,8 +367,11 @@ def process_gpu_memory(
     """Bytes that the given process tree holds on each GPU index it uses.
 
     A GPU where any of the tree's processes has unknown usage is left out: a partial sum would
-    read as a truthful number.
+    read as a truthful number. Nothing at all while the sample's PIDs cannot be trusted to be
+    this namespace's: another process's memory would read as the server's.
     """
+    if sample.attribution_problem is not None:
+        return {}
     wanted = set(pids)
     totals: dict[int, int] = {}
     unknown: set[int] = set()

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import os
 import platform
@@ -49,6 +50,7 @@ _CACHESTAT_ARCHES = frozenset(
 )
 SYS_CACHESTAT: int | None = 451 if platform.machine().lower() in _CACHESTAT_ARCHES else None
 
+_CAP_FOWNER = 3  # linux/capability.h
 _PROT_READ = 0x1
 _MAP_SHARED = 0x01
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -229,9 +231,29 @@ def mincore_resident_bytes(fd: int, size: int) -> int:
 
 
 def mincore_truthful(path: str, st: os.stat_result) -> bool:
-    """Linux >= 5.2 makes mincore claim every page resident unless the caller owns or may write."""
-    euid = os.geteuid()
-    return euid == 0 or st.st_uid == euid or os.access(path, os.W_OK, effective_ids=True)
+    """Linux >= 5.2 makes mincore claim every page resident unless the caller owns the file, may
+    write it, or holds CAP_FOWNER (the kernel's can_do_mincore).
+
+    Being root is not enough: a container's root with its capabilities dropped gets the lie.
+    """
+    return (
+        st.st_uid == os.geteuid()
+        or _holds_cap_fowner()
+        or os.access(path, os.W_OK, effective_ids=True)
+    )
+
+
+@functools.cache
+def _holds_cap_fowner() -> bool:
+    """CAP_FOWNER in the effective set; read once, a process's capabilities do not grow."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_FOWNER & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def measure_fd(
@@ -258,7 +280,9 @@ def _measure_fd(
             failures.append(f"cachestat: {exc.strerror}")
     if "mincore" in methods:
         if not mincore_truthful(path, st):
-            failures.append("mincore would claim every page resident (not owner, not writable)")
+            failures.append(
+                "mincore would claim every page resident (not owner, not writable, no CAP_FOWNER)"
+            )
         else:
             try:
                 return mincore_resident_bytes(fd, size), "mincore", None

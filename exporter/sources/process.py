@@ -29,9 +29,15 @@ class ProcessSample:
     pids: tuple[int, ...]
     root_pid: int | None
     start_time: float | None
-    read_bytes: int | None
+    read_bytes: int | None  # None, never 0, when /proc/PID/io cannot be read (see read_problem)
     read_chars: int | None
     cmdline: str | None
+    read_problem: str | None = None  # why the read counters are unknown
+
+    @property
+    def note(self) -> str | None:
+        """What a status reader should know although the process was found."""
+        return self.read_problem
 
 
 NOT_FOUND = ProcessSample(False, (), None, None, None, None, None)
@@ -101,7 +107,7 @@ class ProcessFinder:
         members.update(pid for pid in extra_members if pid in table)
         tree = [table[pid] for pid in sorted(members)]
         self._members = frozenset(members)
-        read_bytes, read_chars = self._count(tree, table)
+        read_bytes, read_chars, read_problem = self._count(tree, table)
         if root_cmdline is None:
             root_cmdline = self._cmdline(root.pid)
         return ProcessSample(
@@ -112,9 +118,12 @@ class ProcessFinder:
             read_bytes=read_bytes,
             read_chars=read_chars,
             cmdline=root_cmdline,
+            read_problem=read_problem,
         )
 
-    def _count(self, tree: list[_Proc], table: dict[int, _Proc]) -> tuple[int | None, int | None]:
+    def _count(
+        self, tree: list[_Proc], table: dict[int, _Proc]
+    ) -> tuple[int | None, int | None, str | None]:
         """Sum the tree's counters so that they never go backwards while the root lives.
 
         When a child is reaped by a parent inside the tree, Linux adds the child's counters to
@@ -130,25 +139,30 @@ class ProcessFinder:
             if key in alive_keys or not _inherited(seen, gone, tree_keys, alive_keys):
                 self._departed_bytes += seen.read_bytes
                 self._departed_chars += seen.read_chars
-        readable = True
+        unreadable = None
         for proc in tree:
             try:
                 counters = self._read_io(proc.pid)
-            except OSError:  # EACCES: another user's process and we are not root
+            except OSError as err:  # EACCES: another user's process and we are not root
                 # Keep the last values if we ever had them; a tree we cannot read is unknown.
-                readable = readable and proc.key in self._seen
+                if proc.key not in self._seen and unreadable is None:
+                    unreadable = f"{err.strerror or err} for pid {proc.pid}"
                 continue
             if counters is None:
                 continue  # exited since the scan; accounted for as gone next time
             parent = table.get(proc.ppid)
             self._seen[proc.key] = _Seen(*counters, parent.key if parent is not None else None)
-        if not readable:
-            return None, None
+        if unreadable is not None:
+            problem = (
+                f"read counters unknown: /proc/PID/io not readable as uid {os.geteuid()}"
+                f" ({unreadable}); run as root or as the server's user"
+            )
+            return None, None, problem
         live_bytes = sum(s.read_bytes for s in self._seen.values())
         live_chars = sum(s.read_chars for s in self._seen.values())
         self._high_bytes = max(self._high_bytes, self._departed_bytes + live_bytes)
         self._high_chars = max(self._high_chars, self._departed_chars + live_chars)
-        return self._high_bytes, self._high_chars
+        return self._high_bytes, self._high_chars, None
 
     def _read_io(self, pid: int) -> tuple[int, int] | None:
         """(read_bytes, rchar), or None if the process is gone; OSError if we may not read it."""
@@ -219,6 +233,10 @@ class ProcessFinder:
     def _find_root(self, table: dict[int, _Proc]) -> tuple[_Proc, Iterable[int], str | None] | None:
         """The root process, extra members that belong to the tree, and the root's cmdline."""
         config = self._config
+        if config.pid is not None:
+            proc = table.get(config.pid)
+            exact = proc is not None and proc.start_ticks == config.start_ticks
+            return (proc, (), None) if exact and proc is not None and not proc.zombie else None
         if config.pidfile is not None:
             root = self._from_pidfile(config.pidfile, table)
             return (root, (), None) if root is not None else None

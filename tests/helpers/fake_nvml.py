@@ -1,23 +1,39 @@
-"""A stand-in for the `pynvml` module, for tests on machines without a GPU.
+"""A stand-in for the `pynvml` module (nvidia-ml-py), for tests on machines without a GPU.
 
-It exposes the functions the exporter calls under their real names and re-exports the real
-`pynvml` error classes, so code under test catches exactly what it would catch on a GPU host and
-error messages read as they do there ("GPU is lost", "Not Supported"). Everything is mutable so a
-test can make memory grow, processes come and go, or a GPU fall off the bus between samples.
+It behaves like the real binding where the exporter depends on it, and is built from the real
+module's own parts so it cannot quietly drift (tests/test_nvml_contract.py compares the two):
+- the error classes are the real ones, so code under test catches what it would catch on a GPU
+  host and messages read as they do there ("GPU is lost", "Not Supported");
+- memory info comes back as the real ctypes structs: `c_nvmlMemory_t` (total, free, used; used
+  includes the memory the driver reserves) or, with `version=nvmlMemory_v2`, `c_nvmlMemory_v2_t`
+  (version, total, reserved, free, used; used is what nvidia-smi shows, reserved apart);
+- processes come back as the real binding builds them (`nvmlStructToFriendlyObject` over
+  `c_nvmlProcessInfo_t`, usedGpuMemory None where the driver says "not available");
+- `nvmlInit`/`nvmlShutdown` keep a reference count like libnvidia-ml: NVML stays up until every
+  init has had its shutdown, and a shutdown without an init raises `NVMLError_Uninitialized`;
+- a driver older than the binding is modelled by the C functions it lacks: a missing
+  `nvmlDeviceGetMemoryInfo_v2` raises `NVMLError_FunctionNotFound` from the v2 call, a missing
+  `nvmlDeviceGetComputeRunningProcesses_v3` makes the unversioned listing raise
+  `NVMLLibraryMismatchError` through the real `throwOnVersionMismatch` wrapper.
+Everything is mutable, so a test can make memory grow, processes come and go, or a GPU fall off
+the bus between samples.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import pynvml
 from pynvml import (
     NVMLError,
+    NVMLError_ArgumentVersionMismatch,
     NVMLError_DriverNotLoaded,
+    NVMLError_FunctionNotFound,
     NVMLError_GpuIsLost,
+    NVMLError_InvalidArgument,
     NVMLError_LibraryNotFound,
     NVMLError_LibRmVersionMismatch,
     NVMLError_NoPermission,
@@ -29,6 +45,16 @@ from pynvml import (
 # What NVML reports as total memory of one H200 (143771 MiB, "141 GB").
 H200_TOTAL_BYTES = 143_771 * 1024 * 1024
 GIB = 1024**3
+MIB = 1024**2
+# Memory the driver and firmware keep for themselves on an idle GPU (v2 `reserved`; inside v1
+# `used`). The real figure varies by GPU and driver; a round one keeps test arithmetic readable.
+RESERVED_BYTES = 512 * MIB
+NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId without MIG
+
+# C functions a driver older than the binding lacks, and what the binding raises for each.
+MEMORY_V2 = "nvmlDeviceGetMemoryInfo_v2"
+PROCESSES_V3 = "nvmlDeviceGetComputeRunningProcesses_v3"
 
 
 @dataclass
@@ -42,7 +68,8 @@ class FakeGpu:
     uuid: str
     name: str = "NVIDIA H200"
     total_bytes: int = H200_TOTAL_BYTES
-    used_bytes: int = 0
+    used_bytes: int = 0  # allocated by processes: v2 `used`, what nvidia-smi shows
+    reserved_bytes: int = RESERVED_BYTES
     processes: list[FakeProcess] = field(default_factory=list)
     lost: bool = False
     lost_at_call: int | None = None  # becomes lost at this (1-based) device call, then stays lost
@@ -55,6 +82,10 @@ class FakeGpu:
         if self.lost:
             raise NVMLError_GpuIsLost()
 
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.reserved_bytes - self.used_bytes
+
 
 @dataclass(frozen=True)
 class _Handle:
@@ -65,14 +96,18 @@ class FakeNvml(ModuleType):
     """A module object: `NvmlSource(FakeNvml(...))` uses it where it would use `pynvml`."""
 
     NVMLError = NVMLError
+    NVMLError_ArgumentVersionMismatch = NVMLError_ArgumentVersionMismatch
     NVMLError_DriverNotLoaded = NVMLError_DriverNotLoaded
+    NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
     NVMLError_GpuIsLost = NVMLError_GpuIsLost
+    NVMLError_InvalidArgument = NVMLError_InvalidArgument
     NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
     NVMLError_LibRmVersionMismatch = NVMLError_LibRmVersionMismatch
     NVMLError_NoPermission = NVMLError_NoPermission
     NVMLError_NotSupported = NVMLError_NotSupported
     NVMLError_Uninitialized = NVMLError_Uninitialized
     NVMLLibraryMismatchError = NVMLLibraryMismatchError
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(
         self,
@@ -81,30 +116,37 @@ class FakeNvml(ModuleType):
         driver_version: str = "570.133.20",
         init_error: type[Exception] | None = None,
         strings_as_bytes: bool = False,
+        missing_functions: set[str] | None = None,
     ) -> None:
         super().__init__("pynvml", "A fake pynvml for tests.")
         self.gpus = gpus
         self.driver_version = driver_version
         self.init_error = init_error  # raised by every nvmlInit while set
         self.strings_as_bytes = strings_as_bytes  # as old bindings return them
+        # C functions this "driver" lacks (MEMORY_V2, PROCESSES_V3): an older driver.
+        self.missing_functions: set[str] = set(missing_functions or ())
         # Function name (e.g. "nvmlDeviceGetMemoryInfo") -> GPU indexes where it raises
         # NotSupported; None in the set means every GPU.
         self.not_supported: dict[str, set[int | None]] = {}
         # Function name -> error raised on every call from now on (e.g. the driver unloaded).
         self.failing: dict[str, type[Exception]] = {}
         self.calls: Counter[str] = Counter()
-        self.initialized = False
+        self.refcount = 0  # libnvidia-ml's count of inits not yet shut down
+
+    @property
+    def initialized(self) -> bool:
+        return self.refcount > 0
 
     def nvmlInit(self) -> None:
         self._count("nvmlInit")
         if self.init_error is not None:
             raise self.init_error()
-        self.initialized = True
+        self.refcount += 1
 
     def nvmlShutdown(self) -> None:
         self._count("nvmlShutdown")
         self._check_initialized()
-        self.initialized = False
+        self.refcount -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str | bytes:
         self._count("nvmlSystemGetDriverVersion")
@@ -128,22 +170,48 @@ class FakeNvml(ModuleType):
         gpu = self._device_call("nvmlDeviceGetName", handle.index)
         return self._string(gpu.name)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
+        """v1 without a version (as the binding decides: `if not version`), v2 with one."""
+        if not version:
+            gpu = self._device_call("nvmlDeviceGetMemoryInfo", handle.index)
+            used = gpu.used_bytes + gpu.reserved_bytes
+            return pynvml.c_nvmlMemory_t(total=gpu.total_bytes, free=gpu.free_bytes, used=used)
+        self._symbol(MEMORY_V2)
         gpu = self._device_call("nvmlDeviceGetMemoryInfo", handle.index)
-        free = gpu.total_bytes - gpu.used_bytes
-        return SimpleNamespace(total=gpu.total_bytes, free=free, used=gpu.used_bytes)
+        if version != pynvml.nvmlMemory_v2:
+            raise NVMLError_ArgumentVersionMismatch()
+        return pynvml.c_nvmlMemory_v2_t(
+            version=version,
+            total=gpu.total_bytes,
+            reserved=gpu.reserved_bytes,
+            free=gpu.free_bytes,
+            used=gpu.used_bytes,
+        )
 
+    @pynvml.throwOnVersionMismatch
     def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
+        """The binding's unversioned listing calls the v3 C function; an old driver lacks it."""
+        self._symbol(PROCESSES_V3)
         gpu = self._device_call("nvmlDeviceGetComputeRunningProcesses", handle.index)
-        return [
-            SimpleNamespace(
+        listed = []
+        for p in gpu.processes:
+            struct = pynvml.c_nvmlProcessInfo_t(
                 pid=p.pid,
-                usedGpuMemory=p.used_bytes,
-                gpuInstanceId=0xFFFFFFFF,
-                computeInstanceId=0xFFFFFFFF,
+                usedGpuMemory=NOT_AVAILABLE if p.used_bytes is None else p.used_bytes,
+                gpuInstanceId=NO_INSTANCE,
+                computeInstanceId=NO_INSTANCE,
             )
-            for p in gpu.processes
-        ]
+            obj = pynvml.nvmlStructToFriendlyObject(struct)
+            if obj.usedGpuMemory == NOT_AVAILABLE:  # what the binding does with the sentinel
+                obj.usedGpuMemory = None
+            listed.append(obj)
+        return listed
+
+    def _symbol(self, name: str) -> None:
+        """What `_nvmlGetFunctionPointer` raises for a C function the driver does not export."""
+        self.calls[name] += 1
+        if name in self.missing_functions:
+            raise NVMLError_FunctionNotFound()
 
     def _count(self, name: str) -> None:
         self.calls[name] += 1
@@ -158,7 +226,7 @@ class FakeNvml(ModuleType):
         self._count(name)
         self._check_initialized()
         if not 0 <= index < len(self.gpus):
-            raise pynvml.NVMLError_InvalidArgument()
+            raise NVMLError_InvalidArgument()
         gpu = self.gpus[index]
         gpu.touch()
         where = self.not_supported.get(name, set())
@@ -171,8 +239,5 @@ class FakeNvml(ModuleType):
 
 
 def h200_node(count: int = 8) -> list[FakeGpu]:
-    """An idle 8x H200 box, with the reserved memory NVML reports on an idle GPU."""
-    return [
-        FakeGpu(uuid=f"GPU-{index:08x}-7c1d-4f0e-9a1b-2b3c4d5e6f70", used_bytes=GIB // 2)
-        for index in range(count)
-    ]
+    """An idle 8x H200 box: nothing allocated, the driver's reserve held back on each GPU."""
+    return [FakeGpu(uuid=f"GPU-{index:08x}-7c1d-4f0e-9a1b-2b3c4d5e6f70") for index in range(count)]

@@ -1,0 +1,119 @@
+"""`model-load-exporter history`: past loads, from a running exporter or straight from its SQLite
+file (the exporter may be down, which is often when someone asks how long loads used to take)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+from exporter import terminal
+from exporter.client import (
+    ClientError,
+    LoadView,
+    add_exporter_arguments,
+    client_from_args,
+    find_target,
+)
+from exporter.history import HistoryStore
+
+EXIT_OK, EXIT_USAGE = 0, 2
+DEFAULT_LIMIT = 20
+COLUMNS = ("STARTED", "TARGET", "DURATION", "OUTCOME", "CACHE", "PHASES")
+
+
+class UsageError(Exception):
+    """Unreachable exporter, missing or unreadable file, unknown target: exit 2."""
+
+
+def _limit(text: str) -> int:
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise argparse.ArgumentTypeError(f"expected a number of loads from 1 to 1000, got {text!r}")
+    return limit
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_exporter_arguments(parser)
+    parser.add_argument(
+        "--history.path",
+        dest="history_path",
+        metavar="PATH",
+        help="read the exporter's SQLite history file instead of asking the exporter",
+    )
+    parser.add_argument("--target", metavar="NAME", help="only this target's loads")
+    parser.add_argument(
+        "--limit", type=_limit, default=DEFAULT_LIMIT, metavar="N", help="newest N loads (20)"
+    )
+    parser.add_argument("--json", action="store_true", help="the loads as /api/v1/loads JSON")
+
+
+def from_exporter(args: argparse.Namespace) -> list[dict[str, Any]]:
+    try:
+        client = client_from_args(args)
+        loads = client.loads(args.target, args.limit)
+        if args.target is not None and not loads:
+            find_target(client.status(), args.target)  # a typo is an error, no loads yet is not
+    except ClientError as exc:
+        raise UsageError(str(exc)) from None
+    return loads
+
+
+def from_file(args: argparse.Namespace) -> list[dict[str, Any]]:
+    path = args.history_path
+    if not os.path.isfile(path):
+        raise UsageError(f"--history.path: {path} does not exist")
+    logging.getLogger("exporter").addHandler(logging.NullHandler())  # the problem comes back below
+    store = HistoryStore(path)
+    try:
+        if not store.enabled:
+            raise UsageError(f"--history.path: {store.problem}")
+        records = store.loads(args.target, args.limit)
+        if args.target is not None and not records:
+            known = sorted({r.target for r in store.loads(None, 1000)})
+            if args.target not in known:
+                raise UsageError(
+                    f"no loads of target {args.target!r} in {path} "
+                    f"(targets there: {', '.join(known) or 'none'})"
+                )
+    finally:
+        store.close()
+    # The same shape as /api/v1/loads, so scripts read either source alike.
+    return [{**dataclasses.asdict(r), "duration_seconds": r.duration_seconds} for r in records]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.history_path is not None and args.exporter is not None:
+            raise UsageError("pass --exporter or --history.path, not both")
+        loads = from_file(args) if args.history_path is not None else from_exporter(args)
+    except UsageError as exc:
+        terminal.fail("history", str(exc))
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps({"loads": loads}, indent=2))
+        return EXIT_OK
+    if not loads:
+        print("no finished loads yet")
+        return EXIT_OK
+    rows = []
+    for load in map(LoadView.from_json, loads):
+        outcome = load.outcome + (" (partial)" if load.partial else "")
+        rows.append(
+            [
+                terminal.local_time(load.started_at),
+                load.target,
+                terminal.duration(load.duration_seconds),
+                outcome,
+                load.cache or "unknown",
+                terminal.phases(load),
+            ]
+        )
+    terminal.show(terminal.table(COLUMNS, rows, phase_column=3))
+    return EXIT_OK

@@ -1,0 +1,337 @@
+"""Log marker parsing: every fixture replayed on a simulated clock, and the rules one by one."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import random
+import time
+
+import pytest
+from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
+
+from exporter.config import parse_config
+from exporter.logmarkers import (
+    DETAIL_MAX,
+    DETECT_ANNOUNCE_LINES,
+    FORMATS,
+    EventKind,
+    MarkerParser,
+    StepTimeline,
+    clean,
+    detect,
+)
+from exporter.sim.serverlog import LOG_WRITERS, LogContext
+from exporter.vocabulary import LogFormat, Step
+
+# (fixture, detected format, event kinds in order ("kind*n" = n in a row), seconds per step).
+# Stamped logs take their durations from the stamps; llama.cpp's from 0.1 s per line.
+FIXTURE_CASES = [
+    ("sglang-0.5-tp2.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 20.85, "kv_cache": 0.5, "cuda_graph": 12.35, "warmup": 3.251}),
+    ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.0, "warmup": 1.8}),
+    ("sglang-fatal.log", "sglang", "weights_begin weights_end fatal", {"weights": 8.0}),
+    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 32.0, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 11.9}),
+    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.0, "compile": 45.0, "kv_cache": 0.2, "cuda_graph": 12.8}),
+    ("vllm-0.6.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 7.0, "kv_cache": 2.0, "cuda_graph": 11.0}),
+    ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 25.0, "kv_cache": 0.6}),
+    ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 0.6, "kv_cache": 0.4, "warmup": 0.3}),
+    ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
+    ("llamacpp-python-0.3.36-real.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 27.2, "kv_cache": 28.7}),
+    ("llamacpp-python-0.3.36-real-fail.log", "llamacpp", "fatal", {}),
+    ("tgi-3.3-sharded.log", "tgi", "weights_begin weights_end warmup_begin kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 17.99, "warmup": 0.8, "kv_cache": 0.01, "cuda_graph": 8.39}),
+    ("tgi-fatal.log", "tgi", "weights_begin fatal", {"weights": 15.69}),
+    ("triton-2.log", "triton", "weights_begin weights_end ready", {"weights": 41.2}),
+    ("triton-fatal.log", "triton", "weights_begin fatal", {"weights": 4.5}),
+]  # fmt: skip
+
+JOURNAL_CASES = [
+    # The simulator under systemd-cat (2 s of init), read back with journalctl -o json: the
+    # byte-array MESSAGEs of \r-redrawn bars, and whole-second stamps refined by journald's time.
+    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end warmup_begin ready", {"weights": 0.002, "kv_cache": 0.301, "compile": 1.052, "cuda_graph": 1.204, "warmup": 0.451}),
+    # The real llama-cpp-python server in a unit's cgroup: no stamps, journald's time only.
+    ("journald-llamacpp-python-0.3.36-real.jsonl", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 0.057, "kv_cache": 0.062}),
+]  # fmt: skip
+
+
+def compact(kinds: list[str]) -> str:
+    parts = []
+    for kind, run in itertools.groupby(kinds):
+        n = len(list(run))
+        parts.append(kind if n == 1 else f"{kind}*{n}")
+    return " ".join(parts)
+
+
+def check(result: Replay, fmt: str, kinds: str, durations: dict[str, float]) -> None:
+    assert result.parser.format == fmt
+    assert compact(result.kinds) == kinds
+    assert result.durations() == pytest.approx(durations, abs=1e-3)
+    seqs = [e.seq for e in result.events]
+    assert seqs == list(range(1, len(seqs) + 1))
+    times = [e.time for e in result.events]
+    assert times == sorted(times)
+    assert result.timeline.step is Step.NONE  # every load here ended ready or fatal
+
+
+@pytest.mark.parametrize(("name", "fmt", "kinds", "durations"), FIXTURE_CASES)
+def test_fixture_events_and_step_durations(
+    name: str, fmt: str, kinds: str, durations: dict[str, float]
+) -> None:
+    check(replay_fixture(name), fmt, kinds, durations)
+    check(replay_fixture(name, fmt), fmt, kinds, durations)  # configured, not detected
+
+
+@pytest.mark.parametrize(("name", "fmt", "kinds", "durations"), JOURNAL_CASES)
+def test_journal_exports(name: str, fmt: str, kinds: str, durations: dict[str, float]) -> None:
+    check(replay_journal(name), fmt, kinds, durations)
+
+
+def test_every_fixture_is_in_a_table() -> None:
+    named = {case[0] for case in FIXTURE_CASES + JOURNAL_CASES}
+    on_disk = {p.name for p in FIXTURES.iterdir() if p.suffix in (".log", ".jsonl")}
+    assert named == on_disk
+
+
+def test_tensor_parallel_ranks_merge_into_one_event_each() -> None:
+    sglang = replay_fixture("sglang-0.5-tp2.log")
+    end = sglang.first("weights_end")
+    assert (end.rank, end.who, end.seconds) == (1, "TP1", 20.85)  # the last rank to finish
+    assert sglang.first("cuda_graph_end").rank == 0  # TP0 finished capturing last
+    assert sum(e.kind is EventKind.KV_CACHE for e in sglang.events) == 1
+    old = replay_fixture("vllm-0.9-tp2-ansi.log")
+    assert old.first("weights_begin").who == "VllmWorker rank=0"  # ANSI colour codes gone
+    assert old.first("compile_end").rank == 1
+    tgi = replay_fixture("tgi-3.3-sharded.log")
+    assert (tgi.first("weights_end").who, tgi.first("weights_end").seconds) == ("rank=0", 17.989)
+
+
+def test_progress_is_the_slowest_ranks() -> None:
+    bar = (
+        "(Worker_TP{} pid=1) Loading safetensors checkpoint shards: {:3d}% Completed | {}/4 [00:02]"
+    )
+    steps = [(0, 0), (1, 0), (0, 2), (1, 1), (0, 4), (1, 4)]  # (rank, shards done)
+    lines = [bar.format(rank, 25 * done, done) for rank, done in steps]
+    result = replay("\n".join(lines), "vllm")
+    progress = [(e.done, e.rank) for e in result.events if e.kind is EventKind.WEIGHTS_PROGRESS]
+    # TP0 running ahead moves nothing: the slowest rank (TP1) sets the pace; only changes fire.
+    assert progress == [(0, 0), (1, 1), (4, 0)]
+    assert result.kinds[0] == "weights_begin"  # a bar is the first sign of the span
+
+
+def test_tqdm_redraws_in_one_chunk_and_an_open_bar() -> None:
+    parser = MarkerParser("sglang")
+    bar = "Loading safetensors checkpoint shards: {p:3d}% Completed | {k}/4 [00:01<00:01]"
+    chunk = "[2026-03-02 10:00:00] Load weight begin. avail mem=70.00 GB\n" + "".join(
+        "\r" + bar.format(p=25 * k, k=k) for k in range(3)
+    )
+    cut = chunk.rfind("\r")
+    events = parser.feed(chunk[:cut], 100.0)
+    assert [(e.kind.value, e.done) for e in events] == [
+        ("weights_begin", None),
+        ("weights_progress", 0),
+        ("weights_progress", 1),
+    ]
+    # The last redraw has no terminator yet: `peek` sees its progress, and only once.
+    assert [e.done for e in parser.peek(chunk[cut:], 101.0)] == [2]
+    assert parser.peek(chunk[cut:], 101.5) == []
+    assert parser.feed(chunk[cut:] + "\n", 102.0) == []
+
+
+def test_llamacpp_dots_while_open_and_when_done() -> None:
+    parser = MarkerParser("llamacpp")
+    parser.feed("load_tensors: loading model tensors, this can take a while... (mmap = true)\n", 1)
+    assert [(e.done, e.total) for e in parser.peek("." * 40, 2.0)] == [(40, 100)]
+    assert [(e.done, e.total) for e in parser.peek("." * 120, 3.0)] == [(99, 100)]
+    assert [(e.done, e.total) for e in parser.feed("." * 57 + "\n", 4.0)] == [(100, 100)]
+
+
+def test_clean_strips_ansi_and_splits_carriage_returns() -> None:
+    raw = "\x1b[1;36m(VllmWorker rank=0 pid=5)\x1b[0;0m a\r\nb\rc\x1b]0;title\x07d\n"
+    assert clean(raw) == "(VllmWorker rank=0 pid=5) a\nb\ncd\n"
+
+
+def test_detection_says_which_line_decided_and_replays_earlier_lines() -> None:
+    parser = MarkerParser("auto")
+    noise = "".join(f"pip noise {i}\n" for i in range(5))
+    assert parser.feed(noise, 1.0) == []
+    assert parser.format is None
+    events = parser.feed("Load weight begin. avail mem=70.00 GB\n[2026-03-02 10:00:00] x\n", 2.0)
+    assert parser.format is LogFormat.SGLANG
+    assert "line 7 matched sglang" in parser.format_reason
+    assert [e.kind for e in events] == [EventKind.WEIGHTS_BEGIN]  # seen before the decision
+
+
+@pytest.mark.parametrize(
+    ("line", "fmt"),
+    [
+        ("[2026-03-02 10:00:00.101 DP0 TP3] x", "sglang"),
+        ("(EngineCore_DP0 pid=7) INFO 03-02 10:00:00 [core.py:77] x", "vllm"),
+        ("(Worker_TP1 pid=7) Loading safetensors checkpoint shards:   0% Completed | 0/4", "vllm"),
+        ("WARNING 08-06 12:00:00 llm_engine.py:213] x", "vllm"),
+        ("llama_model_loader: loaded meta data with 33 key-value pairs", "llamacpp"),
+        ("2026-03-02T10:00:00.123456Z  INFO text_generation_launcher: x", "tgi"),
+        ("I0302 10:00:00.100000 1 server.cc:674] x", "triton"),
+        ("INFO:     Application startup complete.", None),
+        ("Traceback (most recent call last):", None),
+    ],
+)
+def test_detect(line: str, fmt: str | None) -> None:
+    assert detect(line) == fmt
+
+
+def test_unknown_format_gives_no_events_and_says_so() -> None:
+    parser = MarkerParser("auto")
+    text = "".join(
+        f"{i}: Load weight begin, KV Cache is allocated, Connected\n" for i in range(3000)
+    )
+    assert parser.feed(text, 1.0) == []
+    assert parser.unknown_announced
+    assert parser.format_reason == (
+        "auto: unknown format, none of 3000 lines matched a known server; no events"
+    )
+    assert DETECT_ANNOUNCE_LINES < 3000
+
+
+def test_garbage_binary_and_a_huge_line_do_not_crash() -> None:
+    rng = random.Random(7)
+    for fmt in ["auto", *(f.value for f in LogFormat if f is not LogFormat.AUTO)]:
+        parser = MarkerParser(fmt)
+        for _ in range(50):
+            junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
+            parser.feed(junk.decode("utf-8", "replace"), 1.0)
+            parser.peek(junk.decode("latin-1"), 1.0)
+        started = time.process_time()
+        for event in parser.feed("Load weight begin. " + "x" * 10_000_000, 2.0):
+            assert len(event.detail) <= DETAIL_MAX
+        parser.feed("." * 10_000_000 + "\n", 2.0)
+        assert time.process_time() - started < 5
+
+
+def test_a_new_load_after_ready_starts_a_new_cycle() -> None:
+    text = (FIXTURES / "sglang-0.4.log").read_text()
+    result = replay(text + text.replace("2025-01-20 08:15", "2025-01-20 08:25"))
+    assert result.kinds.count("weights_begin") == 2
+    assert result.kinds.count("ready") == 2
+    assert result.durations() == {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.0, "warmup": 1.8}
+
+
+def test_after_fatal_only_a_new_load_fires() -> None:
+    text = (FIXTURES / "sglang-fatal.log").read_text()
+    result = replay(text + "[2026-03-02 11:00:10] Rank 2 scheduler died during initialization\n")
+    assert result.kinds.count("fatal") == 1
+    fatal = result.first("fatal")
+    assert fatal.detail == (
+        "Rank 0 scheduler died during initialization (exit code: 1); cause: RuntimeError: Not "
+        "enough memory. Please try to increase --mem-fraction-static."
+    )
+    assert result.timeline.fatal == fatal.detail
+
+
+def test_event_time_rules() -> None:
+    at = time.mktime((2026, 3, 2, 10, 0, 5, 0, 0, -1))
+    line = "[2026-03-02 10:00:05] Load weight begin. avail mem=1 GB\n"
+    # Whole-second stamp: the reference refines it within its second, and never past it.
+    assert MarkerParser("sglang").feed(line, at + 0.4)[0].time == at + 0.4
+    assert MarkerParser("sglang").feed(line, at + 3.0)[0].time == at + 1.0
+    # A container logging two hours behind the exporter's zone: corrected by whole hours.
+    assert MarkerParser("sglang").feed(line, at + 7200.3)[0].time == at + 7200.3
+    # Nonsense stamps (far off, not a zone difference) lose to the reference.
+    assert MarkerParser("sglang").feed(line, at + 500.0)[0].time == at + 500.0
+    assert MarkerParser("sglang").feed(line, at + 86400.0 * 3)[0].time == at + 86400.0 * 3
+    # vLLM has no year: a December line read just after New Year is last year's.
+    new_year = time.mktime((2027, 1, 1, 0, 0, 2, 0, 0, -1))
+    vllm = "INFO 12-31 23:59:59 [gpu_model_runner.py:2626] Loading model from scratch...\n"
+    event = MarkerParser("vllm").feed(vllm, new_year)[0]
+    assert event.time == time.mktime((2026, 12, 31, 23, 59, 59, 0, 0, -1)) + 1.0
+
+
+def test_step_timeline_rules() -> None:
+    timeline = StepTimeline()
+    parser = MarkerParser("vllm")
+    log = [
+        (10.0, "INFO 03-02 10:00:00 [x.py:1] Loading model from scratch..."),
+        (30.0, "INFO 03-02 10:00:20 [x.py:1] Loading weights took 20.00 seconds"),
+        (35.0, "INFO 03-02 10:00:25 [x.py:1] Dynamo bytecode transform time: 3.00 s"),
+        (45.0, "INFO 03-02 10:00:35 [x.py:1] Available KV cache memory: 1.00 GiB"),
+    ]
+    for ref, line in log:
+        timeline.apply_all(parser.feed(line, ref))
+    assert timeline.step is Step.KV_CACHE and timeline.since == 45.0
+    # Between weights_end (30) and compile (35) no step ran; compile ran until the KV cache.
+    assert timeline.durations == {Step.WEIGHTS: 20.0, Step.COMPILE: 10.0}
+
+
+SIMULATED_STEPS = {
+    "sglang": {"kv_cache", "compile_begin", "cuda_graph_begin", "cuda_graph_end", "warmup_begin"},
+    "vllm": {"compile_begin", "compile_end", "kv_cache", "cuda_graph_begin", "cuda_graph_end"},
+    "llamacpp": {"weights_progress", "kv_cache", "warmup_begin"},
+    "tgi": {"warmup_begin", "kv_cache", "cuda_graph_begin", "cuda_graph_end"},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LOG_WRITERS))
+@pytest.mark.parametrize("crash", [None, "weights", "init"])
+def test_simulator_output_is_recognised(kind: str, crash: str | None) -> None:
+    """Exactly what `simulate --log-format KIND` writes, success and each failure stage."""
+    out = io.StringIO()
+    clock = itertools.count(1_800_000_000, 0.25)
+    ctx = LogContext("m", "/models/m", 42, "http://127.0.0.1:1", "127.0.0.1", 1, 4 << 30, 4, "ext4")
+    log = LOG_WRITERS[kind](out, ctx, clock=lambda: float(next(clock)))
+    log.banner()
+    log.weights_begin()
+    for shard in range(1, 5):
+        log.weights_bytes(shard << 30, shard * 3.0)
+        log.shard_done(shard, shard * 3.0)
+    if crash == "weights":
+        log.failure("weights", "boom in weights")
+    else:
+        log.weights_end(12.0)
+        for step in log.steps:
+            log.step_begin(step)
+            for tick in range(1, log.ticks.get(step, 1) + 1):
+                log.step_tick(step, tick, log.ticks.get(step, 1), 1.0)
+            if crash == "init" and step == log.steps[-1]:
+                log.failure(step, "boom in init")
+                break
+            log.step_end(step, 1.0)
+        else:
+            log.ready()
+    result = replay(out.getvalue(), start=1_800_000_000)
+    assert result.parser.format == kind
+    kinds = result.kinds
+    assert kinds[0] == "weights_begin"
+    if crash is None:
+        assert kinds[-1] == "ready"
+        assert "weights_end" in kinds
+        assert SIMULATED_STEPS[kind] <= set(kinds)
+    else:
+        assert kinds[-1] == "fatal"
+        assert f"boom in {crash}" in result.events[-1].detail
+
+
+@pytest.mark.parametrize("fmt", list(LogFormat))
+def test_config_accepts_every_format_the_parser_knows(fmt: LogFormat) -> None:
+    target = {"name": "t", "endpoint": {"url": "http://127.0.0.1:1"}}
+    config = parse_config({"targets": [{**target, "log": {"file": "/x.log", "format": fmt.value}}]})
+    log = config.targets[0].log
+    assert log is not None and log.format is fmt
+    assert fmt is LogFormat.AUTO or fmt in FORMATS
+
+
+def test_a_later_step_implies_the_weights_are_in() -> None:
+    """A release whose "weights done" line is not known still gets the boundary."""
+    log = [
+        "(Worker_TP0 pid=1) INFO 03-02 10:00:00 [x.py:1] Loading model from scratch...",
+        "(Worker_TP1 pid=2) INFO 03-02 10:00:00 [x.py:1] Loading model from scratch...",
+        "(Worker_TP0 pid=1) INFO 03-02 10:00:20 [x.py:1] Weights are in, said differently",
+        "(Worker_TP0 pid=1) Capturing CUDA graphs (PIECEWISE):   0%|          | 0/4 [00:00<?]",
+    ]
+    result = replay("\n".join(log), "vllm")
+    assert result.kinds == [
+        "weights_begin",
+        "weights_end",
+        "cuda_graph_begin",
+        "cuda_graph_progress",
+    ]
+    end = result.first("weights_end")
+    assert end.detail.startswith("implied by: Capturing CUDA graphs")
+    assert result.durations() == {"weights": 20.1}

@@ -1,0 +1,400 @@
+"""End to end at the source level: the simulator writes each server's startup log, and a LogSource
+follows it through a file and, as root, through a real journald, seeing each marker within one
+sample of when the simulator wrote it (the simulator's report says when)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from helpers.require import require
+from helpers.support import RunningExporter, free_port, wait_for
+
+from exporter.config import LogConfig
+from exporter.logmarkers import LogEvent
+from exporter.sim.serverlog import STEP_SHARES
+from exporter.sources.logs import LogSample, LogSource
+from exporter.vocabulary import Step
+
+pytestmark = pytest.mark.system
+
+INTERVAL = 0.25
+SLACK = 0.35  # scheduling on a busy 2-core machine
+JOURNAL_SLACK = 0.75
+INIT_SECONDS = 2.0
+JOURNALD = "/lib/systemd/systemd-journald"
+JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
+SIM_FLAGS = (
+    "--generate", "4", "--shard-size", "1MB", "--read-rate", "4MB/s", "--cached-read-rate",
+    "4MB/s", "--startup-seconds", "0.3", "--init-seconds", str(INIT_SECONDS), "--port", "0",
+    "--exit-after", "60s",
+)  # fmt: skip
+
+
+def simulate(tmp: Path, kind: str, *extra: str, log_file: Path | None = None) -> list[str]:
+    command = [sys.executable, "-m", "exporter", "simulate", "--weights", str(tmp / "weights")]
+    command += [*SIM_FLAGS, "--log-format", kind, "--report", str(tmp / "report.json"), *extra]
+    return command + (["--log-file", str(log_file)] if log_file else [])
+
+
+class Follower:
+    """Samples a LogSource every INTERVAL and notes when each event was first reported."""
+
+    def __init__(self, source: LogSource) -> None:
+        self.source = source
+        self.seen_at: dict[int, float] = {}
+        self.events: dict[int, LogEvent] = {}
+        self.sample: LogSample | None = None
+
+    def poll(self) -> LogSample:
+        self.sample = self.source.sample()
+        now = time.time()
+        for event in self.sample.events:
+            if event.seq not in self.events:
+                self.events[event.seq] = event
+                self.seen_at[event.seq] = now
+        return self.sample
+
+    def first(self, kind: str) -> tuple[LogEvent, float]:
+        seq = next(s for s, e in sorted(self.events.items()) if e.kind == kind)
+        return self.events[seq], self.seen_at[seq]
+
+    @property
+    def kinds(self) -> list[str]:
+        return [e.kind.value for _, e in sorted(self.events.items())]
+
+    @property
+    def done(self) -> bool:
+        sample = self.sample
+        return sample is not None and (sample.ready_at is not None or sample.fatal is not None)
+
+
+def follow_all(followers: list[Follower], timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for follower in followers:
+            follower.poll()
+        if all(f.done for f in followers):
+            return
+        time.sleep(INTERVAL)
+    raise AssertionError(f"not done in {timeout} s: {[f.kinds for f in followers]}")
+
+
+def within_one_sample(
+    follower: Follower, kind: str, written_at: float, slack: float = SLACK
+) -> None:
+    """The event's time is the marker's, and some sample reported it one interval later at most."""
+    event, seen_at = follower.first(kind)
+    assert written_at - 0.05 <= event.time <= written_at + INTERVAL + slack, (kind, event)
+    assert seen_at - written_at <= INTERVAL + slack, (kind, seen_at - written_at)
+
+
+SIM_STEPS = {  # the fine steps each simulated server goes through (serverlog.py), all sleeping
+    "sglang": ("kv_cache", "compile", "cuda_graph", "warmup"),
+    "vllm": ("compile", "kv_cache", "cuda_graph", "warmup"),
+    "llamacpp": ("kv_cache", "warmup"),
+    "tgi": ("warmup", "kv_cache", "cuda_graph"),
+}
+# Steps whose log shows both ends; vLLM logs nothing when its warm-up begins.
+SEEN_STEPS = {**SIM_STEPS, "vllm": ("compile", "kv_cache", "cuda_graph")}
+
+
+def step_seconds(kind: str) -> dict[Step, float]:
+    steps = SIM_STEPS[kind]
+    scale = INIT_SECONDS / sum(STEP_SHARES[s] for s in steps)
+    return {Step(s): STEP_SHARES[s] * scale for s in SEEN_STEPS[kind]}
+
+
+@contextlib.contextmanager
+def running_command(command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    try:
+        yield child
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def test_simulator_logs_through_files(tmp_path: Path) -> None:
+    """All four servers' formats at once, one file each, followed from before they exist."""
+    cases = {kind: tmp_path / kind for kind in SIM_STEPS}
+    followers: dict[str, Follower] = {}
+    with contextlib.ExitStack() as stack:
+        for kind, tmp in cases.items():
+            tmp.mkdir()
+            log = tmp / "server.log"
+            followers[kind] = Follower(LogSource(LogConfig(file=str(log))))
+            followers[kind].poll()
+            stack.enter_context(running_command(simulate(tmp, kind, log_file=log)))
+        follow_all(list(followers.values()))
+    for kind, follower in followers.items():
+        report = json.loads((cases[kind] / "report.json").read_text())
+        sample = follower.sample
+        assert sample is not None and sample.up and sample.format == kind
+        assert sample.format_reason.startswith("auto: line 1 matched")
+        assert follower.kinds[0] == "weights_begin" and follower.kinds[-1] == "ready"
+        within_one_sample(follower, "weights_begin", report["weights_started_at"])
+        within_one_sample(follower, "weights_end", report["weights_done_at"])
+        within_one_sample(follower, "ready", report["ready_at"])
+        steps = dict(sample.steps)
+        for step, seconds in step_seconds(kind).items():
+            # Whole-second stamps and read times: each end within a sample (and a second).
+            assert steps[step] == pytest.approx(seconds, abs=INTERVAL + SLACK), (kind, step)
+        if kind in ("sglang", "vllm"):
+            assert sample.weights == (4, 4)
+            assert sample.cuda_graphs is not None and sample.cuda_graphs[0] == sample.cuda_graphs[1]
+        follower.source.close()
+
+
+def test_a_crash_is_fatal_within_one_sample(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    follower = Follower(LogSource(LogConfig(file=str(log), format="llamacpp")))
+    with running_command(
+        simulate(tmp_path, "llamacpp", "--crash-at", "0.5", log_file=log)
+    ) as child:
+        follow_all([follower])
+        ended = time.time()
+        assert child.wait(10) == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["outcome"] == "failed"
+    event, seen_at = follower.first("fatal")
+    assert "simulated crash after loading 50% of weights" in event.detail
+    assert seen_at - (report["start_time"] + report["load_seconds"]) <= INTERVAL + SLACK
+    assert seen_at <= ended
+
+
+# --- a real journal ---------------------------------------------------------------------------
+
+
+def _journald_listening() -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(str(JOURNAL_SOCKET))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def journald() -> Iterator[None]:
+    """The host's journald, or one started here (no systemd as PID 1 in this sandbox)."""
+    require(os.geteuid() == 0, "needs root: journald and a unit's cgroup")
+    require(
+        bool(shutil.which("systemd-cat") and shutil.which("journalctl")),
+        "systemd-cat or journalctl missing",
+    )
+    started = None
+    if not _journald_listening():
+        require(os.access(JOURNALD, os.X_OK), f"no journald running and no {JOURNALD}")
+        JOURNAL_SOCKET.parent.mkdir(parents=True, exist_ok=True)
+        started = subprocess.Popen([JOURNALD], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while not _journald_listening():
+            assert started.poll() is None, started.stderr.read() if started.stderr else b""
+            assert time.monotonic() < deadline, "journald did not open its socket"
+            time.sleep(0.05)
+    yield
+    if started is not None:
+        started.terminate()
+        started.wait(10)
+
+
+def _unified_cgroup_root() -> Path | None:
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if (root / "cgroup.procs").exists() and (root / "cgroup.controllers").exists():
+            return root
+    return None
+
+
+@pytest.fixture
+def unit_cgroup() -> Iterator[tuple[str, Path]]:
+    """A `system.slice/NAME.service` cgroup: journald derives `_SYSTEMD_UNIT=NAME.service` from a
+    writer's cgroup, so `journalctl -u` matches it exactly as it matches a real unit."""
+    root = _unified_cgroup_root()
+    if root is None:
+        pytest.skip("no cgroup v2 hierarchy")
+    unit = f"mle-logtest-{os.getpid()}.service"
+    path = root / "system.slice" / unit
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup: {exc}")
+    yield unit, path
+    for _ in range(100):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def test_simulator_logs_through_journald(
+    tmp_path: Path, journald: None, unit_cgroup: tuple[str, Path]
+) -> None:
+    unit, cgroup = unit_cgroup
+    since = time.time()
+    follower = Follower(LogSource(LogConfig(journald_unit=unit), since=since))
+    follower.poll()
+    inner = " ".join(simulate(tmp_path, "sglang"))
+    command = ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
+    try:
+        with running_command(command):
+            follow_all([follower])
+    finally:
+        follower.source.close()
+    sample = follower.sample
+    assert sample is not None and sample.up and sample.format == "sglang"
+    assert sample.source == f"journald:{unit}"
+    report = json.loads((tmp_path / "report.json").read_text())
+    # journald stores, then journalctl wakes and writes: up to ~0.6 s more on this busy machine.
+    within_one_sample(follower, "weights_begin", report["weights_started_at"], JOURNAL_SLACK)
+    within_one_sample(follower, "ready", report["ready_at"], JOURNAL_SLACK)
+    # The \r-redrawn bars reach journald as byte-array MESSAGEs, once each bar ends its line.
+    assert follower.kinds.count("weights_progress") == 5
+    assert follower.kinds.count("cuda_graph_progress") == 10
+    steps = dict(sample.steps)
+    for step, seconds in step_seconds("sglang").items():
+        # journald's microsecond times refine the whole-second stamps.
+        assert steps[step] == pytest.approx(seconds, abs=0.1), step
+
+
+# --- the exporter following a server's log ------------------------------------------------------
+
+
+def watch_load(running: RunningExporter, until: str, timeout: float = 40) -> list[dict[str, Any]]:
+    """/api/v1/status every 0.1 s until the target's phase is `until`; each state with its time."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = running.status()
+        seen.append({**status["targets"][0], "time": status["time"]})
+        if seen[-1].get("phase") == until:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"never {until}: {[(s.get('phase'), s.get('step')) for s in seen][-9:]}")
+
+
+def first(seen: list[dict[str, Any]], key: str, value: str) -> float:
+    return float(next(s["time"] for s in seen if s.get(key) == value))
+
+
+def exporter_with_log(
+    start_exporter: Any, tmp_path: Path, port: int, log: dict[str, str]
+) -> RunningExporter:
+    """An exporter watching one simulator (by its pidfile) and following its log."""
+    running: RunningExporter = start_exporter(
+        {
+            "sample_interval": f"{int(INTERVAL * 1000)}ms",
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [
+                {
+                    "name": "logged",
+                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+                    "process": {"pidfile": str(tmp_path / "server.pid")},
+                    "log": log,
+                }
+            ],
+        }
+    )
+    return running
+
+
+def exporter_follows_the_log(
+    tmp_path: Path,
+    start_exporter: Any,
+    log: dict[str, str],
+    command: Callable[[list[str]], list[str]],
+    slack: float,
+) -> None:
+    """Phases and steps in /api/v1/status follow the simulator's markers within one interval,
+    and the finished load records the steps the log timed."""
+    port = free_port()
+    running = exporter_with_log(start_exporter, tmp_path, port, log)
+    wait_for(lambda: running.status()["targets"][0].get("step") == "none")
+    extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    report_file = tmp_path / "report.json"
+    with running_command(command(extra)):
+        seen = watch_load(running, "ready")
+        loads = wait_for(lambda: requests.get(f"{running.url}/api/v1/loads", timeout=5).json())
+        report = json.loads(wait_for(lambda: report_file.exists() and report_file.read_text()))
+    for key, value, written in (
+        ("phase", "loading_weights", report["weights_started_at"]),
+        ("phase", "initializing", report["weights_done_at"]),
+        ("step", "cuda_graph", None),
+        ("phase", "ready", report["ready_at"]),
+    ):
+        shown = first(seen, key, value)
+        if written is not None:  # the report's ready_at is noted just after the port opens
+            assert abs(shown - written) <= INTERVAL + slack, (value, shown - written)
+    [load] = loads["loads"]
+    phases = load["phase_seconds"]
+    assert phases["starting"] == pytest.approx(
+        report["weights_started_at"] - report["start_time"], abs=INTERVAL + slack
+    )
+    timed = step_seconds("sglang")
+    # SGLang opens its port for the warm-up request, and a completion probe is answered during
+    # it: the load ends there, and the warm-up is not part of it.
+    assert set(timed) - set(phases) <= {Step.WARMUP}, phases
+    for step in set(timed) & set(phases):
+        assert phases[step] == pytest.approx(timed[step], abs=INTERVAL + slack), (step, phases)
+    assert running.status()["targets"][0]["server"] == "sglang"
+    text = running.metrics()
+    assert 'model_load_phase_duration_seconds_count{phase="cuda_graph",target="logged"}' in text
+
+
+def test_exporter_follows_a_log_file(tmp_path: Path, start_exporter: Any) -> None:
+    log_file = tmp_path / "server.log"
+    exporter_follows_the_log(
+        tmp_path,
+        start_exporter,
+        {"file": str(log_file)},
+        lambda extra: simulate(tmp_path, "sglang", *extra, log_file=log_file),
+        slack=SLACK,
+    )
+
+
+def test_exporter_follows_a_units_journal(
+    tmp_path: Path, start_exporter: Any, journald: None, unit_cgroup: tuple[str, Path]
+) -> None:
+    unit, cgroup = unit_cgroup
+
+    def in_the_unit(extra: list[str]) -> list[str]:
+        inner = " ".join(simulate(tmp_path, "sglang", *extra))
+        return ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
+
+    exporter_follows_the_log(
+        tmp_path, start_exporter, {"journald_unit": unit}, in_the_unit, slack=JOURNAL_SLACK
+    )
+
+
+def test_a_fatal_line_fails_the_load_with_the_servers_message(
+    tmp_path: Path, start_exporter: Any
+) -> None:
+    port = free_port()
+    log_file = tmp_path / "server.log"
+    running = exporter_with_log(start_exporter, tmp_path, port, {"file": str(log_file)})
+    command = simulate(tmp_path, "vllm", "--crash-during-init", log_file=log_file)
+    with running_command(
+        [*command, "--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    ):
+        watch_load(running, "failed")
+    state = running.status()["targets"][0]
+    assert "simulated crash during initialization" in (state["fatal"] or "")
+    [load] = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+    assert load["outcome"] == "failed" and load["fatal"] == state["fatal"]

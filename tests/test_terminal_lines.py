@@ -1,0 +1,62 @@
+"""The plain text the operator commands print: units, rounding and the pipe's cadence."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+
+from exporter import terminal
+from exporter.client import LoadView, TargetView
+from exporter.wait import PlainOutput
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.04, "0.0s"), (9.94, "9.9s"), (9.96, "10s"), (59.4, "59s"), (59.6, "1m00s"),
+     (130, "2m10s"), (3599.4, "59m59s"), (3600, "1h00m"), (7384, "2h03m"), (None, "-")],
+)  # fmt: skip
+def test_durations(seconds: float | None, text: str) -> None:
+    assert terminal.duration(seconds) == text
+
+
+def test_sizes_are_binary_rates_decimal_and_percent_rounds_down() -> None:
+    assert [terminal.size(n) for n in (512, 1536, 64 << 20, 2.5 * (1 << 30))] == [
+        "512 B", "1.5 KiB", "64.0 MiB", "2.5 GiB",
+    ]  # fmt: skip
+    assert [terminal.rate(n) for n in (999, 240e6, 3.2e9)] == ["999 B/s", "240.0 MB/s", "3.2 GB/s"]
+    assert [terminal.percent(r) for r in (0.999, 0.64, 1.0)] == ["99 %", "64 %", "100 %"]
+
+
+def test_lines_show_only_what_was_measured() -> None:
+    loading = TargetView(
+        "kimi", "loading_weights", in_progress=True, progress_ratio=0.64,
+        throughput_bytes_per_second=1.2e9, eta_seconds=130, elapsed_seconds=45,
+    )  # fmt: skip
+    assert terminal.line(loading) == "kimi: loading_weights 64 % 1.2 GB/s ETA 2m10s elapsed 45s"
+    assert terminal.still_line(loading) == (
+        "still loading: kimi loading_weights 64 %, ETA 2m10s, elapsed 45s"
+    )
+    unknown = dataclasses.replace(loading, eta_seconds=None, throughput_bytes_per_second=None)
+    assert (
+        terminal.still_line(unknown)
+        == "still loading: kimi loading_weights 64 %, no ETA, elapsed 45s"
+    )
+    load = LoadView("kimi", 100.0, 190.5, "ready", "warm", False, {"starting": 1.0})
+    ready = TargetView("kimi", "ready", last_load=load)
+    assert terminal.line(ready) == "kimi: ready after 1m30s, warm cache"
+
+
+def test_wait_in_a_pipe_repeats_an_unchanged_state_every_30_seconds() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    output = PlainOutput(out, clock=lambda: now[0])
+    view = TargetView("sim", "loading_weights", in_progress=True, progress_ratio=0.5)
+    for now[0] in (0.0, 10.0, 29.0, 30.5, 31.0, 61.0):
+        output.update(view, now[0])
+    output.update(dataclasses.replace(view, phase="initializing"), 62.0)
+    assert out.getvalue().splitlines() == [
+        "sim: loading_weights 50 %", "sim: loading_weights 50 %", "sim: loading_weights 50 %",
+        "sim: initializing 50 %",
+    ]  # fmt: skip
