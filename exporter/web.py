@@ -177,9 +177,10 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
 class WebApp:
     """The WSGI application over whichever runtime is current (a reload swaps it).
 
-    Routing only: TLS and basic auth belong to the server (exporter/httpserver.py), so they
-    cover every path, including ones this app does not know. GET paths also answer HEAD (the
-    server drops the body); any other method is 405 with an Allow header.
+    TLS and basic auth are the server's (exporter/httpserver.py), so they cover every path and a
+    bcrypt check never holds a worker; the app checks basic auth again (from the cache) for when
+    another WSGI server hosts it. GET paths also answer HEAD (the server drops the body); any
+    other method is 405 with an Allow header.
     """
 
     def __init__(
@@ -205,6 +206,15 @@ class WebApp:
         }
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        # The server checked already (and cached the answer); this covers the app when another
+        # WSGI server hosts it, e.g. mounted under a path prefix.
+        if not self.web.authorized(environ.get("HTTP_AUTHORIZATION")):
+            return _reply(
+                start_response,
+                "401 Unauthorized",
+                b"Unauthorized\n",
+                extra=[("WWW-Authenticate", 'Basic realm="model-load-exporter"')],
+            )
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         if path == "/-/reload":
