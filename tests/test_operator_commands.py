@@ -22,7 +22,7 @@ from helpers.processes import CLI, ExitClock, Exporter, Simulator, cli, evict_di
 from helpers.support import free_port
 
 from exporter.sim.shards import generate_shards
-from exporter.webconfig import WebConfig
+from exporter.webconfig import TlsConfig, WebConfig
 
 pytestmark = pytest.mark.system
 
@@ -375,8 +375,7 @@ def test_client_commands_speak_tls_and_basic_auth(
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     web = WebConfig(
-        cert_file=str(cert),
-        key_file=str(key),
+        tls=TlsConfig(str(cert), str(key)),
         basic_auth_users={"ops": bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4))},
     )
     running = start_exporter(
