@@ -22,6 +22,9 @@ Rules, because every number on the dashboard comes from them:
   process is gone first (or replaced by another one), or at once when the server's log reports a
   fatal error (with the server's message). With a log, a process exit waits one tick for the
   log's last lines, which say why. `failed` stays until the next load.
+* A ready server that stops answering while its process runs on (process matching) stays `ready`:
+  no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
+  hang once after 3 of them. Without process matching those 3 failures start a load (above).
 * Weights progress is the highest ratio among the signals that may drive it, clamped to 0..1,
   and never falls within a load. The signals, and what makes a ratio of 1.0:
 
