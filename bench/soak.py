@@ -202,6 +202,14 @@ def loads_finished(port: int) -> int:
         return len(json.load(r)["loads"])
 
 
+def series(port: int) -> int:
+    """Samples in one uncompressed exposition: a growing count would be a leak of series."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return sum(1 for line in r.read().decode().splitlines() if not line.startswith("#"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30)
@@ -255,7 +263,7 @@ def main() -> int:
         )
         print(
             f"{'minute':>6} {'RSS MB':>7} {'fds':>5} {'threads':>7} {'scrapes':>8} "
-            f"{'p50 ms':>7} {'p99 ms':>7} {'errors':>6} {'loads':>5}"
+            f"{'p50 ms':>7} {'p99 ms':>7} {'errors':>6} {'loads':>5} {'series':>6} {'load':>5}"
         )
         started = time.monotonic()
         end = started + args.minutes * 60
@@ -270,7 +278,8 @@ def main() -> int:
             print(
                 f"{(time.monotonic() - started) / 60:>6.1f} {rss:>7.1f} {fds:>5} {threads:>7} "
                 f"{len(latencies):>8} {pct(latencies, 0.5):>7.1f} {pct(latencies, 0.99):>7.1f} "
-                f"{len(errors):>6} {loads_finished(port):>5}",
+                f"{len(errors):>6} {loads_finished(port):>5} {series(port):>6} "
+                f"{os.getloadavg()[0]:>5.2f}",
                 flush=True,
             )
         growth = rss_series[-1] - rss_series[0] if len(rss_series) > 1 else 0.0

@@ -134,6 +134,17 @@ def drip(conn: socket.socket, stop: threading.Event) -> None:
             return
 
 
+def trickle_headers(conn: socket.socket, stop: threading.Event) -> None:
+    """A status line, then one header byte every 100 ms: each read is quick, the whole never."""
+    conn.recv(65536)
+    conn.sendall(b"HTTP/1.1 200 OK\r\n")
+    while not stop.wait(0.1):
+        try:
+            conn.sendall(b"X")
+        except OSError:
+            return
+
+
 def reset(conn: socket.socket, stop: threading.Event) -> None:
     conn.recv(65536)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -256,6 +267,42 @@ def test_slow_drip_body_times_out_within_the_budget(
     assert sample.result is ProbeResult.TIMEOUT
     assert sample.status_code == 200
     assert elapsed < 0.5 + 1.0
+
+
+def test_trickling_headers_time_out_at_the_probe_deadline(
+    raw_server: Callable[[Callable[[socket.socket, threading.Event], None]], RawServer],
+) -> None:
+    srv = raw_server(trickle_headers)
+    began = time.monotonic()
+    sample = prober(srv.url, timeout=0.5).sample()
+    elapsed = time.monotonic() - began
+    assert (sample.result, sample.detail) == (ProbeResult.TIMEOUT, "no response within 0.5s")
+    assert 0.45 <= elapsed < 1.0
+
+
+def test_close_aborts_a_probe_in_flight(
+    raw_server: Callable[[Callable[[socket.socket, threading.Event], None]], RawServer],
+) -> None:
+    """A reload retires the prober: its probe must end now, not at its 30 s timeout."""
+    probe = prober(raw_server(hang).url, timeout=30)
+    samples = []
+    thread = threading.Thread(target=lambda: samples.append(probe.sample()))
+    thread.start()
+    time.sleep(0.3)
+    began = time.monotonic()
+    probe.close()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - began < 1.0
+    assert (samples[0].result, samples[0].detail) == (ProbeResult.ERROR, "prober closed")
+    assert probe.sample().detail == "prober closed"  # and it takes no new probe
+
+
+def test_credentials_in_the_url_are_basic_auth_and_never_shown(server: FakeServer) -> None:
+    server.replies["/health"] = Reply(200)
+    probe = prober(server.url.replace("http://", "http://us%40er:p%3Ass@"), "health")
+    assert probe.sample().result is ProbeResult.READY
+    assert server.requests[0].headers["Authorization"] == "Basic dXNAZXI6cDpzcw=="  # us@er:p:ss
+    assert "p:ss" not in repr(probe) and "p%3Ass" not in repr(probe)
 
 
 def test_reset_before_response_is_refused(

@@ -193,6 +193,32 @@ def test_3_a_thousand_idle_and_slowloris_clients_delay_no_scrape(
     assert exporter.proc.poll() is None
 
 
+@pytest.mark.system
+def test_3_under_128_open_files_it_neither_spins_nor_stops_answering(
+    model_server: ModelServer, exporters: list[ExporterProcess]
+) -> None:
+    """Before: out of fds, accept() failed in a loop at 100 % CPU."""
+    exporter = ExporterProcess(
+        ["--target", "m", "--endpoint", model_server.url, "--history.path=",
+         "--sample.interval=200ms"],
+        nofile=128,
+    )  # fmt: skip
+    exporters.append(exporter)
+    metrics_when(exporter.url, lambda t: "model_load_source_up" in t)
+    idle = IdleClients(exporter.port, 300)
+    try:
+        time.sleep(0.5)
+        cpu, started = exporter.cpu_seconds(), time.monotonic()
+        time.sleep(2.0)
+        share = (exporter.cpu_seconds() - cpu) / (time.monotonic() - started)
+        response = exporter.get("/metrics", timeout=5)
+        assert response.status_code == 200
+        assert sample_value(response.text, "model_load_source_up", source="memory") == 1
+    finally:
+        idle.close()
+    assert share < 0.5, f"{share:.2f} of a core with 300 idle connections"
+
+
 # -- 4. the probe timeout is not enforced while headers trickle; reloads leak prober threads -----
 
 
