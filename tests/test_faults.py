@@ -382,3 +382,38 @@ def rss_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def test_a_clock_stepped_back_restarts_tracking_and_follows_the_probes_after_it() -> None:
+    """Deterministic: readings and ticks stepped by hand around a one-hour step back."""
+    from exporter.runtime import Runtime
+    from exporter.sources.endpoint import ProbeSample
+    from exporter.vocabulary import ProbeResult, ServerKind
+
+    clock = JumpingClock()
+    config = parse_config(
+        {"sample_interval": "1s", "history_path": "",
+         "targets": [{"name": "m", "endpoint": {"url": "http://127.0.0.1:1"}}]}
+    )  # fmt: skip
+    runtime = Runtime(config, clock=clock)
+
+    def probe(result: ProbeResult) -> None:
+        sample = ProbeSample(result, 0.001, None, "", ServerKind.UNKNOWN, {})
+        runtime.sampler.run_once(ENDPOINT, "m", lambda: sample)
+
+    def phase() -> str:
+        return runtime.targets["m"].tracker.state(clock()).phase
+
+    clock.offset = 3600.0
+    probe(ProbeResult.READY)
+    runtime.tick()
+    assert phase() == "ready"
+    clock.offset = 0.0  # stepped back; the newest reading is still stamped an hour ahead
+    runtime.tick()
+    assert phase() == "ready"
+    for _ in range(3):  # three failed probes after the step: an endpoint-only load begins
+        clock.offset += 1.0
+        probe(ProbeResult.REFUSED)
+        runtime.tick()
+    assert phase() == "starting"
+    runtime.stop()
