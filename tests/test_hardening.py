@@ -87,7 +87,14 @@ def test_1_idle_tls_clients_block_neither_scrapes_nor_sigterm(
     tls = make_tls(tmp_path)
     web = tmp_path / "web.yml"
     web.write_text(
-        yaml.safe_dump({"tls_server_config": {"cert_file": "tls.crt", "key_file": "tls.key"}})
+        yaml.safe_dump(
+            {
+                "tls_server_config": {
+                    "cert_file": str(tls["tls.crt"]),
+                    "key_file": str(tls["tls.key"]),
+                }
+            }
+        )
     )
     exporter = ExporterProcess(
         ["--target", "m", "--endpoint", model_server.url, "--history.path=",
