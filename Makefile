@@ -28,7 +28,7 @@ lint: $(BIN)/model-load-exporter
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -ra
+	$(BIN)/pytest -ra -n 3 --dist loadfile
 
 # Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
 dashboards: $(BIN)/model-load-exporter

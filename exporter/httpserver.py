@@ -17,10 +17,10 @@ bcrypt checks on one thread of their own, so a flood of wrong passwords cannot t
 Limits (`Limits`): the TLS handshake must finish within 5 s, the request head (from the first
 byte of a request to its blank line, however slowly it trickles) within 10 s, a kept-alive
 connection may idle 120 s; heads over 64 KiB are answered 431, bodies over 64 KiB 413. The
-listen backlog is the kernel's somaxconn (at least 128). At most `max_connections` connections
-are held: at the bound, the one that has been idle (or handshaking, or sending its head) the
-longest is closed to admit the new one, so a scraper always gets in and the exporter never runs
-out of file descriptors.
+listen backlog is the kernel's somaxconn (at least 128), and no more than the connection bound,
+which a low fd limit lowers. At most `max_connections` connections are held: at the bound, the
+one that has been idle (or handshaking, or sending its head) the longest is closed to admit the
+new one, so a scraper always gets in and the exporter never runs out of file descriptors.
 """
 
 from __future__ import annotations
@@ -149,7 +149,10 @@ class Server:
         self.headers = list(headers)
         self.limits = limits or Limits()
         self.max_connections = connection_bound(self.limits.max_connections)
-        self.backlog = somaxconn()
+        # asyncio accepts up to `backlog` connections per wake-up, each an fd before admission:
+        # under a low fd limit the backlog must not outrun the bound, or a burst of connections
+        # takes the fds the sources need (/proc/meminfo, the probe's socket) for a moment.
+        self.backlog = min(somaxconn(), max(self.max_connections, 16))
         self._sock = sock
         self._scheme = "https" if tls is not None else "http"
         host, port = sock.getsockname()[:2]

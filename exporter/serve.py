@@ -30,6 +30,8 @@ from exporter.webconfig import WebConfig, load_web_config
 
 log = logging.getLogger(__name__)
 
+SIGNAL_POLL_SECONDS = 0.5  # how late a SIGHUP or SIGTERM may be acted on, at most
+
 RELOAD_WAIT_SECONDS = 60.0  # how long POST /-/reload waits for the main thread to reload
 # Queued for the main thread by signal handlers and POST /-/reload: (command, where to answer).
 Commands = queue.SimpleQueue[tuple[str, "Future[str | None] | None"]]
@@ -235,7 +237,12 @@ def run(args: argparse.Namespace) -> int:
         len(config.targets),
     )
     while True:
-        command, answer = commands.get()
+        try:
+            # Not a bare get(): Python runs signal handlers only in the main thread, and a signal
+            # the kernel delivers to a sampler thread would wait until the main thread wakes.
+            command, answer = commands.get(timeout=SIGNAL_POLL_SECONDS)
+        except queue.Empty:
+            continue
         if command == "stop":
             break
         error = reload(app, server, args)

@@ -150,8 +150,22 @@ def reset(conn: socket.socket, stop: threading.Event) -> None:
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+def read_request(conn: socket.socket) -> None:
+    """Read a whole request, body too: closing with unread bytes would send a reset instead."""
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+         if line.lower().startswith(b"content-length:")), 0,
+    )  # fmt: skip
+    while len(body) < length and (chunk := conn.recv(65536)):
+        body += chunk
+
+
 def close_silently(conn: socket.socket, stop: threading.Event) -> None:
-    conn.recv(65536)
+    read_request(conn)
 
 
 def speak_garbage(conn: socket.socket, stop: threading.Event) -> None:
