@@ -7,8 +7,9 @@ probing a loading one is how its end is seen. So:
   (every interval / 4, at least 50 ms apart), so the load's end is seen within a fraction of a
   second of the server's first answer; that phase is short, the extra probes cost nothing;
 * while `ready`, with process matching, and the last probe said ready: every
-  `endpoint.ready_interval` (default 10 s). A restart or an exit is seen by the process source
-  within one interval regardless, and it moves the phase, which brings the fast pace back at once;
+  `endpoint.ready_interval` (default 10 s). A restart or an exit is seen at once regardless (the
+  runtime watches the process through a pidfd), and it moves the phase, which brings the fast
+  pace back at once;
 * otherwise, and from the first failed probe on: every sample interval.
 
 Without process matching a restart shows only as failing probes, so the endpoint is then probed

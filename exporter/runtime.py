@@ -9,6 +9,12 @@ a discovered target is added when its server first appears, follows it across re
 name, same tracker and history, a new process is a new load) and is dropped `keep_for` after
 its process went away. Discovery scans every `discovery.interval`, and every sample interval
 while a discovered server is gone, so its restart is seen at once.
+
+Quiet (DESIGN, "idle costs next to nothing"): once every target is ready and its server's exit is
+watched through a pidfd, nothing but that exit, a failing probe or evicted weights can change a
+phase. The first two wake every loop at once (`_after_process`, `_after_probe`); what only feeds
+gauges (disk, memory, GPU memory, residency, the process tree) and the tracker tick then run every
+`QUIET_INTERVAL` instead of every sample interval, and the probe every `ready_interval`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from exporter import __version__
 from exporter.cadence import ProbeCadence
 from exporter.config import Config, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
+from exporter.exitwatch import ExitWatch
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.sampler import Reading, Sampler
@@ -38,7 +45,7 @@ from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
 from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.pagecache import ResidencySource
-from exporter.sources.process import ProcessFinder
+from exporter.sources.process import ProcessFinder, ProcessSample
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
@@ -48,6 +55,10 @@ log = logging.getLogger(__name__)
 # (the same count that starts a load without process matching).
 HUNG_AFTER_FAILED_PROBES = 3
 TRACKER_LOOP = "tracker"
+# While every target is ready and its process watched through a pidfd, nothing but an exit, a
+# failed probe or evicted weights can change a phase; the first two wake the loops at once, so
+# the rest (gauges, the tracker) are sampled at about a scrape interval instead of every second.
+QUIET_INTERVAL = 15.0
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
@@ -75,6 +86,15 @@ class TargetRuntime:
     probe_seen: float | None = None  # finish time of the last probe the tick looked at
     failed_probes: int = 0  # failed probes in a row
     hung: bool = False  # ready, process running, endpoint failing: logged once
+    watched_pid: int | None = None  # the server process whose exit a pidfd reports
+    last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
+
+    @property
+    def settled(self) -> bool:
+        """Ready, and nothing can end that unseen: its process's exit is watched (or there is
+        no process to watch, and the probe paces itself)."""
+        ready = self.state is not None and self.state.phase is Phase.READY
+        return ready and (self.finder is None or self.watched_pid is not None)
 
 
 class Runtime:
@@ -89,10 +109,14 @@ class Runtime:
         proc_root: str = "/proc",
         sys_root: str = "/sys",
         clock: Callable[[], float] = time.time,
+        quiet_interval: float = QUIET_INTERVAL,
     ) -> None:
         self.config = config
         self._clock = clock
         self._proc_root = proc_root
+        self.quiet_interval = quiet_interval
+        self.quiet = False  # every target settled: the loops run at quiet_interval
+        self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
         self.sampler = Sampler(config.sample_interval, clock)
         self.history = HistoryStore(config.history_path)
@@ -109,10 +133,10 @@ class Runtime:
         for target in config.targets:
             self._add_target(target)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
-        self.sampler.add(DISK, "", self.disk.sample)
-        self.sampler.add(MEMORY, "", MemorySource(proc_root).sample)
-        self.sampler.add(NVML, "", self.nvml.sample)
-        self.sampler.add_loop(TRACKER_LOOP, self.tick)
+        self.sampler.add(DISK, "", self.disk.sample, every=self._pace)
+        self.sampler.add(MEMORY, "", MemorySource(proc_root).sample, every=self._pace)
+        self.sampler.add(NVML, "", self.nvml.sample, every=self._pace)
+        self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self._pace)
         self.discoverer: Discoverer | None = None
         # With configured targets, discovery waits a tick: their process trees say which
         # servers they already watch.
@@ -120,7 +144,7 @@ class Runtime:
         self._unreachable: set[str] = set()
         if config.discovery.active(bool(config.targets)):
             self.discoverer = Discoverer(config.discovery.servers, proc_root=proc_root)
-            self.sampler.add_loop("discovery", self.discover)
+            self.sampler.add_loop("discovery", self.discover, every=self._discovery_wait)
         self._refresh_expectations()
 
     # -- targets -----------------------------------------------------------------------------
@@ -163,15 +187,31 @@ class Runtime:
             every=lambda: runtime.cadence.delay(self._probe_result(target.name)),
             after=lambda reading: self._after_probe(runtime, reading),
         )
+        if runtime.watched_pid is not None:  # another process from now on
+            self.exits.forget(runtime.watched_pid)
+            runtime.watched_pid = None
+
+        def pace() -> float:
+            return self.quiet_interval if runtime.settled else self.config.sample_interval
+
         if runtime.finder is not None:
-            self.sampler.add(PROCESS, target.name, runtime.finder.sample)
+            self.sampler.add(
+                PROCESS,
+                target.name,
+                runtime.finder.sample,
+                every=pace,
+                after=lambda reading: self._after_process(runtime, reading),
+            )
         else:
             self.sampler.discard(PROCESS, target.name)
         if runtime.residency is not None:
-            self.sampler.add(PAGECACHE, target.name, runtime.residency.sample)
+            self.sampler.add(PAGECACHE, target.name, runtime.residency.sample, every=pace)
         else:
             self.sampler.discard(PAGECACHE, target.name)
         self.disk.watch(target.name, target.weights.paths if target.weights else None)
+        if self.quiet:  # a new target, or a new process of one: not quiet until it settles
+            self.quiet = False
+            self.sampler.wake_all()
 
     def _drop_target(self, name: str) -> None:
         with self._lock:
@@ -179,6 +219,8 @@ class Runtime:
         runtime.prober.close()
         self.sampler.remove(name)
         self.disk.watch(name, None)
+        if runtime.watched_pid is not None:
+            self.exits.forget(runtime.watched_pid)
         if runtime.logs is not None:
             runtime.logs.close()
         log.info("target %s: its server has been gone for %gs, no longer watched", name,
@@ -211,6 +253,9 @@ class Runtime:
         waiting = any(rt.gone_since is not None for rt in self.targets.values())
         interval = self.config.sample_interval if waiting else self.config.discovery.interval
         self._discovery_due = now + interval
+
+    def _discovery_wait(self) -> float:
+        return max(0.0, self._discovery_due - self._clock())
 
     def _claimable(self, servers: tuple[DiscoveredServer, ...]) -> dict[str, DiscoveredServer]:
         """The discovered servers no configured target watches, by name; configured ones win."""
@@ -262,6 +307,7 @@ class Runtime:
         for runtime in self.targets.values():
             runtime.prober.close()  # a probe in flight ends now, not at its timeout
         self.sampler.stop()
+        self.exits.close()
         for runtime in self.targets.values():
             if runtime.logs is not None:
                 runtime.logs.close()
@@ -301,7 +347,33 @@ class Runtime:
             self._note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
+        self._note_quiet(runtimes)
         self._ticked.set()
+
+    def _pace(self) -> float:
+        """How often host-wide sources and the tracker run: see QUIET_INTERVAL."""
+        return self.quiet_interval if self.quiet else self.config.sample_interval
+
+    def _note_quiet(self, runtimes: list[TargetRuntime]) -> None:
+        quiet = all(runtime.settled for runtime in runtimes)
+        if self.quiet and not quiet:
+            self.sampler.wake_all()  # something moves: every loop back to the sample interval
+        self.quiet = quiet
+
+    def _after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
+        """Watch the exit of the server's root process, and tell the tracker when it changed."""
+        process = reading.good
+        root = process.root_pid if process is not None and process.found else None
+        if root == runtime.watched_pid:
+            return
+        if runtime.watched_pid is not None:
+            self.exits.forget(runtime.watched_pid)
+            self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
+        name = runtime.config.name
+        watched = root is not None and self.exits.watch(
+            root, lambda: self.sampler.sample_soon(PROCESS, name)
+        )
+        runtime.watched_pid = root if watched else None
 
     def _note_clock_step(self, now: float) -> None:
         """A wall clock stepped back (NTP, a VM resumed): start tracking afresh.
@@ -323,11 +395,16 @@ class Runtime:
             runtime.started_at = None
 
     def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
-        """The first ready answer of a load in progress ends it: tick now, not up to an
-        interval later, so the load ends at that answer and /metrics says ready at once."""
+        """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:
+        the first ready answer of a load in progress ends it at that answer; between loads,
+        every failed answer (each counts towards a hung server or an endpoint-only load) and
+        the first good one after them."""
         value = reading.good
-        ready = value is not None and value.result is ProbeResult.READY
-        if ready and runtime.cadence.phase in IN_PROGRESS:
+        result = value.result if value is not None else None
+        changed, runtime.last_result = result != runtime.last_result, result
+        ready = result is ProbeResult.READY
+        news = ready if runtime.cadence.phase in IN_PROGRESS else changed or not ready
+        if news:
             self.sampler.run_soon(TRACKER_LOOP)
 
     def _probe_result(self, name: str) -> ProbeResult | None:
@@ -383,7 +460,12 @@ class Runtime:
             if process is not None and process.found and process.start_time is not None:
                 since = process.start_time
         runtime.logs = LogSource(config, since=since)
-        self.sampler.add(LOGS, runtime.config.name, runtime.logs.sample)
+        self.sampler.add(
+            LOGS,
+            runtime.config.name,
+            runtime.logs.sample,
+            every=lambda: self.quiet_interval if runtime.settled else self.config.sample_interval,
+        )
 
     def _observe(
         self, runtime: TargetRuntime, now: float, disk: DiskSample | None

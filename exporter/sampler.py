@@ -158,23 +158,36 @@ class Sampler:
         loop = Periodic(_loop_name(source, target), every or self.interval, sample)
         self._register((source.name, target), loop)
 
-    def add_loop(self, name: str, fn: Callable[[], None]) -> None:
+    def add_loop(
+        self, name: str, fn: Callable[[], None], every: Callable[[], float] | None = None
+    ) -> None:
         """Register a periodic task that is not a source (the tracker tick, discovery)."""
-        self._register((name, ""), Periodic(name, self.interval, fn))
+        self._register((name, ""), Periodic(name, every or self.interval, fn))
 
     def run_soon(self, name: str) -> None:
         """Run a loop added with add_loop (the tracker tick) now rather than when due."""
-        with self._lock:
-            loop = self._loops.get((name, ""))
-        if loop is not None:
-            loop.run_soon()
+        self._loop_at((name, ""), Periodic.run_soon)
+
+    def sample_soon(self, source: SourceKey[Any], target: str = "") -> None:
+        """Take a source's next sample now rather than when due."""
+        self._loop_at((source.name, target), Periodic.run_soon)
 
     def wake(self, source: SourceKey[Any], target: str = "") -> None:
         """Have a source's loop re-ask its pace now (it may be due sooner than planned)."""
+        self._loop_at((source.name, target), Periodic.wake)
+
+    def wake_all(self) -> None:
+        """Have every loop re-ask its pace now (the exporter stops being quiet)."""
         with self._lock:
-            loop = self._loops.get((source.name, target))
-        if loop is not None:
+            loops = list(self._loops.values())
+        for loop in loops:
             loop.wake()
+
+    def _loop_at(self, key: tuple[str, str], action: Callable[[Periodic], None]) -> None:
+        with self._lock:
+            loop = self._loops.get(key)
+        if loop is not None:
+            action(loop)
 
     def _register(self, key: tuple[str, str], loop: Periodic) -> None:
         with self._lock:
