@@ -5,14 +5,17 @@ from __future__ import annotations
 import gzip
 import json
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from helpers.hostile import make_tls
 
 from exporter.config import EndpointConfig
 from exporter.sources.endpoint import EndpointProber
@@ -93,10 +96,15 @@ class FakeServer:
 class RawServer:
     """A TCP listener whose per-connection behaviour is a function of the accepted socket."""
 
-    def __init__(self, behaviour: Callable[[socket.socket, threading.Event], None]) -> None:
+    def __init__(
+        self,
+        behaviour: Callable[[socket.socket, threading.Event], None],
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.tls = tls
         self.stop = threading.Event()
         self.behaviour = behaviour
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -109,6 +117,9 @@ class RawServer:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
+            if self.tls is not None:
+                conn.settimeout(5)
+                conn = self.tls.wrap_socket(conn, server_side=True)
             with conn:
                 self.behaviour(conn, self.stop)
 
@@ -181,13 +192,14 @@ def server() -> Iterator[FakeServer]:
 
 
 @pytest.fixture
-def raw_server() -> Iterator[
-    Callable[[Callable[[socket.socket, threading.Event], None]], RawServer]
-]:
+def raw_server() -> Iterator[Callable[..., RawServer]]:
     started: list[RawServer] = []
 
-    def start(behaviour: Callable[[socket.socket, threading.Event], None]) -> RawServer:
-        srv = RawServer(behaviour)
+    def start(
+        behaviour: Callable[[socket.socket, threading.Event], None],
+        tls: ssl.SSLContext | None = None,
+    ) -> RawServer:
+        srv = RawServer(behaviour, tls)
         started.append(srv)
         return srv
 
@@ -287,6 +299,22 @@ def test_trickling_headers_time_out_at_the_probe_deadline(
     raw_server: Callable[[Callable[[socket.socket, threading.Event], None]], RawServer],
 ) -> None:
     srv = raw_server(trickle_headers)
+    began = time.monotonic()
+    sample = prober(srv.url, timeout=0.5).sample()
+    elapsed = time.monotonic() - began
+    assert (sample.result, sample.detail) == (ProbeResult.TIMEOUT, "no response within 0.5s")
+    assert 0.45 <= elapsed < 1.0
+
+
+def test_trickling_headers_over_tls_time_out_at_the_probe_deadline(
+    raw_server: Callable[..., RawServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TLS reads go through SSLSocket's own methods: the deadline must sit before them too."""
+    tls = make_tls(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls["tls.crt"], tls["tls.key"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls["ca.crt"]))  # the prober trusts the test CA
+    srv = raw_server(trickle_headers, tls=context)
     began = time.monotonic()
     sample = prober(srv.url, timeout=0.5).sample()
     elapsed = time.monotonic() - began

@@ -108,30 +108,9 @@ class _DeadlineSocket(socket.socket):
         return super().send(*args, **kwargs)
 
 
-class _DeadlineSSLSocket(ssl.SSLSocket):
-    """The same for TLS: `SSLContext.wrap_socket` makes one of these (sslsocket_class)."""
-
-    deadline: _Deadline | None = None
-
-    def _arm(self) -> None:
-        if self.deadline is not None:
-            self.settimeout(self.deadline.remaining())
-
-    def recv_into(self, *args: Any, **kwargs: Any) -> int:
-        self._arm()
-        return super().recv_into(*args, **kwargs)
-
-    def recv(self, *args: Any, **kwargs: Any) -> bytes:
-        self._arm()
-        return super().recv(*args, **kwargs)
-
-    def sendall(self, *args: Any, **kwargs: Any) -> None:
-        self._arm()
-        super().sendall(*args, **kwargs)
-
-    def send(self, *args: Any, **kwargs: Any) -> int:
-        self._arm()
-        return super().send(*args, **kwargs)
+class _DeadlineSSLSocket(_DeadlineSocket, ssl.SSLSocket):
+    """The same for TLS: `SSLContext.wrap_socket` makes one of these (sslsocket_class). The
+    method order puts the deadline before SSLSocket's own reads and writes."""
 
 
 def _tls_context() -> ssl.SSLContext:
