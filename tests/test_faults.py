@@ -31,7 +31,7 @@ import pynvml
 import pytest
 import requests
 from helpers.fake_nvml import FakeNvml, h200_node
-from helpers.hostile import IdleClients, fill, tiny_tmpfs
+from helpers.hostile import IdleClients, Listener, fill, tiny_tmpfs
 from helpers.support import RunningExporter, sample_value, wait_for
 
 from exporter.config import parse_config
@@ -54,26 +54,12 @@ NVML_CALLS = (
 )
 
 
-class FaultyEndpoint:
+class FaultyEndpoint(Listener):
     """A model server whose every connection gets the current mode's treatment."""
 
     def __init__(self) -> None:
         self.mode = "ready"
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         mode = self.mode
@@ -95,10 +81,6 @@ class FaultyEndpoint:
             pass
         finally:
             conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
 
 
 TREE = textwrap.dedent(

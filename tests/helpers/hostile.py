@@ -171,18 +171,13 @@ class IdleClients:
             sock.close()
 
 
-class TrickleServer:
-    """A model server that accepts, sends `HTTP/1.1 200 OK\\r\\n`, then one byte a second.
+class Listener:
+    """A loopback TCP server that hands each connection to `_serve` on a thread of its own."""
 
-    `ready` switches it to answer a proper completion instead, as a healthy server would.
-    """
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, backlog: int = 64) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=backlog)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.ready = False
-        self.requests = 0
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -196,6 +191,25 @@ class TrickleServer:
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+class TrickleServer(Listener):
+    """A model server that accepts, sends `HTTP/1.1 200 OK\\r\\n`, then one byte a second.
+
+    `ready` switches it to answer a proper completion instead, as a healthy server would.
+    """
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.requests = 0
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -215,10 +229,6 @@ class TrickleServer:
                     conn.sendall(b"X")
             except OSError:
                 return
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
 
 
 def make_tls(directory: Path) -> dict[str, Path]:
