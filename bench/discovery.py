@@ -9,6 +9,10 @@ steady passes. Beside it, one pass of what users would otherwise run to find the
 `ps -eo pid,args`, `pgrep -af`, and psutil.process_iter reading every command line. Prints
 milliseconds of CPU per pass, the ratio to our steady pass, and discovery's share of one core
 at the --interval cadence. Target: under 20 ms a steady pass.
+
+Then, with the two stand-in servers gone and the 1,000 sleeps still there, the whole exporter's
+idle CPU share with no config at all (discovery on, nothing to find) beside node_exporter, each
+scraped every 15 s for --idle-seconds, interleaved as bench/exporter_cpu.py does (0 skips it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from exporter_cpu import REPO, cpu_share, free_port, wait_http
 
 from exporter.discovery import Discoverer
 
@@ -42,6 +47,34 @@ def cpu_ms(action: Callable[[], object]) -> float:
     return (time.process_time() - own + child) * 1000
 
 
+def idle_shares(seconds: float) -> dict[str, float]:
+    """CPU share of the exporter with no config (discovery only) and of node_exporter."""
+    port = free_port()
+    exporter = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+                "--history.path=", "--log.level=warn"]  # fmt: skip
+    shares: dict[str, float] = {}
+    node = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+    runs = [("model-load-exporter, no config", exporter, port)]
+    if node:
+        node_port = free_port()
+        runs.append(("node_exporter (defaults)",
+                     [node, f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
+                     node_port))  # fmt: skip
+    for name, argv, listen in runs:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            url = f"http://127.0.0.1:{listen}/metrics"
+            wait_http(url)
+            time.sleep(5)  # past start-up and the first discovery passes
+            shares[name] = cpu_share(proc, url, seconds)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return shares
+
+
 def run_quiet(*argv: str) -> None:
     subprocess.run(argv, stdout=subprocess.DEVNULL, check=False)
 
@@ -56,6 +89,7 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=1000)
     parser.add_argument("--passes", type=int, default=60)
     parser.add_argument("--interval", type=float, default=5.0, help="discovery.interval, s")
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="discovery-bench-"))
@@ -80,6 +114,10 @@ def main() -> int:
             "pgrep -af": cpu_ms(lambda: run_quiet("pgrep", "-af", PATTERN)),
             "psutil.process_iter(cmdline)": cpu_ms(psutil_pass),
         }
+        for proc in started[-2:]:  # the stand-in servers: an idle host has none
+            proc.kill()
+            proc.wait()
+        idle = idle_shares(args.idle_seconds) if args.idle_seconds > 0 else {}
     finally:
         for proc in started:
             proc.kill()
@@ -103,6 +141,10 @@ def main() -> int:
     share = median / 1000 / args.interval
     print(f"discovery every {args.interval:g} s: {share:.3%} of one core")
     print(f"target < 20 ms a steady pass: {'yes' if median < 20 else 'NO'} ({median:.2f} ms)")
+    node = idle.get("node_exporter (defaults)")
+    for name, value in idle.items():
+        ratio = f"   {value / node:5.2f}x node_exporter" if node else ""
+        print(f"idle, {name:36s} {value:7.3%} of one core{ratio}")
     return 0 if median < 20 else 1
 
 

@@ -38,7 +38,7 @@ MUTATIONS = (
     Mutation("COLD_SHARE 0.1 -> 0.3", "exporter/tracker.py",
              "COLD_SHARE = 0.1\n", "COLD_SHARE = 0.3\n"),
     Mutation("probe answer change is not movement", "exporter/tracker.py",
-             "if answer_changed or _moved(prev, obs):", "if _moved(prev, obs):"),
+             "if answer_changed or logged or _moved(prev, obs):", "if logged or _moved(prev, obs):"),
     Mutation("MOVE_BYTES 1 MiB -> 64 MiB", "exporter/tracker.py",
              "MOVE_BYTES = 1 << 20\n", "MOVE_BYTES = 64 << 20\n"),
     Mutation("quiet-done after 6 intervals, not 5", "exporter/tracker.py",
