@@ -14,7 +14,9 @@ Quiet (DESIGN, "idle costs next to nothing"): once every target is ready and its
 watched through a pidfd, nothing but that exit, a failing probe or evicted weights can change a
 phase. The first two wake every loop at once (`_after_process`, `_after_probe`); what only feeds
 gauges (disk, memory, GPU memory, residency, the process tree) and the tracker tick then run every
-`QUIET_INTERVAL` instead of every sample interval, and the probe every `ready_interval`.
+`QUIET_INTERVAL` instead of every sample interval, the probe every `ready_interval`, and a
+ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a load's start measures it
+afresh anyway).
 """
 
 from __future__ import annotations
@@ -37,14 +39,27 @@ from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, ENDPOINT, LOGS, MEMORY, NVML, PAGECACHE, PROCESS
+from exporter.sources import (
+    DISK,
+    ENDPOINT,
+    LOGS,
+    MEMORY,
+    NVML,
+    PAGECACHE,
+    PROCESS,
+    SourceKey,
+)
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
 from exporter.sources.gpu import NvmlSource, process_gpu_memory
 from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
 from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.pagecache import ResidencySource
+from exporter.sources.pagecache import (
+    QUIET_REFRESH_SECONDS,
+    SERVING_REFRESH_SECONDS,
+    ResidencySource,
+)
 from exporter.sources.process import ProcessFinder, ProcessSample
 from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
@@ -57,8 +72,8 @@ HUNG_AFTER_FAILED_PROBES = 3
 TRACKER_LOOP = "tracker"
 # While every target is ready and its process watched through a pidfd, nothing but an exit, a
 # failed probe or evicted weights can change a phase; the first two wake the loops at once, so
-# the rest (gauges, the tracker) are sampled at about a scrape interval instead of every second.
-QUIET_INTERVAL = 15.0
+# the rest (gauges, the tracker) are sampled every other 15-s scrape instead of every second.
+QUIET_INTERVAL = 30.0
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
@@ -133,8 +148,10 @@ class Runtime:
         for target in config.targets:
             self._add_target(target)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
-        self.sampler.add(DISK, "", self.disk.sample, every=self._pace)
-        self.sampler.add(MEMORY, "", MemorySource(proc_root).sample, every=self._pace)
+        self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK, "", self._quiet))
+        memory = MemorySource(proc_root).sample
+        self.sampler.add(MEMORY, "", memory, every=self._pace_of(MEMORY, "", self._quiet))
+        # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
         self.sampler.add(NVML, "", self.nvml.sample, every=self._pace)
         self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self._pace)
         self.discoverer: Discoverer | None = None
@@ -174,7 +191,13 @@ class Runtime:
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
         runtime.residency = (
-            ResidencySource(target.weights, cpu_budget=self.config.residency_cpu_budget)
+            ResidencySource(
+                target.weights,
+                cpu_budget=self.config.residency_cpu_budget,
+                refresh_after=lambda: (
+                    SERVING_REFRESH_SECONDS if runtime.settled else QUIET_REFRESH_SECONDS
+                ),
+            )
             if target.weights
             else None
         )
@@ -191,21 +214,26 @@ class Runtime:
             self.exits.forget(runtime.watched_pid)
             runtime.watched_pid = None
 
-        def pace() -> float:
-            return self.quiet_interval if runtime.settled else self.config.sample_interval
+        def settled() -> bool:
+            return runtime.settled
 
         if runtime.finder is not None:
             self.sampler.add(
                 PROCESS,
                 target.name,
                 runtime.finder.sample,
-                every=pace,
+                every=self._pace_of(PROCESS, target.name, settled),
                 after=lambda reading: self._after_process(runtime, reading),
             )
         else:
             self.sampler.discard(PROCESS, target.name)
         if runtime.residency is not None:
-            self.sampler.add(PAGECACHE, target.name, runtime.residency.sample, every=pace)
+            self.sampler.add(
+                PAGECACHE,
+                target.name,
+                runtime.residency.sample,
+                every=self._pace_of(PAGECACHE, target.name, settled),
+            )
         else:
             self.sampler.discard(PAGECACHE, target.name)
         self.disk.watch(target.name, target.weights.paths if target.weights else None)
@@ -350,9 +378,27 @@ class Runtime:
         self._note_quiet(runtimes)
         self._ticked.set()
 
+    def _quiet(self) -> bool:
+        return self.quiet
+
     def _pace(self) -> float:
-        """How often host-wide sources and the tracker run: see QUIET_INTERVAL."""
+        """How often the tracker and NVML run: see QUIET_INTERVAL."""
         return self.quiet_interval if self.quiet else self.config.sample_interval
+
+    def _pace_of(
+        self, source: SourceKey[Any], target: str, settled: Callable[[], bool]
+    ) -> Callable[[], float]:
+        """A source's pace: quiet while `settled()`, but a failing source (out of file
+        descriptors, weights deleted) retries at the sample interval, so that its recovery
+        shows at once."""
+
+        def pace() -> float:
+            reading = self.sampler.latest(source, target)
+            failing = reading is not None and not reading.ok
+            quiet = settled() and not failing
+            return self.quiet_interval if quiet else self.config.sample_interval
+
+        return pace
 
     def _note_quiet(self, runtimes: list[TargetRuntime]) -> None:
         quiet = all(runtime.settled for runtime in runtimes)
@@ -464,7 +510,7 @@ class Runtime:
             LOGS,
             runtime.config.name,
             runtime.logs.sample,
-            every=lambda: self.quiet_interval if runtime.settled else self.config.sample_interval,
+            every=self._pace_of(LOGS, runtime.config.name, lambda: runtime.settled),
         )
 
     def _observe(

@@ -191,9 +191,6 @@ def stack(
             ],
         },
         nvml=nvml,
-        # The serving-moment panels give the server GPU memory after it is ready; a quiet
-        # exporter (every target ready) refreshes gauges every 15 s, longer than this test waits.
-        quiet_interval=1.0,
     )
     prometheus = Prometheus(tmp_path, running.url.removeprefix("http://"))
     sims: list[Simulator] = []

@@ -162,7 +162,12 @@ def test_config_reload_overlap_keeps_nvml_for_the_new_runtime(model_server: Any)
         }
     )
     runtimes = [
-        Runtime(config, nvml=nvml, gpu_pid_check=NvmlPidCheck(host_namespace=True))
+        Runtime(
+            config,
+            nvml=nvml,
+            gpu_pid_check=NvmlPidCheck(host_namespace=True),
+            quiet_interval=0.1,  # the target is ready: NVML would be sampled every 30 s
+        )
         for _ in range(2)
     ]
     for runtime in runtimes:

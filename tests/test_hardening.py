@@ -545,8 +545,7 @@ def test_10_weights_deleted_mid_run_are_down_with_a_reason_and_come_back(
     (weights / "a.safetensors").write_bytes(b"\0" * 65536)
     running = start_exporter(
         {"targets": [{"name": "m", "endpoint": {"url": model_server.url},
-                      "weights": {"paths": [str(weights)]}}]},
-        quiet_interval=1.0,  # the target is ready: residency would be re-read every 15 s
+                      "weights": {"paths": [str(weights)]}}]}
     )  # fmt: skip
 
     def pagecache_up() -> float | None:

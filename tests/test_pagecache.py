@@ -21,11 +21,13 @@ from pathlib import Path
 import pytest
 from helpers.users import NOBODY, as_nobody, nobody_python
 
+from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
 from exporter.sources.pagecache import (
     MIN_READS_FOR_PASS,
     QUIET_REFRESH_SECONDS,
+    SERVING_REFRESH_SECONDS,
     ResidencySource,
     discover,
     measure,
@@ -333,6 +335,31 @@ def test_budget_defers_the_next_full_pass(tmp_path: Path) -> None:
     assert src.sample().measured_at == 900.0
 
 
+def test_a_serving_target_refreshes_seldom_but_reads_still_bring_a_pass(tmp_path: Path) -> None:
+    f = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
+    clocks = FakeClocks(cost=0.001)
+    serving = [True]
+    src = ResidencySource(
+        weights(tmp_path), 0.01, clocks.clock, clocks.cpu_clock,
+        refresh_after=lambda: SERVING_REFRESH_SECONDS if serving[0] else QUIET_REFRESH_SECONDS,
+    )  # fmt: skip
+    first = src.sample()
+    read_part(f, 4 * MiB)  # pages pulled in by a reader we were not told of
+    clocks.now = 1000.0 + QUIET_REFRESH_SECONDS
+    assert src.sample() is first  # serving: a 30-s-old pass is fresh enough
+    clocks.now = 1000.0 + SERVING_REFRESH_SECONDS
+    assert src.sample().resident_bytes == 4 * MiB
+    evict(str(f))
+    serving[0] = False  # the server went away: the quiet refresh applies again at once
+    clocks.now += QUIET_REFRESH_SECONDS
+    assert src.sample().resident_bytes == 0
+    serving[0] = True
+    read_part(f, 2 * MiB)
+    src.note_device_reads(None)  # reads: measured as soon as the budget allows, serving or not
+    clocks.now += 1.0
+    assert src.sample().resident_bytes == 2 * MiB
+
+
 def test_without_device_reads_passes_wait_for_the_quiet_refresh(tmp_path: Path) -> None:
     f = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
     clocks = FakeClocks(cost=0.001)
@@ -425,6 +452,7 @@ def test_unmeasurable_residency_is_absent_and_logged_once(tmp_path: Path, caplog
 
 NOBODY_PROBE = """
 import json, os, sys
+from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
 directory, path = sys.argv[1], sys.argv[2]

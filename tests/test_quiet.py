@@ -115,3 +115,27 @@ def test_the_main_thread_sleeps_yet_acts_on_a_signal_any_thread_receives(
         assert exporter.proc.wait(timeout=5) == 0
     finally:
         exporter.close()
+
+
+@pytest.mark.system
+def test_a_failing_source_of_a_quiet_exporter_retries_at_the_sample_interval(
+    start_exporter: Any, model_server: ModelServer, tmp_path: Path
+) -> None:
+    weights = tmp_path / "model"
+    weights.mkdir()  # no weight files yet: the residency source fails
+    running = start_exporter(
+        {"targets": [{"name": "m", "endpoint": {"url": model_server.url},
+                      "weights": {"paths": [str(weights)]}}]},
+        quiet_interval=QUIET,
+    )  # fmt: skip
+
+    def pagecache_up() -> float | None:
+        return sample_value(
+            running.metrics(), "model_load_source_up", source="pagecache", target="m"
+        )
+
+    wait_for(lambda: running.runtime.quiet)
+    time.sleep(1.5)  # past the sample each loop had planned before it was quiet
+    assert pagecache_up() == 0
+    (weights / "a.safetensors").write_bytes(b"\0" * 65536)
+    wait_for(lambda: pagecache_up() == 1, timeout=5)  # not QUIET seconds later

@@ -75,7 +75,15 @@ class ModelServer:
 
 
 class RunningExporter:
+    """The exporter in this process on a free port.
+
+    Its model servers are mostly ready ones, which would make it quiet (gauges every 30 s) and
+    every test that changes a gauge wait that long: the quiet pace here is one second unless a
+    test asks (tests/test_quiet.py does; exporters started as processes keep the real one).
+    """
+
     def __init__(self, config: Config, web: WebConfig | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("quiet_interval", 1.0)
         self.runtime = Runtime(config, **kwargs)
         self.http = HttpServer(WebApp(self.runtime, web), "127.0.0.1:0")
         self.url = f"{self.http.scheme}://127.0.0.1:{self.http.port}"
