@@ -16,7 +16,7 @@ phase. The first two wake every loop at once (`_after_process`, `_after_probe`);
 gauges (disk, memory, GPU memory, residency, the process tree) and the tracker tick then run every
 `QUIET_INTERVAL` instead of every sample interval, the probe every `ready_interval`, and a
 ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a load's start measures it
-afresh anyway).
+afresh anyway). A source whose last sample failed keeps the sample interval (`_pace_of`).
 """
 
 from __future__ import annotations
