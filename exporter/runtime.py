@@ -370,8 +370,10 @@ class Runtime:
                 runtime.started_at = state.started_at
                 if runtime.residency is not None:
                     runtime.residency.request_full_pass()
+                    self.sampler.sample_soon(PAGECACHE, runtime.config.name)
             if runtime.cadence.set_phase(state.phase):
-                self.sampler.wake(ENDPOINT, runtime.config.name)
+                # A new phase sets new paces: the probe's cadence, and no longer quiet (or now).
+                self.sampler.wake_all()
             self._note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
