@@ -148,9 +148,9 @@ class Runtime:
         for target in config.targets:
             self._add_target(target)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
-        self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK, "", self._quiet))
+        self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK))
         memory = MemorySource(proc_root).sample
-        self.sampler.add(MEMORY, "", memory, every=self._pace_of(MEMORY, "", self._quiet))
+        self.sampler.add(MEMORY, "", memory, every=self._pace_of(MEMORY))
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
         self.sampler.add(NVML, "", self.nvml.sample, every=self._pace)
         self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self._pace)
@@ -214,15 +214,12 @@ class Runtime:
             self.exits.forget(runtime.watched_pid)
             runtime.watched_pid = None
 
-        def settled() -> bool:
-            return runtime.settled
-
         if runtime.finder is not None:
             self.sampler.add(
                 PROCESS,
                 target.name,
                 runtime.finder.sample,
-                every=self._pace_of(PROCESS, target.name, settled),
+                every=self._pace_of(PROCESS, runtime),
                 after=lambda reading: self._after_process(runtime, reading),
             )
         else:
@@ -232,7 +229,7 @@ class Runtime:
                 PAGECACHE,
                 target.name,
                 runtime.residency.sample,
-                every=self._pace_of(PAGECACHE, target.name, settled),
+                every=self._pace_of(PAGECACHE, runtime),
             )
         else:
             self.sampler.discard(PAGECACHE, target.name)
@@ -355,6 +352,7 @@ class Runtime:
         disk = self.sampler.value(DISK)
         with self._lock:
             runtimes = list(self.targets.values())
+        moved = False  # a phase changed: paces change with it
         for runtime in runtimes:
             self._open_log(runtime, now)
             observation, gpu_memory = self._observe(runtime, now, disk)
@@ -372,40 +370,40 @@ class Runtime:
                     runtime.residency.request_full_pass()
                     self.sampler.sample_soon(PAGECACHE, runtime.config.name)
             if runtime.cadence.set_phase(state.phase):
-                # A new phase sets new paces: the probe's cadence, and no longer quiet (or now).
-                self.sampler.wake_all()
+                moved = True
             self._note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
-        self._note_quiet(runtimes)
+        self._note_quiet(runtimes, moved)
         self._ticked.set()
-
-    def _quiet(self) -> bool:
-        return self.quiet
 
     def _pace(self) -> float:
         """How often the tracker and NVML run: see QUIET_INTERVAL."""
         return self.quiet_interval if self.quiet else self.config.sample_interval
 
     def _pace_of(
-        self, source: SourceKey[Any], target: str, settled: Callable[[], bool]
+        self, source: SourceKey[Any], runtime: TargetRuntime | None = None
     ) -> Callable[[], float]:
-        """A source's pace: quiet while `settled()`, but a failing source (out of file
-        descriptors, weights deleted) retries at the sample interval, so that its recovery
-        shows at once."""
+        """A source's pace: quiet while its target is settled (a host-wide source: while the
+        exporter is quiet), but a failing source (out of file descriptors, weights deleted)
+        retries at the sample interval, so that its recovery shows at once."""
+        target = runtime.config.name if runtime is not None else ""
 
         def pace() -> float:
             reading = self.sampler.latest(source, target)
             failing = reading is not None and not reading.ok
-            quiet = settled() and not failing
+            settled = runtime.settled if runtime is not None else self.quiet
+            quiet = settled and not failing
             return self.quiet_interval if quiet else self.config.sample_interval
 
         return pace
 
-    def _note_quiet(self, runtimes: list[TargetRuntime]) -> None:
+    def _note_quiet(self, runtimes: list[TargetRuntime], moved: bool) -> None:
+        """Every loop re-asks its pace when a phase moved (the probe's cadence follows it) or
+        the exporter stops being quiet (back to the sample interval)."""
         quiet = all(runtime.settled for runtime in runtimes)
-        if self.quiet and not quiet:
-            self.sampler.wake_all()  # something moves: every loop back to the sample interval
+        if moved or (self.quiet and not quiet):
+            self.sampler.wake_all()
         self.quiet = quiet
 
     def _after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
@@ -512,7 +510,7 @@ class Runtime:
             LOGS,
             runtime.config.name,
             runtime.logs.sample,
-            every=self._pace_of(LOGS, runtime.config.name, lambda: runtime.settled),
+            every=self._pace_of(LOGS, runtime),
         )
 
     def _observe(
