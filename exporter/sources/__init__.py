@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from exporter.sources.memory import MemorySample
     from exporter.sources.pagecache import ResidencySample
     from exporter.sources.process import ProcessSample
+    from exporter.sources.weightfiles import WeightFilesSample
 
 T = TypeVar("T")
 
@@ -38,3 +39,4 @@ ENDPOINT: SourceKey[ProbeSample] = SourceKey("endpoint", per_target=True)
 PROCESS: SourceKey[ProcessSample] = SourceKey("process", per_target=True)
 PAGECACHE: SourceKey[ResidencySample] = SourceKey("pagecache", per_target=True)
 LOGS: SourceKey[LogSample] = SourceKey("logs", per_target=True)
+WEIGHT_FILES: SourceKey[WeightFilesSample] = SourceKey("weight_files", per_target=True)

@@ -143,6 +143,7 @@ class WeightFile:
     name: str  # relative to the weights root it was found under
     dev: int
     ino: int
+    size: int  # when discovered (a pass measures the size it finds)
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,7 @@ def discover(weights: WeightsConfig) -> WeightTree:
         path = os.path.join(directory, entry)
         label = name if name not in names else path
         names.add(label)
-        files.append(WeightFile(path, directory, entry, label, st.st_dev, st.st_ino))
+        files.append(WeightFile(path, directory, entry, label, st.st_dev, st.st_ino, st.st_size))
 
     for root in weights.paths:
         watched.append((root, _signature(root)))
