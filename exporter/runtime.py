@@ -47,6 +47,7 @@ from exporter.sources import (
     NVML,
     PAGECACHE,
     PROCESS,
+    WEIGHT_FILES,
     SourceKey,
 )
 from exporter.sources.disk import DiskSample, DiskSource
@@ -61,7 +62,8 @@ from exporter.sources.pagecache import (
     ResidencySource,
 )
 from exporter.sources.process import ProcessFinder, ProcessSample
-from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
+from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
+from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
 log = logging.getLogger(__name__)
@@ -233,6 +235,19 @@ class Runtime:
             )
         else:
             self.sampler.discard(PAGECACHE, target.name)
+        if runtime.finder is not None and target.weights is not None:
+            name = target.name
+            files = WeightFilesSource(
+                target.weights,
+                lambda: self.sampler.value(PROCESS, name),
+                proc_root=self._proc_root,
+                clock=self._clock,
+            )
+            self.sampler.add(
+                WEIGHT_FILES, name, files.sample, every=self._pace_of(WEIGHT_FILES, runtime)
+            )
+        else:
+            self.sampler.discard(WEIGHT_FILES, target.name)
         self.disk.watch(target.name, target.weights.paths if target.weights else None)
         if self.quiet:  # a new target, or a new process of one: not quiet until it settles
             self.quiet = False
@@ -529,6 +544,7 @@ class Runtime:
         events = new_events(log_sample, runtime.log_seq) if log_sample is not None else ()
         if log_sample is not None:
             runtime.log_seq = log_sample.last_seq
+        files = self.sampler.value(WEIGHT_FILES, name) if runtime.finder is not None else None
         gpu = self.sampler.value(NVML)
         probe_value = probe.good if probe is not None else None
         gpu_memory: dict[int, int] = {}
@@ -552,6 +568,7 @@ class Runtime:
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
             log_events=events,
             log_lines=log_sample.lines_total if log_sample is not None else None,
+            files=_file_view(files, process),
         )
         return observation, gpu_memory
 
@@ -626,6 +643,24 @@ class Runtime:
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         return self.history.loads(target, limit)
+
+
+def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -> FileView | None:
+    """The weight files as the tracker sees them, None where they cannot be seen (the tracker
+    then falls back on the tree's counters). A process the file view has not looked at yet holds
+    nothing known: its imports must not read as weights while the view catches up."""
+    if files is None or not files.visible or process is None or not process.found:
+        return None
+    if files.root_pid != process.root_pid:
+        return FileView(None, False, None, 0, 0, files.total_bytes)
+    return FileView(
+        first_open_at=files.first_open_at,
+        first_open_seen=files.first_open_seen,
+        idle_since=files.idle_since,
+        consumed_bytes=files.consumed_bytes,
+        seen_bytes=files.seen_bytes,
+        total_bytes=files.total_bytes,
+    )
 
 
 def _target_config(server: DiscoveredServer) -> TargetConfig:

@@ -79,6 +79,8 @@ from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult,
 
 # Tie-break order when two signals report the same progress.
 PROGRESS_SOURCES = (
+    "weight_files",
+    "gpu_pcie",
     "gpu_memory",
     "page_cache",
     "process_reads",
@@ -100,7 +102,8 @@ RATE_WINDOW_SECONDS = 10.0
 RATE_MIN_INTERVALS = 3
 MOVE_BYTES = 1 << 20
 # Phases whose length does not depend on the page cache: ETAs may take them from any load.
-CACHE_INDEPENDENT = (Phase.INITIALIZING,)
+FINE_STEPS = (Step.KV_CACHE, Step.COMPILE, Step.CUDA_GRAPH, Step.WARMUP)
+CACHE_INDEPENDENT: tuple[str, ...] = (Phase.INITIALIZING, *FINE_STEPS)
 LOG_SKEW_SECONDS = 1.0  # a log line stamped this much before a load's start still belongs to it
 FATAL_WITHOUT_DETAIL = "the server's log reported a fatal error"
 
@@ -109,6 +112,18 @@ _WHOLE = ("gpu_memory", "process_read_chars")
 # Answers that prove something listens but is not ready yet (a 503-style server while it loads).
 _UP_NOT_READY = frozenset({ProbeResult.HTTP_ERROR, ProbeResult.BAD_RESPONSE, ProbeResult.TIMEOUT})
 _RECENT = 64
+
+
+@dataclass(frozen=True)
+class FileView:
+    """What the server tree did with its weight files this process (sources/weightfiles.py)."""
+
+    first_open_at: float | None  # a weight file first seen open or mapped: the weights began
+    first_open_seen: bool  # an earlier look saw none held: the open happened while watched
+    idle_since: float | None  # after the first open, no weight file held since then
+    consumed_bytes: int  # of the weight files, file by file, whatever the loader
+    seen_bytes: int  # sizes of the files held so far: the most the tree can have consumed
+    total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,8 @@ class Observation:
     disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
     log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
     log_lines: int | None = None  # lines the server's log has written; None without a log
+    files: FileView | None = None  # None: the tree's weight files cannot be seen
+    gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
 
 
 @dataclass(frozen=True)
@@ -232,6 +249,14 @@ class _Load:
     log_weights_open: bool = False  # the log said the weights began and has not said they ended
     log_from_start: bool = False  # the log showed this load's weights begin: its steps are whole
     log_shards: tuple[int, int] | None = None  # (done, total) from the log's progress lines
+    # Storage bytes the tree had read when its first weight file opened: reads before it are
+    # start-up (imports), never weights.
+    reads_at_open: int | None = None
+    rx_at_open: int | None = None  # the GPUs' PCIe receive counter then
+    files: FileView | None = None  # the last view of the weight files in this load
+    # First seen mid-way with no weight file held: the weights may be behind or ahead of it,
+    # so its phases are unknown unless a weight file is seen opening after all.
+    phases_unknown: bool = False
     steps: StepTimeline = field(default_factory=StepTimeline)  # the log's fine steps, this load
     fatal: str | None = None
     fatal_at: float | None = None
@@ -475,7 +500,9 @@ class Tracker:
             seen_late=load.seen_late,
             # A boundary the exporter was not there to see is unknown, and so are both phases
             # beside it: left out rather than reported as 0 s.
-            phase_seconds={
+            phase_seconds={}
+            if load.phases_unknown
+            else {
                 **{
                     name: max(0.0, end - mark)
                     for (name, mark, seen), (end, end_seen) in zip(marks, ends, strict=True)
@@ -527,6 +554,11 @@ class Tracker:
     def _follow(
         self, load: _Load, obs: Observation, prev: Observation | None, answer_changed: bool
     ) -> None:
+        if obs.files is None and load.files is not None:
+            # Out of view for a moment (a sample failed): the last view holds, rather than the
+            # counters that would count start-up reads as weights.
+            obs = replace(obs, files=load.files)
+        load.files = obs.files
         logged = bool(obs.log_events) or (
             prev is not None and obs.log_lines is not None and prev.log_lines != obs.log_lines
         )
@@ -540,6 +572,7 @@ class Tracker:
             load.disk_base = obs.disk_read_bytes
         if load.gpu_base is None and obs.process_gpu_bytes:
             load.gpu_base = obs.process_gpu_bytes
+        self._note_files(load, obs)
         self._note_residency(load, obs)
         self._follow_log(load, obs)
         load.evidence = self._evidence(load, obs)
@@ -581,6 +614,23 @@ class Tracker:
                 load.fatal = event.detail or FATAL_WITHOUT_DETAIL
                 load.fatal_at = at
 
+    def _note_files(self, load: _Load, obs: Observation) -> None:
+        """The storage reads at the first weight-file open, and whether a late load's phases can
+        be told at all."""
+        files = obs.files
+        if files is None:
+            return
+        if files.first_open_at is None:
+            if load.seen_late and obs.time == load.seen_at:
+                load.phases_unknown = True  # nothing held on arrival: before or after its weights?
+            return
+        if load.reads_at_open is None:
+            load.reads_at_open = obs.process_read_bytes
+        if load.rx_at_open is None:
+            load.rx_at_open = obs.gpu_rx_bytes
+        if files.first_open_seen:
+            load.phases_unknown = False
+
     def _note_residency(self, load: _Load, obs: Observation) -> None:
         """Cache temperature and the storage baseline come from the first pass after the start.
 
@@ -610,20 +660,34 @@ class Tracker:
         if load.resident_start is not None and weights:
             uncached = max(0, weights - load.resident_start)
         storage_basis = uncached if uncached is not None else weights
+        files = obs.files
+        # With the files in view, storage bytes count only from the first weight-file open and
+        # only up to the files held so far: never ahead of the file view.
+        cap = files.seen_bytes if files is not None else None
         if storage_basis:
             if uncached is not None and obs.resident_bytes is not None:
-                growth = obs.resident_bytes - (load.resident_start or 0)
+                growth = _capped(obs.resident_bytes - (load.resident_start or 0), cap)
                 out["page_cache"] = _Evidence(growth / storage_basis, storage_basis)
             if obs.process_read_bytes is not None:
-                out["process_reads"] = _Evidence(
-                    obs.process_read_bytes / storage_basis, storage_basis
-                )
+                reads = obs.process_read_bytes
+                if files is not None:
+                    at_open = load.reads_at_open if load.reads_at_open is not None else reads
+                    reads = _capped(reads - at_open, cap)
+                out["process_reads"] = _Evidence(reads / storage_basis, storage_basis)
             tree_unknown = obs.process_read_bytes is None and obs.process_read_chars is None
             if tree_unknown and obs.disk_read_bytes is not None and load.disk_base is not None:
                 reads = obs.disk_read_bytes - load.disk_base
                 out["disk_reads"] = _Evidence(reads / storage_basis, storage_basis)
         if obs.process_read_chars is not None and weights:
             out["process_read_chars"] = _Evidence(obs.process_read_chars / weights, weights)
+        files_basis = weights or (files.total_bytes if files is not None else None)
+        if files is not None and files_basis:
+            out["weight_files"] = _Evidence(files.consumed_bytes / files_basis, files_basis)
+            if obs.gpu_rx_bytes is not None and load.rx_at_open is not None:
+                # Bytes reaching the GPUs since the first weight file opened: each rank's GPU
+                # receives its own slice, so the sum is the tree's, capped by the files held.
+                rx = _capped(obs.gpu_rx_bytes - load.rx_at_open, cap)
+                out["gpu_pcie"] = _Evidence(rx / files_basis, files_basis)
         if load.log_shards is not None:
             done, total = load.log_shards
             out["log_shards"] = _Evidence(done / total, weights or None)
@@ -636,7 +700,17 @@ class Tracker:
         return out
 
     def _driving(self, load: _Load, obs: Observation) -> tuple[str, ...]:
-        """Which signals may drive progress, given what residency says about this load."""
+        """Which signals may drive progress, given what residency says about this load.
+
+        Where the weight files are in view, they drive; storage reads (capped by them, see
+        `_evidence`) count too where the load reads from storage, for a loader that maps a file
+        whole and lets readahead fill it (llama.cpp). Read() bytes and GPU memory never do:
+        ranks read every file, and GPUs are allocated before anything is read.
+        """
+        if obs.files is not None:
+            warm = load.cache is Cache.WARM
+            seen = ("weight_files", "gpu_pcie")
+            return seen if warm else (*seen, *_STORAGE)
         if load.resident_start is not None and load.weights_bytes:
             warm = load.cache is Cache.WARM
             preferred, other = (_WHOLE, _STORAGE) if warm else (_STORAGE, _WHOLE)
@@ -677,7 +751,14 @@ class Tracker:
         now, progress = obs.time, load.progress
         if progress is None:
             return
-        if self._phase is Phase.STARTING and progress >= BEGIN_RATIO:
+        files = obs.files
+        if self._phase is Phase.STARTING and files is not None:
+            if files.first_open_at is not None:
+                # The first weight file opened: whatever the tree read before was start-up.
+                at = min(max(files.first_open_at, load.started_at), now)
+                seen = files.first_open_seen or not load.seen_late
+                self._begin_weights(load, at, 0.0, now, seen)
+        elif self._phase is Phase.STARTING and progress >= BEGIN_RATIO:
             # Backdated to the last flat tick: watched only if that tick was (a load seen late
             # may have begun before the exporter's first tick).
             at = max(load.flat_time, load.started_at)
@@ -686,8 +767,15 @@ class Tracker:
         if self._phase is not Phase.LOADING_WEIGHTS:
             return
         quiet = now - load.last_rise >= QUIET_INTERVALS * self.interval
+        idle = files.idle_since if files is not None else None
         if load.log_weights_open:
             pass  # the server's log says the weights are still loading: it will say when not
+        elif idle is not None and now - idle >= QUIET_INTERVALS * self.interval:
+            # The tree let go of every weight file it held and took no other: the loader is
+            # done with them (files opened and closed between two looks were not seen at all).
+            at = max(idle, load.weights_began or load.started_at)
+            self._end_weights(load, at, load.gpu_at_rise, now, seen=at > load.seen_at)
+            return
         elif progress >= DONE_RATIO:
             # KV-cache allocation can follow the last weight within one tick: take the tick before.
             gpu = load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
@@ -737,13 +825,36 @@ class Tracker:
         if init is None:
             return None
         if self._phase is Phase.INITIALIZING:
-            return max(0.0, init - (now - (load.weights_ended or load.started_at)))
+            left = init - (now - (load.weights_ended or load.started_at))
+            steps = self._steps_left(load, expected, now)
+            return max(0.0, left if steps is None else max(left, steps))
         if self._phase is Phase.LOADING_WEIGHTS:
             return None if weights_eta is None else weights_eta + init
         starting, weights = expected.get(Phase.STARTING), expected.get(Phase.LOADING_WEIGHTS)
         if starting is None or weights is None:
             return None
         return max(0.0, starting - (now - load.started_at)) + weights + init
+
+    def _steps_left(self, load: _Load, expected: Mapping[str, float], now: float) -> float | None:
+        """Seconds the log's fine steps still need: the rest of the current step's median and
+        the medians of the steps history knows that this load has not begun yet.
+
+        An initializing phase running over its median still has the steps it has not done;
+        None without a log that showed this load from its weights on.
+        """
+        if not self._logged or not load.log_from_start:
+            return None
+        timeline = load.steps
+        left = 0.0
+        for step in FINE_STEPS:
+            median = expected.get(step)
+            if median is None or step in timeline.durations:
+                continue
+            if step is timeline.step and timeline.since is not None:
+                left += max(0.0, median - (now - timeline.since))
+            else:
+                left += median
+        return left
 
     def _expected(self, load: _Load) -> Mapping[str, float]:
         """History's phase medians for this load's cache, read once per load and cache value.
@@ -775,6 +886,12 @@ class Tracker:
                 process_gpu_bytes=obs.process_gpu_bytes,
                 disk_read_bytes=obs.disk_read_bytes,
             )
+            if obs.files is not None:
+                out.update(
+                    weight_files_consumed_bytes=obs.files.consumed_bytes,
+                    weight_files_seen_bytes=obs.files.seen_bytes,
+                    weight_files_first_open_at=obs.files.first_open_at,
+                )
         if load is not None:
             out.update(
                 resident_bytes_at_start=load.resident_start,
@@ -784,6 +901,10 @@ class Tracker:
             )
             out.update({f"progress_{k}": ev.ratio for k, ev in load.evidence.items()})
         return out
+
+
+def _capped(value: int, cap: int | None) -> int:
+    return max(0, value if cap is None else min(value, cap))
 
 
 def temperature(resident_share: float) -> Cache:
@@ -824,6 +945,8 @@ def _moved(prev: Observation | None, obs: Observation) -> bool:
     if obs.process_read_bytes is None and obs.process_read_chars is None:
         # Host-wide device reads are noise when the tree's own counters exist.
         counters.append((prev.disk_read_bytes, obs.disk_read_bytes))
+    if prev.files is not None and obs.files is not None:
+        counters.append((prev.files.consumed_bytes, obs.files.consumed_bytes))
     levels = [
         (prev.process_gpu_bytes, obs.process_gpu_bytes),
         (prev.resident_bytes, obs.resident_bytes),

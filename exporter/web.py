@@ -23,7 +23,8 @@ from exporter.httpserver import Limits, Server, somaxconn
 from exporter.runtime import Runtime
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, LOGS, NVML, PAGECACHE
+from exporter.sources import DISK, LOGS, NVML, PAGECACHE, WEIGHT_FILES
+from exporter.sources.weightfiles import WeightFilesSample
 from exporter.tracker import LoadRecord
 from exporter.webconfig import WebConfig
 
@@ -79,6 +80,23 @@ def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
     }
 
 
+def _weight_files(sample: WeightFilesSample) -> dict[str, Any]:
+    """What the server's tree has done with its weight files: the files it holds in full, the
+    ones it is done with as a count (a checkpoint may have hundreds of shards)."""
+    return {
+        "visible": sample.visible,
+        "reason": sample.reason,
+        "first_open_at": sample.first_open_at,
+        "idle_since": sample.idle_since,
+        "consumed_bytes": sample.consumed_bytes,
+        "total_bytes": sample.total_bytes,
+        "files_total": sample.files_total,
+        "files_seen": len(sample.files),
+        "files_done": sum(1 for f in sample.files if f.consumed_bytes >= f.size_bytes),
+        "held": [dataclasses.asdict(f) for f in sample.files if f.held],
+    }
+
+
 def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
     disk = snap.host_value(DISK)
@@ -116,6 +134,9 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
                 "reason": value.reason,
             }
         entry.update(_operator_view(snap, view))
+        files = view.reading(WEIGHT_FILES)
+        if files is not None and files.value is not None:
+            entry["weight_files"] = _weight_files(files.value)
         logs = view.reading(LOGS)
         if logs is not None and logs.value is not None:
             sample = logs.value

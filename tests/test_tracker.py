@@ -15,7 +15,7 @@ import pytest
 
 from exporter.history import HistoryStore
 from exporter.logmarkers import EventKind, LogEvent
-from exporter.tracker import LoadRecord, Observation, TargetState, Tracker
+from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6
@@ -48,6 +48,13 @@ class Sim:
     ticks: int = 0
     probe: tuple[str, float] | None = None
     logged: bool = False  # the target has a log source
+    files: bool = False  # the tree's weight files are in view (sources/weightfiles.py)
+    consumed: int = 0  # bytes of the weight files the tree has consumed
+    seen: int = 0  # sizes of the weight files it has held
+    first_open: float | None = None
+    first_open_seen: bool = True
+    idle: float | None = None  # no weight file held since
+    rx: int | None = None  # PCIe bytes received by the tree's GPUs; None: no such counter
     log_lines: int = 0
     log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
     states: list[TargetState] = field(default_factory=list)
@@ -58,6 +65,18 @@ class Sim:
         """Start a server process now; a new tree's counters start at zero."""
         self.pid, self.started = pid, self.time
         self.read_bytes = self.read_chars = self.gpu = 0
+        self.consumed = self.seen = 0
+        self.first_open = self.idle = None
+
+    def hold(self, seen: int) -> None:
+        """From the next tick the tree holds weight files of `seen` bytes in all."""
+        if self.first_open is None:
+            self.first_open = self.time + 1
+        self.seen, self.idle = seen, None
+
+    def let_go(self) -> None:
+        """From the next tick the tree holds no weight file."""
+        self.idle = self.time + 1
 
     def say(self, kind: EventKind, ago: float = 0.0, **fields: Any) -> None:
         """The server logs a marker, stamped `ago` seconds before the next tick."""
@@ -93,6 +112,19 @@ class Sim:
             disk_read_bytes=self.disk,
             log_events=tuple(self.log),
             log_lines=self.log_lines if self.logged else None,
+            files=(
+                FileView(
+                    self.first_open,
+                    self.first_open_seen,
+                    self.idle,
+                    self.consumed,
+                    self.seen,
+                    self.weights,
+                )
+                if self.files and alive
+                else None
+            ),
+            gpu_rx_bytes=self.rx,
         )
 
     def tick(
@@ -103,11 +135,17 @@ class Sim:
         cache: int | None = None,
         chars: int = 0,
         gpu: int = 0,
+        consume: int = 0,
+        rx: int = 0,
     ) -> None:
-        """n seconds; `read` storage bytes/s (into the page cache unless `cache` says otherwise)."""
+        """n seconds; `read` storage bytes/s (into the page cache unless `cache` says otherwise),
+        `consume` bytes/s of the weight files consumed (what the file view shows)."""
         for _ in range(n):
             self.time += 1
             self.ticks += 1
+            self.consumed = min(self.seen, self.consumed + consume)
+            if self.rx is not None:
+                self.rx += rx
             self.read_bytes += read
             self.read_chars += chars
             self.gpu += gpu
@@ -899,3 +937,223 @@ def test_an_exit_without_a_log_fails_at_once() -> None:
     sim.tick()
     [record] = sim.records
     assert record.outcome == "failed" and record.ended_at == sim.time and record.fatal is None
+
+
+# -- the weight files in view ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PythonServerScript:
+    """A Python server's start: imports reading like weights, then shards, then compile."""
+
+    imports: int = 20  # seconds of imports: 533 MB through read(), 27 MB of it from storage
+    shards: int = 4
+    shard_seconds: int = 5
+    init: int = 35
+
+
+def python_server_load(sim: Sim, script: PythonServerScript = PythonServerScript()) -> None:
+    sim.files = True
+    sim.spawn()
+    sim.tick(script.imports, read=27 * MB // script.imports, cache=0, chars=533 * MB)
+    shard = sim.weights // script.shards
+    rate = shard // script.shard_seconds
+    for index in range(1, script.shards + 1):
+        sim.hold(index * shard)
+        sim.tick(script.shard_seconds, read=rate, consume=rate, chars=rate)
+    sim.let_go()
+    sim.tick(script.init)
+    sim.endpoint = "ready"
+    sim.tick()
+
+
+def test_imports_are_starting_and_the_weights_begin_at_the_first_weight_file() -> None:
+    sim = Sim(tracker(), weights=1_340 * MB)
+    script = PythonServerScript()
+    python_server_load(sim, script)
+
+    assert phases(sim.states) == ["starting", "loading_weights", "initializing", "ready"]
+    starting = [s for s in sim.states if s.phase == "starting"]
+    assert len(starting) == script.imports
+    assert all(not s.progress_ratio and s.weights_eta_seconds is None for s in starting)
+    assert all(s.eta_seconds is None for s in starting)  # no history: no basis at all
+    began = T0 + script.imports + 1
+    loading = [(t, s) for t, s in zip(sim.times, sim.states, strict=True) if t >= began][
+        : script.shards * script.shard_seconds
+    ]
+    rate = sim.weights // script.shards // script.shard_seconds
+    for t, state in loading:
+        assert state.progress_source == "weight_files"
+        assert state.progress_ratio == pytest.approx(rate * (t - began + 1) / sim.weights)
+    [record] = sim.records
+    weights = script.shards * script.shard_seconds
+    assert record.phase_seconds == {
+        "starting": script.imports + 1,
+        "loading_weights": weights - 1,
+        "initializing": script.init + 1,
+    }
+
+
+def test_before_the_weights_the_eta_is_historys_and_no_weights_eta_from_imports(
+    tmp_path,
+) -> None:
+    store = HistoryStore(str(tmp_path / "history.sqlite"))
+    first = Sim(tracker(expectations=store), weights=1_340 * MB)
+    python_server_load(first, PythonServerScript())
+    store.add(first.records[-1])
+    expected = first.records[-1].phase_seconds
+
+    sim = Sim(tracker(expectations=store), weights=1_340 * MB, time=first.time + 600)
+    start = sim.time
+    python_server_load(sim, PythonServerScript())
+    for t in (5, 10, 19):
+        state = sim.state_at(start + t)
+        assert state.phase == "starting"
+        assert state.weights_eta_seconds is None
+        assert state.eta_seconds == pytest.approx(
+            expected["starting"] - t + expected["loading_weights"] + expected["initializing"]
+        )
+
+
+def test_storage_reads_never_run_ahead_of_the_weight_files_held() -> None:
+    sim = Sim(tracker(), weights=8 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(3)
+    sim.hold(2 * GB)
+    # A library imported lazily reads 3 GB from storage while the first shard loads.
+    sim.tick(1, read=3 * GB + 100 * MB, consume=100 * MB)
+    sim.tick(4, read=100 * MB, consume=100 * MB)
+    for state in sim.states[3:]:
+        assert state.phase == "loading_weights"
+        assert state.progress_ratio is not None
+        assert state.progress_ratio <= 2 * GB / sim.weights
+
+
+def test_weights_end_when_the_tree_lets_go_of_every_weight_file() -> None:
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(5)
+    # A warm load so fast that two of its four shards came and went between two looks.
+    sim.hold(2 * GB)
+    sim.tick(2, consume=GB)
+    sim.let_go()
+    idle = sim.time + 1
+    sim.tick(5)
+    assert sim.state.phase == "loading_weights"  # held nothing for four intervals: not yet
+    sim.tick()
+    assert sim.state.phase == "initializing"  # for five: the loader is done with them
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.phase_seconds["loading_weights"] == idle - (T0 + 6)
+    assert record.phase_seconds["initializing"] == sim.time - idle
+
+
+def test_a_late_load_with_no_weight_file_held_on_arrival_has_unknown_phases() -> None:
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(30)  # before the exporter: imports, or weights already loaded and closed?
+    sim.restart_exporter(tracker())
+    sim.tick(10)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.seen_late and record.phase_seconds == {}
+
+
+def test_a_late_load_that_opens_its_weights_later_was_starting_until_then() -> None:
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(30)
+    sim.restart_exporter(tracker())
+    sim.tick(10)
+    sim.hold(4 * GB)
+    sim.tick(4, consume=GB)
+    sim.let_go()
+    sim.tick(10)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.phase_seconds["starting"] == 41
+    assert record.phase_seconds["loading_weights"] == 3  # all 4 GB in at the 4th tick
+    assert "initializing" in record.phase_seconds
+
+
+def test_a_late_load_holding_weights_on_arrival_began_them_unseen() -> None:
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(30)
+    sim.hold(4 * GB)
+    sim.first_open_seen = False  # the exporter's first look already finds them held
+    sim.tick(2, consume=GB // 2)
+    sim.restart_exporter(tracker())
+    sim.tick(6, consume=GB // 2)
+    sim.let_go()
+    sim.tick(10)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert "starting" not in record.phase_seconds
+    assert "loading_weights" not in record.phase_seconds
+    assert "initializing" in record.phase_seconds
+
+
+def test_initializing_over_its_median_still_has_the_steps_it_has_not_done(tmp_path) -> None:
+    store = HistoryStore(str(tmp_path / "history.sqlite"))
+    init, compile_s, warmup = 40, 20, 10
+
+    def load(sim: Sim, compile_for: int) -> None:
+        sim.files = True
+        sim.spawn()
+        sim.tick(5)
+        sim.say(EventKind.WEIGHTS_BEGIN)
+        sim.hold(sim.weights)
+        sim.tick(4, consume=sim.weights // 4)
+        sim.say(EventKind.WEIGHTS_END)
+        sim.let_go()
+        sim.tick(init - compile_s - warmup)
+        sim.say(EventKind.COMPILE_BEGIN)
+        sim.tick(compile_for)
+        sim.say(EventKind.COMPILE_END)
+        sim.say(EventKind.WARMUP_BEGIN)
+        sim.tick(warmup)
+        sim.endpoint = "ready"
+        sim.tick()
+
+    first = Sim(tracker(expectations=store), weights=4 * GB)
+    load(first, compile_s)
+    store.add(first.records[-1])
+    assert first.records[-1].phase_seconds["compile"] == compile_s
+
+    sim = Sim(tracker(expectations=store), weights=4 * GB, time=first.time + 600)
+    load(sim, compile_s + 15)  # this compile takes 15 s longer
+    weights_end = next(t for t, s in zip(sim.times, sim.states, strict=True)
+                       if s.phase == "initializing")  # fmt: skip
+    compile_began = weights_end + init - compile_s - warmup
+    at = compile_began + 25  # 25 s into a 20-s median compile, 45 s into a 40-s init
+    state = sim.state_at(at)
+    assert state.phase == "initializing" and state.step == "compile"
+    assert state.eta_seconds == pytest.approx(warmup)  # compile's median spent, warm-up ahead
+    early = sim.state_at(weights_end + 5)
+    assert early.eta_seconds == pytest.approx(init - 5)
+
+
+def test_bytes_reaching_the_gpus_count_from_the_first_weight_file_up_to_the_files_held() -> None:
+    sim = Sim(tracker(), weights=8 * GB, rx=5 * GB)  # the counter's value from earlier work
+    sim.files = True
+    sim.spawn()
+    sim.tick(5, rx=GB)  # CUDA contexts and a warm-up copy before any weight: not weights
+    sim.hold(4 * GB)
+    sim.tick()
+    assert sim.state.progress_ratio == 0
+    # GPUDirect-style: the files are open, their offsets and pages say nothing, PCIe does.
+    sim.tick(2, rx=GB)
+    assert sim.state.progress_source == "gpu_pcie"
+    assert sim.state.progress_ratio == pytest.approx(2 * GB / sim.weights)
+    sim.tick(5, rx=GB)
+    assert sim.state.progress_ratio == pytest.approx(4 * GB / sim.weights)  # no further than held
