@@ -25,8 +25,23 @@ Rules, because every number on the dashboard comes from them:
 * A ready server that stops answering while its process runs on (process matching) stays `ready`:
   no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
   hang once after 3 of them. Without process matching those 3 failures start a load (above).
-* Weights progress is the highest ratio among the signals that may drive it, clamped to 0..1,
-  and never falls within a load. The signals, and what makes a ratio of 1.0:
+* Where the tree's weight files can be seen (sources/weightfiles.py: the exporter may read the
+  tree's /proc/PID/fd, fdinfo and maps), they decide. The weights begin when a process of the
+  tree first opens or maps a weight file, at that look: everything read before (imports, NCCL
+  set-up) is start-up. Progress is the bytes of the weight files consumed, file by file
+  (`weight_files`), with two more signals that may push it, never past the files held so far:
+  storage bytes the tree read since that first open, and residency growth (not for warm loads,
+  which read nothing from storage; llama.cpp maps its file whole and lets readahead fill it),
+  and PCIe bytes received by the tree's GPUs since then (`gpu_pcie`). The log's shard count
+  counts too. The weights end at 99.9 %, or once the tree held no weight file for 5 intervals
+  (backdated to the look that saw them all let go: a fast load opens and closes files between
+  two looks), or at 90 % once progress stopped rising for 5 intervals. A load first seen late
+  with no weight file held on arrival cannot say whether its weights are behind or ahead of it:
+  its phases are unknown, unless a weight file opens while watched. A look that fails mid-load
+  keeps the last view.
+* Where they cannot be seen (another user's tree and no root), progress is the highest ratio
+  among the counters that may drive it, clamped to 0..1, and never falls within a load. The
+  signals, and what makes a ratio of 1.0:
 
   | group   | signal                                              | 1.0 is                      |
   |---------|-----------------------------------------------------|-----------------------------|
@@ -51,20 +66,23 @@ Rules, because every number on the dashboard comes from them:
   warm loads read nothing from storage. Before the first pass, read() bytes would count the
   interpreter reading its own libraries. The first pass's residency, less what the tree has read
   from storage since its start, is the residency at the start (the pass lands up to two
-  intervals late).
-* `starting` becomes `loading_weights` once progress reaches 1 % (the interpreter reading its own
-  libraries stays below), backdated to the last tick progress did not rise. Weights
-  are in at 99.9 %, or at 90 % once progress stopped rising for 5 intervals (backdated to its
-  last rise): `initializing`. No way back, and a load that never shows weights moving spends its
-  time in `starting`.
+  intervals late). `starting` becomes `loading_weights` once progress reaches 1 %, backdated to
+  the last tick progress did not rise; weights are in at 99.9 %, or at 90 % once progress
+  stopped rising for 5 intervals (backdated to its last rise). Counters cannot tell imports from
+  weights: that is why the file view wins wherever it can be had.
+* Either way there is no way back, a load that never shows weights moving spends its time in
+  `starting`, and the server's own log, where there is one, gives the exact boundaries and wins.
 * A tick "moved" when any byte signal changed by 1 MiB or more since the previous tick, the probe
   result changed, or the phase changed; CPU time is deliberately not a signal. Stalled = in
   progress and nothing moved for `stall_after`.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
-  driving signal. ETA = remaining weights / throughput + the medians history has for the phases
-  still ahead, from loads of the same cache temperature; the phases after the weights do not
-  depend on the page cache, so where those loads have none, loads of any temperature give them.
-  None whenever a part has no basis.
+  driving signal, so the weights ETA (remaining weights / throughput) has no basis before the
+  weights begin. ETA = that + the medians history has for the phases still ahead, from loads of
+  the same cache temperature; the phases after the weights (and their fine steps) do not depend
+  on the page cache, so where those loads have none, loads of any temperature give them. Before
+  the weights it is history's medians alone; while initializing, the rest of its median, or,
+  where the log shows the fine steps and that runs out, the rest of the current step's median
+  and the medians of the steps not begun yet. None whenever a part has no basis.
 """
 
 from __future__ import annotations
