@@ -732,7 +732,8 @@ class StepTimeline:
     """Folds events into the current fine step and the time spent in each finished one.
 
     A step runs from its begin event to its end event, or else to the next step's begin, ready or
-    fatal; between an end and the next begin the step is `none`. Progress opens its step only when
+    fatal; between an end and the next begin the step is `none`. An end line that states the
+    step's duration counts even without its begin line, backdated by that duration. Progress opens its step only when
     no step is open and that step has not run yet (its begin line was missed). A step that runs
     twice (a draft model's weights) adds up. ready and fatal end the load; the next weights_begin
     starts a new one and clears the durations.
@@ -760,8 +761,16 @@ class StepTimeline:
         if kind in _ENTERS:
             self._enter(_ENTERS[kind], at)
         elif kind in _LEAVES:
-            if self.step is _LEAVES[kind]:
+            step = _LEAVES[kind]
+            if self.step is step:
                 self._leave(at)
+            elif event.seconds is not None and step not in self.durations:
+                # "Graph capturing finished in 3 secs" without its begin line: it ran for the
+                # seconds it states, up to now; a step still open ended where this one began.
+                began = at - event.seconds
+                if self.since is not None:
+                    self._leave(max(self.since, began))
+                self.durations[step] = event.seconds
         elif kind in _PROGRESS_STEP:
             step = _PROGRESS_STEP[kind]
             if self.step is Step.NONE and step not in self.durations:

@@ -623,6 +623,11 @@ class Tracker:
             elif kind is EventKind.WEIGHTS_END:
                 load.log_weights_open = False
                 load.progress = 1.0
+                if self._phase is Phase.STARTING and event.seconds is not None:
+                    # "Loading weights took 2.65 seconds" with no begin line seen: it dates both.
+                    began = max(at - event.seconds, load.started_at)
+                    seen = not load.seen_late or began >= load.seen_at
+                    self._begin_weights(load, began, 0.0, obs.time, seen)
                 if self._phase in (Phase.STARTING, Phase.LOADING_WEIGHTS):
                     gpu = load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
                     self._end_weights(load, at, gpu, obs.time, seen=True)

@@ -260,6 +260,21 @@ def test_step_timeline_rules() -> None:
     assert timeline.durations == {Step.WEIGHTS: 20.0, Step.COMPILE: 10.0}
 
 
+def test_an_end_line_that_states_its_duration_counts_without_its_begin() -> None:
+    timeline = StepTimeline()
+    parser = MarkerParser("vllm")
+    log = [
+        (45.0, "INFO 03-02 10:00:35 [x.py:1] Available KV cache memory: 1.00 GiB"),
+        (50.0, "INFO 03-02 10:00:40 [x.py:1] Graph capturing finished in 3 secs, took 0.5 GiB"),
+    ]
+    for ref, line in log:
+        for event in parser.feed(line, ref):
+            timeline.apply(event)
+    # The graphs ran 47..50 by their own account: the KV cache step ended where they began.
+    assert timeline.durations == {Step.KV_CACHE: 2.0, Step.CUDA_GRAPH: 3.0}
+    assert timeline.step is Step.NONE
+
+
 SIMULATED_STEPS = {
     "sglang": {"kv_cache", "compile_begin", "cuda_graph_begin", "cuda_graph_end", "warmup_begin"},
     "vllm": {"compile_begin", "compile_end", "kv_cache", "cuda_graph_begin", "cuda_graph_end"},

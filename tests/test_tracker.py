@@ -1157,3 +1157,19 @@ def test_bytes_reaching_the_gpus_count_from_the_first_weight_file_up_to_the_file
     assert sim.state.progress_ratio == pytest.approx(2 * GB / sim.weights)
     sim.tick(5, rx=GB)
     assert sim.state.progress_ratio == pytest.approx(4 * GB / sim.weights)  # no further than held
+
+
+def test_a_weights_end_line_with_its_duration_dates_the_weights_begin_it_never_logged() -> None:
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True  # the files were opened and closed between two looks: never seen held
+    sim.spawn()
+    sim.tick(20)
+    sim.say(EventKind.WEIGHTS_END, ago=0.5, seconds=2.65)
+    sim.tick()
+    assert sim.state.phase == "initializing"
+    sim.tick(10)
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.phase_seconds["loading_weights"] == pytest.approx(2.65)
+    assert record.phase_seconds["starting"] == pytest.approx(20.5 - 2.65)
