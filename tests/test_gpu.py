@@ -591,7 +591,7 @@ UNAVAILABLE_REASONS = {
 }
 PROBE_KEYS = {
     "schema", "nvml", "reason", "binding", "driver_version", "pid_namespace", "devices",
-    "nvidia_smi", "source", "attribution", "samples", "errors",
+    "nvidia_smi", "source", "attribution", "samples", "pcie_end", "errors",
 }  # fmt: skip
 
 
@@ -677,6 +677,8 @@ def test_probe_report_shape_with_gpus(
     gpus = h200_node(2)
     gpus[1].used_bytes = 3 * GIB
     gpus[1].processes = [FakeProcess(os.getpid(), 3 * GIB)]
+    gpus[0].pcie_rx_bytes = None  # no counter on GPU 0
+    gpus[1].pcie_rx_bytes = 9 * GIB
     nvml = FakeNvml(gpus)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     probe = load_script("nvml_probe")
@@ -699,6 +701,16 @@ def test_probe_report_shape_with_gpus(
         "version": 2,
     }
     assert gpu["memory_v1"]["used"] == 3 * GIB + RESERVED_BYTES
+    not_supported = {"return": 3, "error": "Not Supported", "value_type": None, "value": None}
+    assert gpu["pcie"] == {
+        "rx": {"return": 0, "error": None, "value_type": 3, "value": 9 * GIB},
+        "tx": not_supported,  # the fake has no TX counter
+    }
+    assert report["devices"][0]["pcie"] == {"rx": not_supported, "tx": not_supported}
+    assert report["pcie_end"] == [report["devices"][0]["pcie"], gpu["pcie"]]
+    assert all(s["pcie_rx_bytes"] == [None, 9 * GIB] for s in report["samples"])
+    rates = [s["pcie_rx_bytes_per_second"] for s in report["samples"]]
+    assert rates[0] == [None, None] and rates[1:] and all(r == [None, 0.0] for r in rates[1:])
     assert gpu["processes"] == [
         {"pid": os.getpid(), "used_bytes": 3 * GIB, "here": True, "cmdline": ANY}
     ]
@@ -748,3 +760,41 @@ def test_gpu_check_judges_a_probe_report(
         attribution.update(trusted=trusted, problem=problem, allocator_attributed_bytes=attributed)
         found = {name: passed for name, passed, _ in check._judge(report)}
         assert found["attribution"] is verdict, (trusted, problem, attributed)
+
+
+def test_gpu_check_judges_the_pcie_counter(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPU 0 must have moved by what the allocator copied, read by the source, never back."""
+    gpus = h200_node(2)
+    gpus[0].pcie_rx_bytes = 2 * GIB
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
+    probe, check = load_script("nvml_probe"), load_script("gpu_check")
+    assert probe.main(["--json", "--seconds", "0.2", "--interval", "0.1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+
+    def verdict() -> tuple[bool | None, str]:
+        [(passed, detail)] = [(p, d) for name, p, d in check._judge(report) if name == "pcie rx"]
+        return passed, detail
+
+    assert verdict()[0] is True  # nothing copied: only the source against the driver
+    report["attribution"]["allocator"] = {"allocated_bytes": GIB, "pid": 1, "error": None}
+    assert verdict()[0] is False  # copied 1 GiB, the counter did not move
+    report["pcie_end"][0]["rx"]["value"] += GIB
+    assert verdict() == (
+        True,
+        "gpu 0: RX +1,024 MiB, TX +unknown for 1,024 MiB copied; value type 3;"
+        " peak 0 MiB/s while sampling",
+    )
+    report["samples"][1]["pcie_rx_bytes"][0] -= 1  # the source's counter went back
+    assert verdict()[0] is False
+    report["samples"][1]["pcie_rx_bytes"][0] += 1
+    report["source"]["devices"][1]["pcie_rx_bytes"] = None  # the source lost GPU 1's counter
+    passed, detail = verdict()
+    assert passed is False and detail.startswith("gpu 1: driver has counter, source none")
+
+    # No counter on GPU 0 (nor in the source): information, not a failure.
+    report["source"]["devices"][1]["pcie_rx_bytes"] = 0
+    report["devices"][0]["pcie"]["rx"].update({"return": 3, "error": "Not Supported"})
+    report["source"]["devices"][0]["pcie_rx_bytes"] = None
+    assert verdict() == (None, "no counter on GPU 0 (Not Supported)")

@@ -150,9 +150,9 @@ def test_the_source_reads_the_union_member_each_value_type_names() -> None:
     assert gpu.PCIE_RX_BYTES_FIELD == pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES == 198
     union = [name for name, _ in pynvml.c_nvmlValue_t._fields_]
     assert [getattr(pynvml, name) for name in VALUE_TYPES] == list(range(len(VALUE_TYPES)))
-    assert list(gpu._VALUE_MEMBERS) == union  # nvml.h orders the union as it orders the types
+    assert list(gpu.VALUE_MEMBERS) == union  # nvml.h orders the union as it orders the types
     for value_type, (member, _) in VALUE_MEMBERS.items():
-        assert gpu._VALUE_MEMBERS[value_type] == member
+        assert gpu.VALUE_MEMBERS[value_type] == member
 
 
 def test_the_modelled_c_functions_are_the_ones_the_binding_calls() -> None:

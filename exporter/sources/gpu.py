@@ -49,7 +49,7 @@ PCIE_RX_BYTES_FIELD = 198
 # The member of a field value's union that holds each value type, by nvmlValueType_t (nvml.h:
 # double, unsigned int, unsigned long, unsigned long long, signed long long, signed int,
 # unsigned short). Older bindings lack the last member: such a value is unusable with them.
-_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 CLOSE_TIMEOUT_SECONDS = 5.0
 
@@ -394,8 +394,7 @@ class NvmlSource:
             log.info("gpu %d: no PCIe byte counter (%s)", index, _text(err))
             self._no_pcie.add(index)
             return None
-        known = 0 <= field.valueType < len(_VALUE_MEMBERS)
-        value = getattr(field.value, _VALUE_MEMBERS[field.valueType], None) if known else None
+        value = field_value(field)
         if value is None or not math.isfinite(value) or value < 0:
             log.warning("gpu %d: PCIe RX counter unusable (value type %s, value %s): not read",
                         index, field.valueType, value)  # fmt: skip
@@ -440,6 +439,15 @@ class NvmlSource:
             self._handles.pop(index, None)
             errors.append(f"gpu {index}: {what}: {_text(err)}")
             raise _GpuLost from err
+
+
+def field_value(field: Any) -> float | None:
+    """A `c_nvmlFieldValue_t`'s number, from the union member its valueType names; None for a
+    type this binding's union has no member for."""
+    if not 0 <= field.valueType < len(VALUE_MEMBERS):
+        return None
+    value: float | None = getattr(field.value, VALUE_MEMBERS[field.valueType], None)
+    return value
 
 
 def process_gpu_memory(
