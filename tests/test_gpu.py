@@ -680,11 +680,7 @@ def test_probe_report_shape_with_gpus(
     gpus[0].pcie_rx_bytes = None  # no counter on GPU 0
     gpus[1].pcie_rx_bytes = 9 * GIB
     nvml = FakeNvml(gpus)
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    probe = load_script("nvml_probe")
-
-    assert probe.main(["--json", "--seconds", "0.2", "--interval", "0.1"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = fake_probe_report(monkeypatch, capsys, nvml, "--seconds", "0.2", "--interval", "0.1")
 
     assert set(report) == PROBE_KEYS
     assert (report["nvml"], report["reason"], report["driver_version"]) == (
@@ -725,16 +721,28 @@ def test_probe_report_shape_with_gpus(
     assert nvml.refcount == 0  # the probe gave back every init it took
 
 
+def fake_probe_report(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    nvml: FakeNvml,
+    *args: str,
+) -> dict[str, Any]:
+    """The probe's JSON document on a fake GPU host."""
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert load_script("nvml_probe").main(["--json", *args]) == 0
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return report
+
+
 def test_gpu_check_judges_a_probe_report(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """scripts/gpu_check.py runs once on a lent GPU host: its checks are proven here first."""
     gpus = h200_node(2)
     gpus[1].used_bytes = 3 * GIB
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
-    probe, check = load_script("nvml_probe"), load_script("gpu_check")
-    assert probe.main(["--json", "--seconds", "0", "--allocate-gib", "0.25"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    args = ["--seconds", "0", "--allocate-gib", "0.25"]
+    report = fake_probe_report(monkeypatch, capsys, FakeNvml(gpus), *args)
+    check = load_script("gpu_check")
 
     verdicts = {name: (passed, detail) for name, passed, detail in check._judge(report)}
     # No libcuda here: the allocation fails and says why; on a GPU host that is a failure.
@@ -768,10 +776,9 @@ def test_gpu_check_judges_the_pcie_counter(
     """GPU 0 must have moved by what the allocator copied, read by the source, never back."""
     gpus = h200_node(2)
     gpus[0].pcie_rx_bytes = 2 * GIB
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
-    probe, check = load_script("nvml_probe"), load_script("gpu_check")
-    assert probe.main(["--json", "--seconds", "0.2", "--interval", "0.1"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    args = ["--seconds", "0.2", "--interval", "0.1"]
+    report = fake_probe_report(monkeypatch, capsys, FakeNvml(gpus), *args)
+    check = load_script("gpu_check")
 
     def verdict() -> tuple[bool | None, str]:
         [(passed, detail)] = [(p, d) for name, p, d in check._judge(report) if name == "pcie rx"]
