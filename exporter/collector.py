@@ -84,6 +84,9 @@ PAGE_CACHE = _gauge("host_memory_page_cache_bytes", "Cached from /proc/meminfo."
 GPU_INFO = _gauge("gpu_info", "GPU identity from NVML.", "gpu", "uuid", "name", "driver_version")
 GPU_USED = _gauge("gpu_memory_used_bytes", "GPU memory in use (NVML).", "gpu", "uuid")
 GPU_TOTAL = _gauge("gpu_memory_total_bytes", "GPU memory size (NVML).", "gpu", "uuid")
+GPU_PCIE_RX = _counter(
+    "gpu_pcie_rx_bytes_total", "Bytes the GPU received over PCIe (NVML).", "gpu", "uuid"
+)
 # Per target: what the sources see
 TARGET_INFO = _gauge(
     "target_info",
@@ -155,6 +158,7 @@ PHASE_DURATION = _histogram(
 CATALOG: tuple[MetricSpec, ...] = (
     BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK, HISTORY_UP,
     DISK_READ, DISK_RATE, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
+    GPU_PCIE_RX,
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
@@ -213,6 +217,7 @@ def _nvml(out: Scrape, gpu: GpuSample) -> None:
         out.add(GPU_INFO, [index, dev.uuid, dev.name, gpu.driver_version], 1)
         out.add(GPU_USED, [index, dev.uuid], dev.memory_used_bytes)
         out.add(GPU_TOTAL, [index, dev.uuid], dev.memory_total_bytes)
+        out.add(GPU_PCIE_RX, [index, dev.uuid], dev.pcie_rx_bytes)
 
 
 def _endpoint(out: Scrape, target: str, probe: ProbeSample) -> None:

@@ -52,7 +52,7 @@ from exporter.sources import (
 )
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
-from exporter.sources.gpu import NvmlSource, process_gpu_memory
+from exporter.sources.gpu import NvmlSource, PcieMarks, mark_pcie, process_gpu_memory
 from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
 from exporter.sources.nvml_pids import NvmlPidCheck
@@ -100,6 +100,7 @@ class TargetRuntime:
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
+    pcie_at_start: PcieMarks = field(default_factory=dict)  # each GPU's counter as the load began
     probe_seen: float | None = None  # finish time of the last probe the tick looked at
     failed_probes: int = 0  # failed probes in a row
     hung: bool = False  # ready, process running, endpoint failing: logged once
@@ -381,9 +382,15 @@ class Runtime:
                 # A new load: its cache temperature needs a residency pass now, not when the
                 # CPU budget next allows one.
                 runtime.started_at = state.started_at
+                runtime.pcie_at_start = {}
                 if runtime.residency is not None:
                     runtime.residency.request_full_pass()
                     self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+            gpus = self.sampler.latest(NVML)
+            if state.in_progress and gpus is not None:  # each GPU's first counter in the load
+                runtime.pcie_at_start = mark_pcie(
+                    runtime.pcie_at_start, gpus.good, gpus.finished_at, state.started_at
+                )
             if runtime.cadence.set_phase(state.phase):
                 moved = True
             self._note_hung(runtime, state)
@@ -623,6 +630,7 @@ class Runtime:
                     by_target.get(name, {}),
                     dict(rt.gpu_memory),
                     rt.discovered,
+                    rt.pcie_at_start,
                 )
                 for name, rt in self.targets.items()
             )

@@ -7,7 +7,7 @@ the web side need no locks, and a source thread that hangs cannot delay them.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from exporter.config import TargetConfig
@@ -15,6 +15,7 @@ from exporter.discovery import DiscoveredServer
 from exporter.loadstats import HistogramCounts
 from exporter.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
+from exporter.sources.gpu import PcieMarks
 from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, ServerKind
 
@@ -34,6 +35,8 @@ class TargetView:
     readings: Mapping[str, Reading[Any]]  # this target's per-target sources, by source name
     gpu_memory: Mapping[int, int]  # bytes the server's process tree holds, per GPU index
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
+    # Each GPU's PCIe RX counter when the current (or last) load began.
+    pcie_at_start: PcieMarks = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -24,6 +24,7 @@ from exporter.runtime import Runtime
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, LOGS, NVML, PAGECACHE, WEIGHT_FILES
+from exporter.sources.gpu import pcie_rx_since
 from exporter.sources.weightfiles import WeightFilesSample
 from exporter.tracker import LoadRecord
 from exporter.webconfig import WebConfig
@@ -53,9 +54,35 @@ def _note(reading: Reading[Any]) -> str | None:
     return getattr(reading.value, "note", None)
 
 
+def _gpu_pcie(snap: Snapshot, view: TargetView) -> list[dict[str, Any]]:
+    """Per GPU of the target (its configured `gpus`, else those its tree holds memory on): the
+    PCIe RX counter, and the bytes received since the current (or last) load began."""
+    reading = snap.host_reading(NVML)
+    gpu = reading.good if reading is not None else None
+    if reading is None or gpu is None:  # no GPU reading: nothing to show, not zeros
+        return []
+    wanted = view.gpu_memory if view.config.gpus == "auto" else view.config.gpus
+    entries = []
+    for device in gpu.devices:
+        if device.index not in wanted:
+            continue
+        mark = view.pcie_at_start.get((device.index, device.uuid))
+        entries.append(
+            {
+                "gpu": device.index,
+                "uuid": device.uuid,
+                "pcie_rx_bytes": device.pcie_rx_bytes,
+                "pcie_rx_bytes_since_load_start": pcie_rx_since(mark, device, reading.finished_at),
+                "pcie_rx_counted_since": mark.read_at if mark is not None else None,
+            }
+        )
+    return entries
+
+
 def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
     """What `status`, `wait` and the live page show beside the state: GPU memory the target holds
-    per device, and what history expects of a load at each cache temperature."""
+    per device, PCIe bytes per GPU in this load, and what history expects of a load at each cache
+    temperature."""
     gpu = snap.host_value(NVML)
     devices = {d.index: d for d in gpu.devices} if gpu is not None else {}
     gpu_memory = []
@@ -71,6 +98,7 @@ def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
         )
     return {
         "gpu_memory": gpu_memory,
+        "gpu_pcie": _gpu_pcie(snap, view),
         "expected_duration_seconds": {
             str(cache): seconds
             for (target, cache), seconds in snap.expected_durations.items()

@@ -4,12 +4,17 @@ it, and the GPU tests, with one verdict line per check.
 
 Installs nothing: run it with the interpreter that has the exporter and its test extras
 (`.venv/bin/python scripts/gpu_check.py --out DIR`). It runs scripts/nvml_probe.py --json, which
-allocates 1 GiB on GPU 0 through libcuda in a child process while sampling, then checks:
+allocates 1 GiB on GPU 0 through libcuda in a child process and copies host memory into it while
+sampling, then checks:
 - the source reads the same GPUs, totals and used memory as pynvml directly;
 - v2 memory: total = reserved + used + free, and v1 used = v2 used + reserved;
 - used and total match nvidia-smi's (when installed): the figure users compare with;
 - the allocation is attributed to the child, or the source refuses attribution and says why
   (a PID namespace that is not the host's);
+- the PCIe RX counter: where the driver has it (the field's own return), the source reads it
+  on every GPU, never backwards, and GPU 0's moved by at least the bytes copied into it (the raw
+  RX and TX growth and the value type are in the detail, so a 32-bit counter that wraps, or RX
+  and TX the other way round, show); where the driver has none, the source has none either;
 - no per-call errors in the source's samples;
 - the tests that talk to the real NVML (marker `nvml`) and the GPU tests pass here.
 Exit status 0 when every check passes. The probe's JSON and the test output go to --out.
@@ -24,6 +29,7 @@ same Python minor version as there (25 MB):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -124,6 +130,7 @@ def _judge(report: dict[str, Any]) -> Iterator[Check]:
     yield _accounting(raw)
     yield _nvidia_smi(raw, report["nvidia_smi"])
     yield from _attribution(report["attribution"])
+    yield _pcie(report)
     errors = sorted({e for s in report["samples"] for e in s["errors"]})
     unavailable = [s["unavailable"] for s in report["samples"] if s["unavailable"]]
     yield "source errs", not errors and not unavailable, "; ".join(errors + unavailable) or "none"
@@ -188,6 +195,45 @@ def _nvidia_smi(raw: list[dict[str, Any]], smi: list[dict[str, Any]] | None) -> 
             problems.append(f"gpu {gpu['index']}: total {row['memory_total_mib']} vs {total:.0f}")
     detail = "; ".join(problems) or "used and total (MiB) as nvidia-smi shows them"
     return "nvidia-smi", not problems, detail
+
+
+def _pcie(report: dict[str, Any]) -> Check:
+    """The PCIe RX counter as the driver reports it against the source's reading of it."""
+    raw = [(d["pcie"] or {}).get("rx") for d in report["devices"]]
+    read = [d["pcie_rx_bytes"] for d in report["source"]["devices"]]
+    problems = [
+        f"gpu {i}: driver {'has' if has else 'has no'} counter, source {'none' if r is None else r}"
+        for i, (field, r) in enumerate(zip(raw, read, strict=True))
+        if (has := field is not None and field["error"] is None) != (r is not None)
+    ]
+    if not raw or raw[0] is None or raw[0]["error"] is not None:
+        reason = raw[0]["error"] if raw and raw[0] is not None else "not read"
+        return "pcie rx", None if not problems else False, f"no counter on GPU 0 ({reason})"
+    series = [s["pcie_rx_bytes"][0] for s in report["samples"] if s["pcie_rx_bytes"]]
+    if None in series or any(b < a for a, b in itertools.pairwise(series)):
+        problems.append(f"gpu 0: the source's counter went back or missed a sample: {series}")
+    end = {k: (report["pcie_end"][0] if report["pcie_end"] else {}).get(k) for k in ("rx", "tx")}
+    grew = {k: _growth((report["devices"][0]["pcie"] or {}).get(k), end[k]) for k in end}
+    copied = (report["attribution"]["allocator"] or {}).get("allocated_bytes")
+    if copied is not None and (grew["rx"] is None or grew["rx"] < copied):
+        problems.append(f"gpu 0: RX moved {_mib(grew['rx'])} for {_mib(copied)} copied")
+    rates = [s["pcie_rx_bytes_per_second"][0] for s in report["samples"] if s["pcie_rx_bytes"]]
+    peak = max((r for r in rates if r is not None), default=None)
+    detail = (
+        f"gpu 0: RX +{_mib(grew['rx'])}, TX +{_mib(grew['tx'])} for {_mib(copied)} copied;"
+        f" value type {raw[0]['value_type']}; peak {_mib(peak)}/s while sampling"
+    )
+    return "pcie rx", not problems, "; ".join([*problems, detail])
+
+
+def _growth(start: dict[str, Any] | None, end: dict[str, Any] | None) -> float | None:
+    if start is None or end is None or start["error"] or end["error"]:
+        return None
+    return float(end["value"] - start["value"])
+
+
+def _mib(value: float | None) -> str:
+    return "unknown" if value is None else f"{value / MIB:,.0f} MiB"
 
 
 def _attribution(attribution: dict[str, Any]) -> Iterator[Check]:

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Check what NVML reports on a real GPU host, and what the exporter's GPU source makes of it.
 
-Reads the driver, each GPU's memory (v2 and v1) and compute processes straight from `pynvml`,
-then one `NvmlSource.sample()`, nvidia-smi's own figures when it is installed, and samples for a
-while. With `--allocate-gib N` a child process allocates N GiB on GPU 0 through the CUDA driver
-(libcuda, no framework needed) and the probe reports whether NVML lists it and whether the
-source attributes it: it cannot when NVML's PIDs are not this PID namespace's (a container
-without the host's PID namespace and an older driver), and then the source says so.
+Reads the driver, each GPU's memory (v2 and v1), PCIe byte counters (field values RX and TX)
+and compute processes straight from `pynvml`, then one `NvmlSource.sample()`, nvidia-smi's own
+figures when it is installed, and samples for a while, printing each GPU's PCIe RX counter and
+its rate. With `--allocate-gib N` a child process allocates N GiB on GPU 0 through the CUDA
+driver (libcuda, no framework needed) and keeps copying host memory into it while the probe
+samples, so the RX counter must move by at least N GiB; the probe reports whether NVML lists the
+allocation and whether the source attributes it: it cannot when NVML's PIDs are not this PID
+namespace's (a container without the host's PID namespace and an older driver), and then the
+source says so. The raw counters are read again at the end (`pcie_end`).
 
     python scripts/nvml_probe.py [--seconds 10] [--interval 1] [--allocate-gib 1] [--json]
 
@@ -31,7 +34,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporter.sources.gpu import GpuSample, NvmlSource, NvmlUnavailable, process_gpu_memory
+from exporter.sources.gpu import (
+    PCIE_RX_BYTES_FIELD,
+    GpuSample,
+    NvmlSource,
+    NvmlUnavailable,
+    field_value,
+    process_gpu_memory,
+)
 from exporter.sources.nvml_pids import in_initial_pid_namespace
 
 SCHEMA = 1
@@ -39,17 +49,22 @@ MIB = 1024 * 1024
 GIB = 1024 * MIB
 CHUNK_BYTES = 256 * MIB
 ALLOCATED_TIMEOUT_SECONDS = 60.0
+PCIE_TX_BYTES_FIELD = 197  # nvml.h NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+PCIE_FIELDS = {"rx": PCIE_RX_BYTES_FIELD, "tx": PCIE_TX_BYTES_FIELD}
 
-# Runs in the child: allocate through the CUDA driver API, say so, hold until killed.
+# Runs in the child: allocate through the CUDA driver API, copy host memory into every chunk
+# (over PCIe), say so, go on copying for `seconds` so the counters move while the probe
+# samples, then hold until killed.
 ALLOCATOR = """
 import ctypes, sys, time
-total, chunk = int(sys.argv[1]), int(sys.argv[2])
+total, chunk, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 try:
     cuda = ctypes.CDLL("libcuda.so.1")
 except OSError as err:
     print(f"error libcuda.so.1: {err}", flush=True)
     sys.exit(1)
 cuda.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+cuda.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
 def check(result, what):
     if result != 0:
         name = ctypes.c_char_p()
@@ -67,7 +82,15 @@ while len(held) * chunk < total:
     pointer = ctypes.c_uint64()
     check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), chunk), "cuMemAlloc")
     held.append(pointer)
+host = ctypes.create_string_buffer(chunk)
+def copy():
+    for pointer in held:
+        check(cuda.cuMemcpyHtoD_v2(pointer.value, host, chunk), "cuMemcpyHtoD")
+copy()
 print(f"allocated {len(held) * chunk}", flush=True)
+until = time.monotonic() + seconds
+while time.monotonic() < until:
+    copy()
 time.sleep(86400)
 """
 
@@ -93,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     report["source"] = _sample_json(first)
     if not args.json:
         _print_raw(report)
-    child, allocator = _start_allocator(args.allocate_gib)
+    child, allocator = _start_allocator(args.allocate_gib, args.seconds)
     report["attribution"]["allocator"] = allocator
     try:
         last, report["samples"] = _watch(source, args.seconds, args.interval, child, args.json)
         last = last or first
         report["source"] = _sample_json(last)
         report["attribution"].update(_attribution(last, child))
+        report["pcie_end"] = _raw_pcie_end(pynvml, report["errors"])
     finally:
         if child is not None:
             child.kill()
@@ -140,7 +164,8 @@ def _empty_report() -> dict[str, Any]:
             "host": in_initial_pid_namespace(),
         },
         # Straight from pynvml: index, uuid, name, memory (v2 where the driver has it, else v1,
-        # with "version"), memory_v1, processes (pid, used_bytes, here, cmdline), errors.
+        # with "version"), memory_v1, pcie ({rx, tx}: see `_pcie_fields`), processes (pid,
+        # used_bytes, here, cmdline), errors.
         "devices": [],
         "nvidia_smi": None,  # [{index, memory_used_mib, memory_total_mib, memory_reserved_mib}]
         "source": None,  # NvmlSource's last sample: devices, processes, errors, attribution
@@ -151,8 +176,11 @@ def _empty_report() -> dict[str, Any]:
             "allocator_listed_bytes": None,  # what NVML lists under the allocator's PID
             "allocator_attributed_bytes": None,  # what process_gpu_memory gives that PID
         },
-        # {t, unavailable, used_bytes: [per GPU], attributed_bytes (allocator), problem, errors}
+        # {t, unavailable, used_bytes: [per GPU], pcie_rx_bytes: [per GPU, the source's counter],
+        # pcie_rx_bytes_per_second: [per GPU, since the previous sample], attributed_bytes
+        # (allocator), problem, errors}
         "samples": [],
+        "pcie_end": [],  # per GPU, the raw {rx, tx} fields once more after the samples
         "errors": [],  # what failed in the probe's own NVML and nvidia-smi calls
     }
 
@@ -192,14 +220,50 @@ def _raw(nvml: Any, errors: list[str]) -> dict[str, Any]:
     return {"driver_version": driver, "devices": devices}
 
 
+def _raw_pcie_end(nvml: Any, errors: list[str]) -> list[dict[str, Any]]:
+    """The raw counters once more, to set against the start's (`devices[i]["pcie"]`)."""
+    nvml.nvmlInit()
+    try:
+        ends = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            try:
+                ends.append(_pcie_fields(nvml, nvml.nvmlDeviceGetHandleByIndex(index)))
+            except _failures(nvml) as err:
+                errors.append(f"gpu {index}: pcie at the end: {_text(err)}")
+                ends.append({})
+        return ends
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _failures(nvml: Any) -> tuple[type[Exception], ...]:
+    return (nvml.NVMLError, nvml.NVMLLibraryMismatchError)
+
+
+def _pcie_fields(nvml: Any, handle: Any) -> dict[str, Any]:
+    """RX and TX as the driver reports them: {return, error, value_type, value} each."""
+    values = nvml.nvmlDeviceGetFieldValues(handle, list(PCIE_FIELDS.values()))
+    fields = {}
+    for key, field in zip(PCIE_FIELDS, values, strict=True):
+        ok = field.nvmlReturn == nvml.NVML_SUCCESS
+        fields[key] = {
+            "return": int(field.nvmlReturn),
+            "error": None if ok else _text(nvml.NVMLError(field.nvmlReturn)),
+            "value_type": int(field.valueType) if ok else None,
+            "value": field_value(field) if ok else None,
+        }
+    return fields
+
+
 def _raw_device(nvml: Any, index: int) -> dict[str, Any]:
-    failures = (nvml.NVMLError, nvml.NVMLLibraryMismatchError)
+    failures = _failures(nvml)
     gpu: dict[str, Any] = {
         "index": index,
         "uuid": None,
         "name": None,
         "memory": None,
         "memory_v1": None,
+        "pcie": None,
         "processes": [],
         "errors": [],
     }
@@ -213,6 +277,7 @@ def _raw_device(nvml: Any, index: int) -> dict[str, Any]:
     reads = {
         "memory": lambda: _memory(nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)),
         "memory_v1": lambda: _memory(nvml.nvmlDeviceGetMemoryInfo(handle)),
+        "pcie": lambda: _pcie_fields(nvml, handle),
         "processes": lambda: [
             _process(p.pid, p.usedGpuMemory)
             for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
@@ -299,6 +364,9 @@ def _print_raw(report: dict[str, Any]) -> None:
         if gpu["memory_v1"] is not None:
             line += f"; v1 used {_mib(gpu['memory_v1']['used'])}"
         print(line)
+        for key, field in (gpu["pcie"] or {}).items():
+            shown = field["error"] or f"{field['value']} (value type {field['value_type']})"
+            print(f"    pcie {key}: {shown}")
         for error in gpu["errors"]:
             print(f"    error: {error}")
         for proc in gpu["processes"]:
@@ -311,8 +379,11 @@ def _print_raw(report: dict[str, Any]) -> None:
     print(f"\nNvmlSource.sample():\n  {report['source']}")
 
 
-def _start_allocator(gib: float) -> tuple[subprocess.Popen[str] | None, dict[str, Any] | None]:
-    """Starts the allocating child and waits until it holds the memory (or fails)."""
+def _start_allocator(
+    gib: float, seconds: float
+) -> tuple[subprocess.Popen[str] | None, dict[str, Any] | None]:
+    """Starts the allocating child and waits until it holds the memory, copied into once (or
+    fails); it goes on copying for `seconds`."""
     if gib <= 0:
         return None, None
     requested = int(gib * GIB)
@@ -323,7 +394,14 @@ def _start_allocator(gib: float) -> tuple[subprocess.Popen[str] | None, dict[str
         "error": None,
     }
     child = subprocess.Popen(
-        [sys.executable, "-c", ALLOCATOR, str(requested), str(min(CHUNK_BYTES, requested))],
+        [
+            sys.executable,
+            "-c",
+            ALLOCATOR,
+            str(requested),
+            str(min(CHUNK_BYTES, requested)),
+            str(seconds),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -355,26 +433,45 @@ def _watch(
     """Samples until `seconds` pass; the last sample and one entry per sample."""
     start = time.monotonic()
     last, samples = None, []
+    before: tuple[float, list[int | None]] | None = None  # the previous sample's RX counters
     while (elapsed := time.monotonic() - start) <= seconds:
         entry: dict[str, Any] = {"t": round(elapsed, 2), "unavailable": None}
         try:
             last = source.sample()
         except NvmlUnavailable as err:
             entry.update(used_bytes=[], attributed_bytes=None, problem=None, errors=[])
+            entry.update(pcie_rx_bytes=[], pcie_rx_bytes_per_second=[])
             entry["unavailable"] = str(err)
         else:
             attributed = process_gpu_memory(last, [child.pid]) if child else {}
+            rx = [d.pcie_rx_bytes for d in last.devices]
             entry.update(
                 used_bytes=[d.memory_used_bytes for d in last.devices],
+                pcie_rx_bytes=rx,
+                pcie_rx_bytes_per_second=_rates(before, elapsed, rx),
                 attributed_bytes=sum(attributed.values()) if child else None,
                 problem=last.attribution_problem,
                 errors=list(last.errors),
             )
+            before = (elapsed, rx)
         samples.append(entry)
         if not as_json:
             print(_line(entry))
         time.sleep(interval)
     return last, samples
+
+
+def _rates(
+    before: tuple[float, list[int | None]] | None, now: float, rx: list[int | None]
+) -> list[float | None]:
+    """Bytes per second each GPU's counter moved since the previous sample (None: no basis)."""
+    if before is None or now <= before[0] or len(before[1]) != len(rx):
+        return [None] * len(rx)
+    then, old = before
+    return [
+        None if a is None or b is None else (b - a) / (now - then)
+        for a, b in zip(old, rx, strict=True)
+    ]
 
 
 def _attribution(sample: GpuSample, child: subprocess.Popen[str] | None) -> dict[str, Any]:
@@ -409,6 +506,9 @@ def _line(entry: dict[str, Any]) -> str:
         return f"t={entry['t']:5.1f}s unavailable: {entry['unavailable']}"
     used = " ".join(f"{i}:{_mib(b)}" for i, b in enumerate(entry["used_bytes"]))
     parts = [f"t={entry['t']:5.1f}s used {used}"]
+    counters = zip(entry["pcie_rx_bytes"], entry["pcie_rx_bytes_per_second"], strict=True)
+    rx = [f"{i}:{_mib(b)} {_rate(r)}" for i, (b, r) in enumerate(counters) if b is not None]
+    parts.append(f"pcie rx {' '.join(rx)}" if rx else "pcie rx: no counter")
     if entry["attributed_bytes"] is not None:
         parts.append(f"allocator attributed {_mib(entry['attributed_bytes'])}")
     if entry["problem"]:
@@ -425,6 +525,10 @@ def _cmdline(pid: int) -> str | None:
     except OSError:
         return None
     return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+
+
+def _rate(value: float | None) -> str:
+    return "(rate: first sample)" if value is None else f"({value / MIB:,.0f} MiB/s)"
 
 
 def _mib(value: int | None) -> str:

@@ -102,7 +102,8 @@ def golden_snapshot() -> Snapshot:
     gpus = GpuSample(
         driver_version="570.133.20",
         devices=(
-            GpuDevice(0, "GPU-aaaa", "NVIDIA H200", 70 * GIB, 141 * GIB),
+            GpuDevice(0, "GPU-aaaa", "NVIDIA H200", 70 * GIB, 141 * GIB, pcie_rx_bytes=75 * GIB),
+            # No PCIe byte counter on this one (NOT_SUPPORTED): no series for it.
             GpuDevice(1, "GPU-bbbb", "NVIDIA H200", None, 141 * GIB),
         ),
         processes=(GpuProcess(4242, 0, "GPU-aaaa", 69 * GIB),),

@@ -16,6 +16,7 @@ from unittest.mock import ANY
 import pynvml
 import pytest
 from helpers.fake_nvml import (
+    FIELD_VALUES,
     GIB,
     H200_TOTAL_BYTES,
     MEMORY_V2,
@@ -30,10 +31,14 @@ from helpers.fake_nvml import (
 from helpers.real_nvml import RealNvml, real_nvml
 
 from exporter.sources.gpu import (
+    GpuDevice,
     GpuProcess,
     GpuSample,
     NvmlSource,
     NvmlUnavailable,
+    PcieMark,
+    mark_pcie,
+    pcie_rx_since,
     process_gpu_memory,
 )
 from exporter.sources.nvml_pids import NvmlPidCheck, in_initial_pid_namespace
@@ -155,8 +160,9 @@ def test_gpu_lost_mid_run_degrades_only_that_gpu() -> None:
     nvml = loading_node()
     source = host_source(nvml)
     first = source.sample()
-    # Each sample touches a GPU for memory and processes (handle, uuid, name are cached).
-    nvml.gpus[2].lost_at_call = nvml.gpus[2].calls + 2
+    # Each sample touches a GPU for memory, the PCIe counter and processes (handle, uuid and
+    # name are cached): lost at the last of them.
+    nvml.gpus[2].lost_at_call = nvml.gpus[2].calls + 3
     second = source.sample()
     third = source.sample()
 
@@ -262,7 +268,8 @@ def test_zero_gpus_is_unavailable_and_releases_nvml() -> None:
 
 
 @pytest.mark.parametrize(
-    "function", ["nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses"]
+    "function",
+    ["nvmlDeviceGetMemoryInfo", "nvmlDeviceGetFieldValues", "nvmlDeviceGetComputeRunningProcesses"],
 )
 def test_driver_gone_mid_run_is_unavailable_then_reinitialised(
     function: str, caplog: pytest.LogCaptureFixture
@@ -386,6 +393,186 @@ def test_library_mismatch_in_process_listing_keeps_memory(count: int) -> None:
     assert "does not match the NVML lib version" in sample.errors[0]
 
 
+def rx(sample: GpuSample) -> list[int | None]:
+    return [d.pcie_rx_bytes for d in sample.devices]
+
+
+@pytest.mark.parametrize(
+    "value_type",
+    [
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+    ],
+)
+def test_pcie_rx_counter_starts_at_the_drivers_and_advances(value_type: int) -> None:
+    """Read from the union member the field's value type names, whichever that is."""
+    nvml = loading_node()
+    for gpu in nvml.gpus:
+        gpu.pcie_value_type = value_type
+    nvml.gpus[2].pcie_rx_bytes = 3 * GIB  # the driver counted before the exporter started
+    source = host_source(nvml)
+    first = source.sample()
+    nvml.gpus[2].pcie_rx_bytes += GIB // 2
+    nvml.gpus[5].pcie_rx_bytes = 1234
+    second = source.sample()
+
+    assert rx(first) == [0, 0, 3 * GIB, 0, 0, 0, 0, 0]
+    assert rx(second) == [0, 0, 3 * GIB + GIB // 2, 0, 0, 1234, 0, 0]
+    assert first.errors == second.errors == ()
+
+
+def test_pcie_rx_wrap_and_reset_never_go_back_or_jump() -> None:
+    """A 32-bit driver counter wraps at 4 GiB; a GPU reset starts it at 0 again. Each such step
+    back counts nothing (that interval's bytes are lost), every forward step counts."""
+    nvml = FakeNvml(h200_node(1))
+    gpu = nvml.gpus[0]
+    gpu.pcie_value_type = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    gpu.pcie_rx_bytes = 4 * GIB - GIB // 2
+    source = host_source(nvml)
+    seen = [rx(source.sample())[0]]
+    for step in (GIB // 4, GIB // 2, GIB // 4, None, GIB):  # None: the GPU was reset
+        gpu.pcie_rx_bytes = 0 if step is None else gpu.pcie_rx_bytes + step
+        seen.append(rx(source.sample())[0])
+
+    base = 4 * GIB - GIB // 2
+    quarter = GIB // 4
+    # driver: 3.5, 3.75, (4.25 wraps to) 0.25, 0.5, 0 (reset), 1 GiB
+    assert seen == [
+        base,
+        base + quarter,
+        base + quarter,  # the wrap: nothing counted
+        base + 2 * quarter,
+        base + 2 * quarter,  # the reset: nothing counted
+        base + 2 * quarter + GIB,
+    ]
+
+
+def test_pcie_rx_field_not_supported_is_absent_without_an_error_and_not_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="exporter.sources.gpu")
+    nvml = loading_node()
+    nvml.gpus[3].pcie_rx_bytes = None  # this GPU's nvmlReturn for the field: NOT_SUPPORTED
+    source = host_source(nvml)
+    samples = [source.sample(), source.sample()]
+
+    for sample in samples:
+        assert rx(sample) == [0, 0, 0, None, 0, 0, 0, 0]
+        assert sample.errors == ()
+        assert sample.devices[3].memory_used_bytes == 0
+    assert nvml.calls[FIELD_VALUES] == 8 + 7  # GPU 3 asked once
+    notes = [r.getMessage() for r in caplog.records if "PCIe" in r.getMessage()]
+    assert notes == ["gpu 3: no PCIe byte counter (Not Supported)"]
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+@pytest.mark.parametrize("driver", ["function missing", "call not supported"])
+def test_old_driver_without_the_counter_then_upgraded(driver: str) -> None:
+    """No field values at all (FunctionNotFound), or NotSupported from the whole call: no GPU
+    has the counter, none is asked again, until NVML is initialised again (a new driver)."""
+    nvml = loading_node()
+    if driver == "function missing":
+        nvml.missing_functions.add(FIELD_VALUES)
+    else:
+        nvml.not_supported[FIELD_VALUES] = {None}
+    clock = Clock()
+    source = host_source(nvml, clock=clock)
+    before = [source.sample(), source.sample()]
+
+    for sample in before:
+        assert rx(sample) == [None] * 8 and sample.errors == ()
+        assert sample.devices[2].memory_used_bytes == 30 * GIB
+    assert nvml.calls[FIELD_VALUES] == 8
+
+    nvml.missing_functions.clear()
+    nvml.not_supported.clear()
+    assert rx(source.sample()) == [None] * 8  # decided for this init
+    nvml.failing["nvmlDeviceGetMemoryInfo"] = NVMLError_DriverNotLoaded  # the driver reloaded
+    with pytest.raises(NvmlUnavailable):
+        source.sample()
+    del nvml.failing["nvmlDeviceGetMemoryInfo"]
+    clock.now += 60.0
+    assert rx(source.sample()) == [0] * 8
+
+
+def test_pcie_rx_other_errors_are_error_lines_and_read_again() -> None:
+    nvml = loading_node()
+    nvml.gpus[2].pcie_rx_bytes = 5 * GIB
+    source = host_source(nvml)
+    source.sample()
+    nvml.failing[FIELD_VALUES] = pynvml.NVMLError_Unknown
+    failed = source.sample()
+    del nvml.failing[FIELD_VALUES]
+    nvml.gpus[2].pcie_rx_bytes += GIB
+    back = source.sample()
+
+    assert rx(failed) == [None] * 8
+    assert failed.errors[0] == "gpu 0: GetFieldValues: Unknown Error" and len(failed.errors) == 8
+    assert failed.devices[2].memory_used_bytes == 30 * GIB
+    assert rx(back)[2] == 6 * GIB and back.errors == ()
+
+
+def test_gpu_lost_at_the_pcie_read_then_back_after_a_reset_keeps_its_counter() -> None:
+    nvml = loading_node()
+    gpu = nvml.gpus[2]
+    gpu.pcie_rx_bytes = 7 * GIB
+    source = host_source(nvml)
+    source.sample()
+    gpu.lost_at_call = gpu.calls + 2  # memory, then the PCIe counter
+    lost = source.sample()
+    gpu.lost, gpu.lost_at_call = False, None
+    gpu.pcie_rx_bytes = GIB  # reset with the GPU: the driver counts from 0 again
+    back = source.sample()
+    gpu.pcie_rx_bytes += 2 * GIB
+    later = source.sample()
+
+    assert rx(lost) == [0, 0, None, 0, 0, 0, 0, 0]
+    assert lost.devices[2].memory_used_bytes is None
+    assert len(lost.errors) == 1 and lost.errors[0].startswith("gpu 2: GetFieldValues: ")
+    assert "GPU is lost" in lost.errors[0]
+    assert rx(back)[2] == 7 * GIB  # neither back to 1 GiB nor up by it
+    assert rx(later)[2] == 9 * GIB
+
+
+def test_pcie_rx_value_of_a_type_the_binding_cannot_read_is_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    nvml = loading_node()
+    nvml.gpus[4].pcie_value_type = 42  # from a driver newer than the binding's value union
+    source = host_source(nvml)
+    samples = [source.sample(), source.sample()]
+
+    assert [rx(s)[4] for s in samples] == [None, None]
+    assert [s.errors for s in samples] == [(), ()]
+    assert nvml.calls[FIELD_VALUES] == 8 + 7
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["gpu 4: PCIe RX counter unusable (value type 42, value None): not read"]
+
+
+def test_pcie_marks_and_bytes_since_on_hand_made_samples() -> None:
+    def sample(*counters: int | None) -> GpuSample:
+        devices = tuple(
+            GpuDevice(i, f"GPU-{i}", "H200", 0, 1, pcie_rx_bytes=c) for i, c in enumerate(counters)
+        )
+        return GpuSample("", devices, (), ())
+
+    assert mark_pcie({}, sample(90, 30), read_at=9.0, started_at=9.5) == {}  # from before it
+    first = mark_pcie({}, sample(100, None), read_at=10.0, started_at=9.5)
+    assert first == {(0, "GPU-0"): PcieMark(100, 10.0)}
+    assert mark_pcie(first, None, read_at=11.0, started_at=9.5) is first
+    assert mark_pcie(first, sample(150, None), read_at=11.0, started_at=9.5) is first  # marked
+    later = mark_pcie(first, sample(150, 40), read_at=12.0, started_at=9.5)  # GPU 1 read now
+    assert later == {(0, "GPU-0"): PcieMark(100, 10.0), (1, "GPU-1"): PcieMark(40, 12.0)}
+
+    now = sample(180, 90).devices
+    marks = [later[(d.index, d.uuid)] for d in now]
+    assert [pcie_rx_since(m, d, read_at=13.0) for m, d in zip(marks, now, strict=True)] == [80, 50]
+    assert pcie_rx_since(marks[1], now[1], read_at=11.0) is None  # a sample older than the mark
+    assert pcie_rx_since(None, now[0], read_at=13.0) is None
+    assert pcie_rx_since(marks[0], sample(None).devices[0], read_at=13.0) is None
+
+
 def test_process_gpu_memory_on_a_hand_made_sample() -> None:
     sample = GpuSample(
         driver_version="",
@@ -404,7 +591,7 @@ UNAVAILABLE_REASONS = {
 }
 PROBE_KEYS = {
     "schema", "nvml", "reason", "binding", "driver_version", "pid_namespace", "devices",
-    "nvidia_smi", "source", "attribution", "samples", "errors",
+    "nvidia_smi", "source", "attribution", "samples", "pcie_end", "errors",
 }  # fmt: skip
 
 
@@ -490,12 +677,10 @@ def test_probe_report_shape_with_gpus(
     gpus = h200_node(2)
     gpus[1].used_bytes = 3 * GIB
     gpus[1].processes = [FakeProcess(os.getpid(), 3 * GIB)]
+    gpus[0].pcie_rx_bytes = None  # no counter on GPU 0
+    gpus[1].pcie_rx_bytes = 9 * GIB
     nvml = FakeNvml(gpus)
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    probe = load_script("nvml_probe")
-
-    assert probe.main(["--json", "--seconds", "0.2", "--interval", "0.1"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = fake_probe_report(monkeypatch, capsys, nvml, "--seconds", "0.2", "--interval", "0.1")
 
     assert set(report) == PROBE_KEYS
     assert (report["nvml"], report["reason"], report["driver_version"]) == (
@@ -512,6 +697,16 @@ def test_probe_report_shape_with_gpus(
         "version": 2,
     }
     assert gpu["memory_v1"]["used"] == 3 * GIB + RESERVED_BYTES
+    not_supported = {"return": 3, "error": "Not Supported", "value_type": None, "value": None}
+    assert gpu["pcie"] == {
+        "rx": {"return": 0, "error": None, "value_type": 3, "value": 9 * GIB},
+        "tx": not_supported,  # the fake has no TX counter
+    }
+    assert report["devices"][0]["pcie"] == {"rx": not_supported, "tx": not_supported}
+    assert report["pcie_end"] == [report["devices"][0]["pcie"], gpu["pcie"]]
+    assert all(s["pcie_rx_bytes"] == [None, 9 * GIB] for s in report["samples"])
+    rates = [s["pcie_rx_bytes_per_second"] for s in report["samples"]]
+    assert rates[0] == [None, None] and rates[1:] and all(r == [None, 0.0] for r in rates[1:])
     assert gpu["processes"] == [
         {"pid": os.getpid(), "used_bytes": 3 * GIB, "here": True, "cmdline": ANY}
     ]
@@ -526,16 +721,28 @@ def test_probe_report_shape_with_gpus(
     assert nvml.refcount == 0  # the probe gave back every init it took
 
 
+def fake_probe_report(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    nvml: FakeNvml,
+    *args: str,
+) -> dict[str, Any]:
+    """The probe's JSON document on a fake GPU host."""
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert load_script("nvml_probe").main(["--json", *args]) == 0
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return report
+
+
 def test_gpu_check_judges_a_probe_report(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """scripts/gpu_check.py runs once on a lent GPU host: its checks are proven here first."""
     gpus = h200_node(2)
     gpus[1].used_bytes = 3 * GIB
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
-    probe, check = load_script("nvml_probe"), load_script("gpu_check")
-    assert probe.main(["--json", "--seconds", "0", "--allocate-gib", "0.25"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    args = ["--seconds", "0", "--allocate-gib", "0.25"]
+    report = fake_probe_report(monkeypatch, capsys, FakeNvml(gpus), *args)
+    check = load_script("gpu_check")
 
     verdicts = {name: (passed, detail) for name, passed, detail in check._judge(report)}
     # No libcuda here: the allocation fails and says why; on a GPU host that is a failure.
@@ -561,3 +768,40 @@ def test_gpu_check_judges_a_probe_report(
         attribution.update(trusted=trusted, problem=problem, allocator_attributed_bytes=attributed)
         found = {name: passed for name, passed, _ in check._judge(report)}
         assert found["attribution"] is verdict, (trusted, problem, attributed)
+
+
+def test_gpu_check_judges_the_pcie_counter(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPU 0 must have moved by what the allocator copied, read by the source, never back."""
+    gpus = h200_node(2)
+    gpus[0].pcie_rx_bytes = 2 * GIB
+    args = ["--seconds", "0.2", "--interval", "0.1"]
+    report = fake_probe_report(monkeypatch, capsys, FakeNvml(gpus), *args)
+    check = load_script("gpu_check")
+
+    def verdict() -> tuple[bool | None, str]:
+        [(passed, detail)] = [(p, d) for name, p, d in check._judge(report) if name == "pcie rx"]
+        return passed, detail
+
+    assert verdict()[0] is True  # nothing copied: only the source against the driver
+    report["attribution"]["allocator"] = {"allocated_bytes": GIB, "pid": 1, "error": None}
+    assert verdict()[0] is False  # copied 1 GiB, the counter did not move
+    report["pcie_end"][0]["rx"]["value"] += GIB
+    assert verdict() == (
+        True,
+        "gpu 0: RX +1,024 MiB, TX +unknown for 1,024 MiB copied; value type 3;"
+        " peak 0 MiB/s while sampling",
+    )
+    report["samples"][1]["pcie_rx_bytes"][0] -= 1  # the source's counter went back
+    assert verdict()[0] is False
+    report["samples"][1]["pcie_rx_bytes"][0] += 1
+    report["source"]["devices"][1]["pcie_rx_bytes"] = None  # the source lost GPU 1's counter
+    passed, detail = verdict()
+    assert passed is False and detail.startswith("gpu 1: driver has counter, source none")
+
+    # No counter on GPU 0 (nor in the source): information, not a failure.
+    report["source"]["devices"][1]["pcie_rx_bytes"] = 0
+    report["devices"][0]["pcie"]["rx"].update({"return": 3, "error": "Not Supported"})
+    report["source"]["devices"][0]["pcie_rx_bytes"] = None
+    assert verdict() == (None, "no counter on GPU 0 (Not Supported)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,27 @@ TREE = (
 
 
 @pytest.fixture
-def server_tree() -> Iterator[tuple[int, int]]:
-    proc = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    worker = int(proc.stdout.readline())
-    yield proc.pid, worker
-    subprocess.run(["kill", "-9", str(worker)], check=False)
-    proc.kill()
-    proc.wait()
+def spawn_tree() -> Iterator[Callable[[], tuple[int, int]]]:
+    """Starts server trees (root, worker) on demand; kills what is left of them at the end."""
+    started: list[tuple[subprocess.Popen[str], int]] = []
+
+    def spawn() -> tuple[int, int]:
+        proc = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        worker = int(proc.stdout.readline())
+        started.append((proc, worker))
+        return proc.pid, worker
+
+    yield spawn
+    for proc, worker in started:
+        subprocess.run(["kill", "-9", str(worker)], check=False)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def server_tree(spawn_tree: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+    return spawn_tree()
 
 
 @pytest.mark.system
@@ -227,3 +240,114 @@ def test_driver_older_than_the_binding_keeps_gpu_memory_in_metrics(
         10 * GIB + RESERVED_BYTES
     )
     assert sample_value(text, "model_load_process_gpu_memory_bytes", target="m", gpu="0") is None
+
+
+def hold(nvml: FakeNvml, root: int, worker: int) -> None:
+    """The tree holds GPU 2 (its root) and GPU 5 (its worker), as a TP=2 server would."""
+    nvml.gpus[2].processes = [FakeProcess(root, 20 * GIB)]
+    nvml.gpus[5].processes = [FakeProcess(worker, 30 * GIB)]
+
+
+@pytest.mark.system
+def test_pcie_bytes_per_gpu_in_metrics_and_per_load_in_status(
+    start_exporter: Any,
+    model_server: Any,
+    spawn_tree: Callable[[], tuple[int, int]],
+    tmp_path: Path,
+) -> None:
+    """A real runtime, server tree and HTTP server; the fake NVML's counters advance as weights
+    would arrive. The status counts each GPU from the load's start, afresh for the next load."""
+    root, worker = spawn_tree()
+    pidfile = tmp_path / "server.pid"
+    pidfile.write_text(str(root))
+    nvml = FakeNvml(h200_node(8))
+    hold(nvml, root, worker)
+    nvml.gpus[2].pcie_rx_bytes = 4 * GIB  # what the driver counted before this load
+    nvml.gpus[5].pcie_rx_bytes = 10 * GIB
+    nvml.gpus[3].pcie_rx_bytes = None  # no such counter on this GPU
+    model_server.mode = "503"  # loading
+    running: RunningExporter = start_exporter(
+        {
+            "targets": [
+                {
+                    "name": "kimi",
+                    "endpoint": {"url": model_server.url},
+                    "process": {"pidfile": str(pidfile)},
+                },
+                {  # its GPUs configured: shown whether the tree holds memory there or not
+                    "name": "pinned",
+                    "endpoint": {"url": model_server.url},
+                    "process": {"pidfile": str(pidfile)},
+                    "gpus": [0],
+                },
+            ]
+        },
+        nvml=nvml,
+    )
+
+    def target(name: str) -> dict[str, Any]:
+        [entry] = [t for t in running.status()["targets"] if t["target"] == name]
+        return entry
+
+    def pcie_when(check: Callable[[dict[int, dict[str, Any]]], bool]) -> dict[str, Any]:
+        def entry() -> dict[str, Any] | None:
+            kimi = target("kimi")
+            by_gpu = {g["gpu"]: g for g in kimi["gpu_pcie"]}
+            return kimi if set(by_gpu) == {2, 5} and check(by_gpu) else None
+
+        result: dict[str, Any] = wait_for(entry)
+        return result
+
+    def since(target: dict[str, Any]) -> dict[int, int | None]:
+        return {g["gpu"]: g["pcie_rx_bytes_since_load_start"] for g in target["gpu_pcie"]}
+
+    first = pcie_when(lambda g: g[5]["pcie_rx_bytes_since_load_start"] is not None)
+    assert first["in_progress"] and since(first) == {2: 0, 5: 0}
+    assert {g["gpu"]: g["uuid"] for g in first["gpu_pcie"]} == {
+        2: nvml.gpus[2].uuid,
+        5: nvml.gpus[5].uuid,
+    }
+    assert all(g["pcie_rx_counted_since"] <= time.time() for g in first["gpu_pcie"])
+    wait_for(
+        lambda: [g["pcie_rx_bytes_since_load_start"] for g in target("pinned")["gpu_pcie"]] == [0]
+    )
+
+    nvml.gpus[2].pcie_rx_bytes += GIB
+    nvml.gpus[5].pcie_rx_bytes += 3 * GIB
+    nvml.gpus[0].pcie_rx_bytes += 7 * GIB  # another job's GPU: not the target's
+    loading = pcie_when(lambda g: g[5]["pcie_rx_bytes_since_load_start"] == 3 * GIB)
+    assert since(loading) == {2: GIB, 5: 3 * GIB}
+    assert {g["gpu"]: g["pcie_rx_bytes"] for g in loading["gpu_pcie"]} == {2: 5 * GIB, 5: 13 * GIB}
+    text = running.metrics()
+    assert sample_value(text, "model_load_gpu_pcie_rx_bytes_total", gpu="5") == 13 * GIB
+    assert sample_value(text, "model_load_gpu_pcie_rx_bytes_total", gpu="0") == 7 * GIB
+    assert sample_value(text, "model_load_gpu_pcie_rx_bytes_total", gpu="3") is None
+    assert sample_value(text, "model_load_gpu_memory_total_bytes", gpu="3") is not None
+    [pinned] = target("pinned")["gpu_pcie"]
+    assert (pinned["gpu"], pinned["pcie_rx_bytes_since_load_start"]) == (0, 7 * GIB)
+
+    # Ready: the last load's count goes on from the same start.
+    model_server.mode = "ready"
+    wait_for(lambda: target("kimi")["phase"] == "ready")
+    nvml.gpus[5].pcie_rx_bytes += GIB
+    ready = pcie_when(lambda g: g[5]["pcie_rx_bytes_since_load_start"] == 4 * GIB)
+    assert ready["started_at"] == loading["started_at"]
+    restarted_at = time.time()
+
+    # A restart: a new process is a new load, counted from its own start.
+    model_server.mode = "503"
+    new_root, new_worker = spawn_tree()
+    hold(nvml, new_root, new_worker)
+    pidfile.write_text(str(new_root))
+    subprocess.run(["kill", "-9", str(worker), str(root)], check=True)
+    second = pcie_when(
+        lambda g: (
+            g[5]["pcie_rx_counted_since"] > restarted_at
+            and g[5]["pcie_rx_bytes_since_load_start"] == 0
+        )
+    )
+    assert second["in_progress"] and second["started_at"] != loading["started_at"]
+    nvml.gpus[5].pcie_rx_bytes += 2 * GIB
+    more = pcie_when(lambda g: g[5]["pcie_rx_bytes_since_load_start"] == 2 * GIB)
+    assert {g["gpu"]: g["pcie_rx_bytes"] for g in more["gpu_pcie"]} == {2: 5 * GIB, 5: 16 * GIB}
+    assert since(more) == {2: 0, 5: 2 * GIB}

@@ -2,7 +2,8 @@
 
 Everything the exporter's GPU source (and the probe) touches on the module must exist in both,
 with the same call signatures, the same error classes, the same structs, and the same C
-functions behind the calls the fake models as missing on an older driver.
+functions behind the calls the fake models as missing on an older driver. The field-value
+struct's members (`x.nvmlReturn`) look like module names; they are checked against the struct.
 """
 
 from __future__ import annotations
@@ -14,11 +15,33 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers.fake_nvml import MEMORY_V2, PROCESSES_V3, FakeNvml, FakeProcess, h200_node
+from helpers.fake_nvml import (
+    FIELD_VALUES,
+    MEMORY_V2,
+    PROCESSES_V3,
+    VALUE_MEMBERS,
+    FakeGpu,
+    FakeNvml,
+    FakeProcess,
+    h200_node,
+)
+
+from exporter.sources import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 USERS = (ROOT / "exporter" / "sources" / "gpu.py", ROOT / "scripts" / "nvml_probe.py")
 NVML_NAME = re.compile(r"^(nvml[A-Z]\w*|NVML\w*)$")
+FIELD_VALUE_MEMBERS = [name for name, _ in pynvml.c_nvmlFieldValue_t._fields_]
+# nvmlValueType_t as nvml.h orders it, by the binding's names.
+VALUE_TYPES = [
+    "NVML_VALUE_TYPE_DOUBLE",
+    "NVML_VALUE_TYPE_UNSIGNED_INT",
+    "NVML_VALUE_TYPE_UNSIGNED_LONG",
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG",
+    "NVML_VALUE_TYPE_SIGNED_LONG_LONG",
+    "NVML_VALUE_TYPE_SIGNED_INT",
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT",
+]
 
 
 def names_used(path: Path) -> set[str]:
@@ -26,7 +49,8 @@ def names_used(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and NVML_NAME.match(node.attr):
-            found.add(node.attr)
+            if node.attr not in FIELD_VALUE_MEMBERS:
+                found.add(node.attr)
         elif isinstance(node, ast.Constant) and NVML_NAME.match(str(node.value)):
             found.add(str(node.value))
     return found
@@ -99,6 +123,38 @@ def test_process_entries_have_the_real_fields() -> None:
     assert [(p.pid, p.usedGpuMemory) for p in listed] == [(7, 5), (8, None)]
 
 
+def test_field_values_are_the_real_structs_with_the_value_where_its_type_says() -> None:
+    nvml = FakeNvml(
+        [FakeGpu("GPU-a", pcie_rx_bytes=2**32 + 7), FakeGpu("GPU-b", pcie_rx_bytes=None)]
+    )
+    nvml.gpus[0].pcie_value_type = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    fields = [pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES]
+    rx, tx = nvml.nvmlDeviceGetFieldValues(handle, fields)
+    [absent] = nvml.nvmlDeviceGetFieldValues(nvml.nvmlDeviceGetHandleByIndex(1), fields[:1])
+
+    assert type(rx) is pynvml.c_nvmlFieldValue_t and type(rx.value) is pynvml.c_nvmlValue_t
+    assert FIELD_VALUE_MEMBERS == [
+        "fieldId", "scopeId", "timestamp", "latencyUsec", "valueType", "nvmlReturn", "value",
+    ]  # fmt: skip
+    assert (rx.fieldId, rx.nvmlReturn, rx.valueType) == (198, pynvml.NVML_SUCCESS, 1)
+    assert rx.value.uiVal == 7  # 32 bits wide: wrapped at 4 GiB
+    # A field the GPU lacks says so in its own nvmlReturn; the call itself succeeds.
+    assert (tx.fieldId, tx.nvmlReturn) == (197, pynvml.NVML_ERROR_NOT_SUPPORTED)
+    assert absent.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_the_source_reads_the_union_member_each_value_type_names() -> None:
+    """The source's own field id and its type -> member table against the binding's."""
+    assert gpu.PCIE_RX_BYTES_FIELD == pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES == 198
+    union = [name for name, _ in pynvml.c_nvmlValue_t._fields_]
+    assert [getattr(pynvml, name) for name in VALUE_TYPES] == list(range(len(VALUE_TYPES)))
+    assert list(gpu.VALUE_MEMBERS) == union  # nvml.h orders the union as it orders the types
+    for value_type, (member, _) in VALUE_MEMBERS.items():
+        assert gpu.VALUE_MEMBERS[value_type] == member
+
+
 def test_the_modelled_c_functions_are_the_ones_the_binding_calls() -> None:
     """The fake's "older driver" lacks C functions by name: they must be what pynvml calls."""
     memory = inspect.getsource(pynvml.nvmlDeviceGetMemoryInfo)
@@ -108,6 +164,9 @@ def test_the_modelled_c_functions_are_the_ones_the_binding_calls() -> None:
     unversioned = pynvml.nvmlDeviceGetComputeRunningProcesses
     assert unversioned.__wrapped__.__code__.co_names == ("nvmlDeviceGetComputeRunningProcesses_v3",)
     assert inspect.getsource(pynvml.throwOnVersionMismatch).count("NVMLLibraryMismatchError") == 1
+    fields = inspect.getsource(pynvml.nvmlDeviceGetFieldValues)
+    assert f'_nvmlGetFunctionPointer("{FIELD_VALUES}")' in fields
+    assert "_nvmlCheckReturn(ret)" in fields and "nvmlReturn" not in fields  # fields unchecked
 
 
 def test_shutdown_without_init_raises_uninitialized_in_both() -> None:

@@ -11,6 +11,12 @@ driver and firmware keep for themselves (hundreds of MiB, fixed per GPU), so tot
 used + free. The v1 call folds `reserved` into `used`, so an idle GPU reads as half a GiB used;
 it is the fallback for older drivers (as their nvidia-smi showed it), remembered per GPU.
 
+Bytes each GPU received over PCIe come from the driver's cumulative counter, the field value
+`NVML_FI_DEV_PCIE_COUNT_RX_BYTES` ("Value can be wrapped"), kept monotonic here (`_ForwardCounter`).
+Not every GPU or driver has it: the field or the whole call is NOT_SUPPORTED, or an old driver
+lacks the function; that is decided once per GPU until NVML is initialised again, as the memory
+fallback is, and such a GPU costs no further call.
+
 libnvidia-ml counts `nvmlInit` calls and shuts down at the last `nvmlShutdown`; a source gives
 back exactly the inits it took, so two runtimes overlapping in a config reload (or a host
 application that uses NVML too) keep their own reference.
@@ -23,9 +29,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -35,6 +42,14 @@ from exporter.sources.nvml_pids import NvmlPidCheck
 log = logging.getLogger(__name__)
 
 INIT_RETRY_SECONDS = 60.0
+
+# nvml.h's NVML_FI_DEV_PCIE_COUNT_RX_BYTES. The driver decides whether it knows the field; the
+# binding only passes the number (nvidia-ml-py 12.535, the oldest we take, has no name for it).
+PCIE_RX_BYTES_FIELD = 198
+# The member of a field value's union that holds each value type, by nvmlValueType_t (nvml.h:
+# double, unsigned int, unsigned long, unsigned long long, signed long long, signed int,
+# unsigned short). Older bindings lack the last member: such a value is unusable with them.
+VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 CLOSE_TIMEOUT_SECONDS = 5.0
 
@@ -56,6 +71,9 @@ class GpuDevice:
     memory_total_bytes: int | None
     # Held back by the driver and firmware (v2 only); None from the v1 call, whose used holds it.
     memory_reserved_bytes: int | None = None
+    # Bytes received over PCIe, monotonic (see `_ForwardCounter`); None where the GPU or driver
+    # has no such counter, or this sample could not read it.
+    pcie_rx_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,27 @@ class GpuSample:
         return f"no GPU could be read: {self.errors[0] if self.errors else 'no memory info'}"
 
 
+class _ForwardCounter:
+    """A byte counter kept from the driver's, which may wrap or be reset: only forward steps count.
+
+    It starts at the driver's first reading. A step back, whether the driver's value wrapped at
+    its width or restarted from 0 (a GPU reset, a driver reload), adds nothing, so the counter
+    never goes back and never jumps; the bytes of that one interval are lost, an undercount of
+    at most one interval's traffic. A driver value that wraps more than once between two samples
+    (a 32-bit one at over 4 GiB per sample interval) cannot be followed: it undercounts.
+    """
+
+    def __init__(self, raw: int) -> None:
+        self.total = raw
+        self._last = raw
+
+    def advance(self, raw: int) -> int:
+        if raw > self._last:
+            self.total += raw - self._last
+        self._last = raw
+        return self.total
+
+
 class NvmlUnavailable(RuntimeError):
     """No NVML library, no driver or no GPU: the whole source is down, with a one-line reason."""
 
@@ -137,6 +176,9 @@ class NvmlSource:
         self._handles: dict[int, Any] = {}
         self._identity: dict[int, tuple[str, str]] = {}
         self._memory_v1: set[int] = set()  # GPUs whose driver has no v2 memory info
+        self._no_pcie: set[int] = set()  # GPUs without a PCIe RX counter
+        # By (index, UUID), the series it is: kept across re-inits, so a series never goes back.
+        self._pcie: dict[tuple[int, str], _ForwardCounter] = {}
         self._fatal: tuple[type[BaseException], ...] = ()
         self._per_call: tuple[type[BaseException], ...] = ()
 
@@ -239,6 +281,7 @@ class NvmlSource:
         self._handles.clear()
         self._identity.clear()
         self._memory_v1.clear()  # the driver may have been upgraded while NVML was down
+        self._no_pcie.clear()
         self._driver_version = None
 
     def _fail(self, reason: str) -> None:
@@ -281,6 +324,7 @@ class NvmlSource:
                 return GpuDevice(index, uuid, name, None, None), []
             uuid, name = self._read_identity(index, handle, errors)
             memory = self._read_memory(index, handle, errors)
+            pcie_rx = self._read_pcie_rx(index, uuid, handle, errors)
             listed = self._call(
                 index,
                 errors,
@@ -296,7 +340,7 @@ class NvmlSource:
             GpuProcess(int(p.pid), index, uuid, _optional_int(p.usedGpuMemory))
             for p in listed or ()
         ]
-        return GpuDevice(index, uuid, name, used, total, reserved), processes
+        return GpuDevice(index, uuid, name, used, total, reserved, pcie_rx), processes
 
     def _read_memory(self, index: int, handle: Any, errors: list[str]) -> Any:
         """v2 memory info, or v1 where the driver lacks v2 (then for good, until re-init)."""
@@ -319,6 +363,44 @@ class NvmlSource:
         return self._call(
             index, errors, "GetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle)
         )
+
+    def _read_pcie_rx(self, index: int, uuid: str, handle: Any, errors: list[str]) -> int | None:
+        """The GPU's PCIe RX counter, monotonic; None where it has none (then for good, until
+        re-init) or this read failed."""
+        if index in self._no_pcie:
+            return None
+        raw = self._call(index, errors, "GetFieldValues", lambda: self._pcie_rx_raw(index, handle))
+        if raw is None:
+            return None
+        counter = self._pcie.get((index, uuid))
+        if counter is None:
+            counter = self._pcie[(index, uuid)] = _ForwardCounter(raw)
+        return counter.advance(raw)
+
+    def _pcie_rx_raw(self, index: int, handle: Any) -> int | None:
+        """The driver's RX counter, from the union member its value type names.
+
+        A field's own error is raised as the calls raise theirs, so a lost GPU or a dead driver
+        reads the same whichever way NVML reports it; only an absence is settled here.
+        """
+        nvml = self._nvml
+        try:
+            [field] = nvml.nvmlDeviceGetFieldValues(handle, [PCIE_RX_BYTES_FIELD])
+            if field.nvmlReturn != nvml.NVML_SUCCESS:
+                raise nvml.NVMLError(field.nvmlReturn)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as err:
+            # NotSupported: this GPU or driver has no such field; FunctionNotFound: a driver
+            # older than field values.
+            log.info("gpu %d: no PCIe byte counter (%s)", index, _text(err))
+            self._no_pcie.add(index)
+            return None
+        value = field_value(field)
+        if value is None or not math.isfinite(value) or value < 0:
+            log.warning("gpu %d: PCIe RX counter unusable (value type %s, value %s): not read",
+                        index, field.valueType, value)  # fmt: skip
+            self._no_pcie.add(index)
+            return None
+        return int(value)
 
     def _handle(self, index: int) -> Any:
         if index not in self._handles:
@@ -359,6 +441,15 @@ class NvmlSource:
             raise _GpuLost from err
 
 
+def field_value(field: Any) -> float | None:
+    """A `c_nvmlFieldValue_t`'s number, from the union member its valueType names; None for a
+    type this binding's union has no member for."""
+    if not 0 <= field.valueType < len(VALUE_MEMBERS):
+        return None
+    value: float | None = getattr(field.value, VALUE_MEMBERS[field.valueType], None)
+    return value
+
+
 def process_gpu_memory(
     sample: GpuSample,
     pids: Collection[int],
@@ -383,6 +474,47 @@ def process_gpu_memory(
         else:
             totals[proc.gpu_index] = totals.get(proc.gpu_index, 0) + proc.used_bytes
     return {index: used for index, used in sorted(totals.items()) if index not in unknown}
+
+
+@dataclass(frozen=True)
+class PcieMark:
+    """A GPU's PCIe RX counter when a load began (or when first read during it): its baseline."""
+
+    rx_bytes: int
+    read_at: float  # unix time of the NVML sample it comes from
+
+
+# By (GPU index, UUID): the counter series a mark belongs to.
+PcieMarks = Mapping[tuple[int, str], PcieMark]
+
+
+def mark_pcie(
+    marks: PcieMarks, sample: GpuSample | None, read_at: float, started_at: float | None
+) -> PcieMarks:
+    """`marks` with a mark for each GPU the sample has a counter for and `marks` has none.
+
+    Only a sample taken at or after the load's start marks: an older one may be a quiet
+    interval (30 s) old and hold traffic from before the load. So each GPU counts from its first
+    sample in the load, within an interval of its start (the start-up before any weights move),
+    or later when NVML's first sample came late (an exporter started mid-load) or the GPU was
+    lost: its mark's `read_at` says from when.
+    """
+    if sample is None or started_at is None or read_at < started_at:
+        return marks
+    new = {
+        (d.index, d.uuid): PcieMark(d.pcie_rx_bytes, read_at)
+        for d in sample.devices
+        if d.pcie_rx_bytes is not None and (d.index, d.uuid) not in marks
+    }
+    return {**marks, **new} if new else marks
+
+
+def pcie_rx_since(mark: PcieMark | None, device: GpuDevice, read_at: float) -> int | None:
+    """Bytes the GPU received since its mark, by a sample read at `read_at`; None without a
+    mark or a counter, or from a sample older than the mark (nothing measured since)."""
+    if mark is None or device.pcie_rx_bytes is None or read_at < mark.read_at:
+        return None
+    return device.pcie_rx_bytes - mark.rx_bytes
 
 
 def _text(value: object) -> str:

@@ -9,18 +9,26 @@ module's own parts so it cannot quietly drift (tests/test_nvml_contract.py compa
   (version, total, reserved, free, used; used is what nvidia-smi shows, reserved apart);
 - processes come back as the real binding builds them (`nvmlStructToFriendlyObject` over
   `c_nvmlProcessInfo_t`, usedGpuMemory None where the driver says "not available");
+- field values come back as the real binding returns them: a ctypes array of
+  `c_nvmlFieldValue_t` (fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value),
+  the value in the `c_nvmlValue_t` member its valueType names; the one field modelled is the
+  PCIe RX byte counter, a per-GPU count a test advances, reported modulo the width of the GPU's
+  value type (a 32-bit one wraps at 4 GiB), or NOT_SUPPORTED in `nvmlReturn` on a GPU without
+  it (as every other field is);
 - `nvmlInit`/`nvmlShutdown` keep a reference count like libnvidia-ml: NVML stays up until every
   init has had its shutdown, and a shutdown without an init raises `NVMLError_Uninitialized`;
 - a driver older than the binding is modelled by the C functions it lacks: a missing
   `nvmlDeviceGetMemoryInfo_v2` raises `NVMLError_FunctionNotFound` from the v2 call, a missing
   `nvmlDeviceGetComputeRunningProcesses_v3` makes the unversioned listing raise
-  `NVMLLibraryMismatchError` through the real `throwOnVersionMismatch` wrapper.
+  `NVMLLibraryMismatchError` through the real `throwOnVersionMismatch` wrapper, and a missing
+  `nvmlDeviceGetFieldValues` raises `NVMLError_FunctionNotFound`.
 Everything is mutable, so a test can make memory grow, processes come and go, or a GPU fall off
 the bus between samples.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -55,6 +63,15 @@ NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId without MIG
 # C functions a driver older than the binding lacks, and what the binding raises for each.
 MEMORY_V2 = "nvmlDeviceGetMemoryInfo_v2"
 PROCESSES_V3 = "nvmlDeviceGetComputeRunningProcesses_v3"
+FIELD_VALUES = "nvmlDeviceGetFieldValues"
+
+PCIE_RX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
+# nvmlValueType_t -> (the c_nvmlValue_t member that holds it, the width a counter wraps at)
+VALUE_MEMBERS = {
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: ("uiVal", 2**32),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: ("ulVal", 2**64),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: ("ullVal", 2**64),
+}
 
 
 @dataclass
@@ -71,9 +88,12 @@ class FakeGpu:
     used_bytes: int = 0  # allocated by processes: v2 `used`, what nvidia-smi shows
     reserved_bytes: int = RESERVED_BYTES
     processes: list[FakeProcess] = field(default_factory=list)
+    # Bytes received over PCIe since the driver started counting; None: no such field here.
+    pcie_rx_bytes: int | None = 0
+    pcie_value_type: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
     lost: bool = False
     lost_at_call: int | None = None  # becomes lost at this (1-based) device call, then stays lost
-    calls: int = 0  # device calls (handle, uuid, name, memory, processes) seen so far
+    calls: int = 0  # device calls (handle, uuid, name, memory, fields, processes) seen so far
 
     def touch(self) -> None:
         self.calls += 1
@@ -108,6 +128,9 @@ class FakeNvml(ModuleType):
     NVMLError_Uninitialized = NVMLError_Uninitialized
     NVMLLibraryMismatchError = NVMLLibraryMismatchError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
+    NVML_SUCCESS = pynvml.NVML_SUCCESS
+    NVML_FI_DEV_PCIE_COUNT_RX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
+    NVML_FI_DEV_PCIE_COUNT_TX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
 
     def __init__(
         self,
@@ -123,7 +146,7 @@ class FakeNvml(ModuleType):
         self.driver_version = driver_version
         self.init_error = init_error  # raised by every nvmlInit while set
         self.strings_as_bytes = strings_as_bytes  # as old bindings return them
-        # C functions this "driver" lacks (MEMORY_V2, PROCESSES_V3): an older driver.
+        # C functions this "driver" lacks (MEMORY_V2, PROCESSES_V3, FIELD_VALUES): an older one.
         self.missing_functions: set[str] = set(missing_functions or ())
         # Function name (e.g. "nvmlDeviceGetMemoryInfo") -> GPU indexes where it raises
         # NotSupported; None in the set means every GPU.
@@ -207,9 +230,33 @@ class FakeNvml(ModuleType):
             listed.append(obj)
         return listed
 
+    def nvmlDeviceGetFieldValues(self, handle: _Handle, fieldIds: list[Any]) -> Any:
+        """As the binding does it: the ids (or (id, scope) pairs) go in, each field's own
+        nvmlReturn comes back beside the others'; only a failure of the call itself raises."""
+        self._count(FIELD_VALUES)
+        self._resolve(FIELD_VALUES)
+        gpu = self._device(handle.index, FIELD_VALUES)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for value, field_id in zip(values, fieldIds, strict=True):
+            pair = field_id if isinstance(field_id, tuple) else (field_id, 0)
+            value.fieldId, value.scopeId = pair
+            value.timestamp = int(time.time() * 1e6)
+            if value.fieldId != PCIE_RX_FIELD or gpu.pcie_rx_bytes is None:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            value.valueType = gpu.pcie_value_type
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            if gpu.pcie_value_type in VALUE_MEMBERS:  # else a type this binding has no member for
+                member, width = VALUE_MEMBERS[gpu.pcie_value_type]
+                setattr(value.value, member, gpu.pcie_rx_bytes % width)
+        return values
+
     def _symbol(self, name: str) -> None:
-        """What `_nvmlGetFunctionPointer` raises for a C function the driver does not export."""
         self.calls[name] += 1
+        self._resolve(name)
+
+    def _resolve(self, name: str) -> None:
+        """What `_nvmlGetFunctionPointer` raises for a C function the driver does not export."""
         if name in self.missing_functions:
             raise NVMLError_FunctionNotFound()
 
@@ -224,6 +271,10 @@ class FakeNvml(ModuleType):
 
     def _device_call(self, name: str, index: int) -> FakeGpu:
         self._count(name)
+        return self._device(index, name)
+
+    def _device(self, index: int, name: str) -> FakeGpu:
+        """The GPU a call on `index` reaches, or the error the driver gives instead."""
         self._check_initialized()
         if not 0 <= index < len(self.gpus):
             raise NVMLError_InvalidArgument()
