@@ -25,7 +25,7 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
@@ -52,7 +52,13 @@ from exporter.sources import (
 )
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
-from exporter.sources.gpu import NvmlSource, PcieMarks, mark_pcie, process_gpu_memory
+from exporter.sources.gpu import (
+    GpuSample,
+    NvmlSource,
+    PcieMarks,
+    mark_pcie,
+    process_gpu_memory,
+)
 from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
 from exporter.sources.nvml_pids import NvmlPidCheck
@@ -557,6 +563,7 @@ class Runtime:
         gpu_memory: dict[int, int] = {}
         if gpu is not None and process is not None and process.found:
             gpu_memory = process_gpu_memory(gpu, process.pids, runtime.config.gpus)
+        gpus = gpu_memory if runtime.config.gpus == "auto" else runtime.config.gpus
         observation = Observation(
             time=now,
             endpoint_result=probe_value.result if probe_value is not None else None,
@@ -576,6 +583,7 @@ class Runtime:
             log_events=events,
             log_lines=log_sample.lines_total if log_sample is not None else None,
             files=_file_view(files, process),
+            gpu_rx_bytes=_tree_rx(gpu, gpus),
         )
         return observation, gpu_memory
 
@@ -651,6 +659,17 @@ class Runtime:
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         return self.history.loads(target, limit)
+
+
+def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
+    """PCIe bytes received so far by the GPUs the tree uses, summed; None unless every one of
+    them has the counter (a part would read as the whole)."""
+    if gpu is None or not gpus:
+        return None
+    counters = [d.pcie_rx_bytes for d in gpu.devices if d.index in gpus]
+    if len(counters) != len(gpus) or None in counters:
+        return None
+    return sum(c for c in counters if c is not None)
 
 
 def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -> FileView | None:
