@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 from exporter.config import TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.loadstats import HistogramCounts
+from exporter.logfind import LogFinding
 from exporter.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
 from exporter.tracker import TargetState
@@ -34,6 +35,7 @@ class TargetView:
     readings: Mapping[str, Reading[Any]]  # this target's per-target sources, by source name
     gpu_memory: Mapping[int, int]  # bytes the server's process tree holds, per GPU index
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
+    log_finding: LogFinding | None = None  # where its unconfigured log was found, or why not
 
     @property
     def name(self) -> str:

@@ -79,6 +79,20 @@ def _operator_view(snap: Snapshot, view: TargetView) -> dict[str, Any]:
     }
 
 
+def _log_json(view: TargetView) -> dict[str, Any]:
+    """Which log is followed and why: configured, found from the server's process (how), or
+    none (why not); the reading's fields follow once it has been sampled."""
+    finding = view.log_finding
+    if view.config.log is not None:
+        return {"source": None, "found_by": "configured"}
+    if finding is None:
+        why = "no server process seen yet" if view.config.process else "no process matching"
+        return {"source": None, "found_by": None, "not_found": why}
+    if finding.config is None:
+        return {"source": None, "found_by": None, "not_found": finding.why}
+    return {"source": None, "found_by": finding.why}
+
+
 def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
     disk = snap.host_value(DISK)
@@ -116,10 +130,12 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
                 "reason": value.reason,
             }
         entry.update(_operator_view(snap, view))
+        entry["log"] = _log_json(view)
         logs = view.reading(LOGS)
         if logs is not None and logs.value is not None:
             sample = logs.value
             entry["log"] = {
+                **entry["log"],
                 "source": sample.source,
                 "up": sample.up,
                 "reason": sample.reason,

@@ -5,13 +5,16 @@ the kubelet keeps under /var/log/pods (containerd and CRI-O write it). `LogShim`
 dockerd or containerd-shim does with a container's output: it reads the process's stdout and
 stderr pipes and appends each line to the log file as a record stamped when it was read, a line
 longer than 16 KiB split over several records, a line without its `\\n` held until it ends.
+Run as a script, it is that shim in a process of its own (`main`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +22,9 @@ from pathlib import Path
 from typing import IO
 
 LINE_LIMIT = 16 * 1024  # Docker's and containerd's buffer: longer lines become partial records
+# Between a crashed process's last line and its restart: Docker waits 100 ms, then the runtime
+# starts the process; long enough for the reader's skew, well inside the tracker's.
+RESTART_DELAY = 0.5
 
 
 def rfc3339nano(when: float, offset_minutes: int = 0) -> str:
@@ -37,7 +43,8 @@ def rfc3339nano(when: float, offset_minutes: int = 0) -> str:
 def docker_record(text: bytes, stream: str, when: float) -> bytes:
     """One json-file line; `text` ends with `\\n` unless it is a split line's part."""
     log = text.decode("utf-8", "replace")
-    return (json.dumps({"log": log, "stream": stream, "time": rfc3339nano(when)}) + "\n").encode()
+    entry = {"log": log, "stream": stream, "time": rfc3339nano(when)}
+    return (json.dumps(entry, separators=(",", ":")) + "\n").encode()
 
 
 def cri_record(text: bytes, stream: str, when: float) -> bytes:
@@ -48,16 +55,15 @@ def cri_record(text: bytes, stream: str, when: float) -> bytes:
 
 
 Record = Callable[[bytes, str, float], bytes]
+RECORDS: dict[str, Record] = {"docker": docker_record, "cri": cri_record}
 
 
 class LogShim:
     """Runs `command` with its stdout and stderr on pipes, written to `log` as `record`s."""
 
     def __init__(self, command: Sequence[str], log: Path, record: Record) -> None:
-        self._log = log
         self._record = record
         self._lock = threading.Lock()
-        log.parent.mkdir(parents=True, exist_ok=True)
         self._out = open(log, "ab", buffering=0)  # noqa: SIM115 (closed in wait)
         self.proc = subprocess.Popen(
             list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -91,16 +97,36 @@ class LogShim:
         with self._lock:
             self._out.write(self._record(text, stream, time.time()))
 
-    def stop(self, timeout: float = 10) -> int:
-        """SIGTERM, wait, and the exit code once every line is written."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+    def wait(self) -> int:
+        """The command's exit code, once every line it wrote is in the log."""
+        code = self.proc.wait()
         for pump in self._pumps:
-            pump.join(timeout)
+            pump.join()
         self._out.close()
         return code
+
+
+def main(argv: Sequence[str]) -> int:
+    """`containerlog.py docker|cri LOG [--restarted-after OUTPUT] -- COMMAND...`: the shim as its
+    own process (outside the container's cgroup, as containerd-shim is), passing SIGTERM and
+    SIGINT on to the command. With `--restarted-after`, the file OUTPUT is the previous process's
+    stderr, written as its records first; the command starts RESTART_DELAY later, as Docker
+    restarts a crashed container into the same log file."""
+    encoding, log, *rest = argv
+    separator = rest.index("--")
+    options, command = rest[:separator], rest[separator + 1 :]
+    record = RECORDS[encoding]
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    if options[:1] == ["--restarted-after"]:
+        with open(log, "ab") as out:
+            for line in Path(options[1]).read_bytes().splitlines(keepends=True):
+                out.write(record(line, "stderr", time.time()))
+        time.sleep(RESTART_DELAY)
+    shim = LogShim(command, Path(log), record)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda sig, frame: shim.proc.send_signal(sig))
+    return shim.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
