@@ -32,7 +32,8 @@ process's lines:
 
 Paths outside /proc are read under `host_root`; a file the process names in its own mount
 namespace is reached through `/proc/PID/root` when the same path here is another file. Every
-file opened on the process's behalf is opened by `_read_small`.
+file this module opens on the process's behalf is opened by `_read_small` (the rest are stats,
+directory listings and link reads); the log found is opened by `sources.logs._FileReader._open`.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
@@ -215,13 +215,19 @@ def parse_rfc3339(text: bytes) -> float | None:
     return stamp + (float(m[7]) if m[7] else 0.0)
 
 
-def parse_docker_json(record: bytes) -> ContainerEntry | None:
-    """One line of Docker's json-file log; None for anything that is not an entry."""
+def _json_object(line: bytes) -> dict[str, Any] | None:
+    """A line of JSON that is an object, else None (a journal's or Docker's record)."""
     try:
-        entry = json.loads(record)
+        value = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(entry, dict):
+    return value if isinstance(value, dict) else None
+
+
+def parse_docker_json(record: bytes) -> ContainerEntry | None:
+    """One line of Docker's json-file log; None for anything that is not an entry."""
+    entry = _json_object(record)
+    if entry is None:
         return None
     text, stream, stamp = entry.get("log"), entry.get("stream"), entry.get("time")
     if not isinstance(text, str) or stream not in STREAMS or not isinstance(stamp, str):
@@ -460,11 +466,8 @@ class JournalEntry:
 
 def parse_journal_json(line: bytes) -> JournalEntry | None:
     """One line of `journalctl -o json`; None for anything that is not an entry."""
-    try:
-        entry = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(entry, dict):
+    entry = _json_object(line)
+    if entry is None:
         return None
     message = entry.get("MESSAGE")
     if isinstance(message, list):
