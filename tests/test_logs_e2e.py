@@ -437,9 +437,11 @@ def test_exporter_finds_the_servers_stderr_file(tmp_path: Path, start_exporter: 
     )
     log = log_status(running)
     assert log["source"] == f"file:{stderr}" and log["up"] is True
+    # The shell's `2>` truncates (the descriptor wrote every byte) and, on a busy machine, may
+    # also create the file a clock tick after the process started: either shows it is its own.
+    own = "(written from its first byte through this descriptor|created after the process started)"
     assert re.fullmatch(rf"stderr of pid \d+ is the regular file {re.escape(str(stderr))}, "
-                        r"written from its first byte through this descriptor: read from its "
-                        r"start", log["found_by"]), log  # fmt: skip
+                        rf"{own}: read from its start", log["found_by"]), log  # fmt: skip
 
 
 def test_an_exporter_started_mid_load_reads_the_found_log_from_the_start_and_refinds_it(
