@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
-from exporter.vocabulary import LogFormat, ProbeKind, ServerKind
+from exporter.vocabulary import LogEncoding, LogFormat, ProbeKind, ServerKind
 
 DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
     ProbeKind.COMPLETION: "/v1/completions",
@@ -131,6 +131,12 @@ class LogConfig:
     journald_unit: str | None = None
     file: str | None = None
     format: LogFormat = LogFormat.AUTO
+    encoding: LogEncoding = LogEncoding.PLAIN  # of the file(s)
+    more_files: tuple[str, ...] = ()  # the same server's other stream (stderr beside stdout)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.file, *self.more_files) if self.file else ()
 
 
 @dataclass(frozen=True)
@@ -442,13 +448,20 @@ def _process(data: object, where: str) -> ProcessConfig:
 
 
 def _log(data: object, where: str) -> LogConfig:
-    r = _Reader(data, where, ("journald_unit", "file", "format"))
+    r = _Reader(data, where, ("journald_unit", "file", "format", "encoding"))
     if len([k for k in ("journald_unit", "file") if r.has(k)]) != 1:
         raise ConfigError(f"{where}: set exactly one of journald_unit, file")
+    if r.has("journald_unit") and r.has("encoding"):
+        raise ConfigError(f"{r.key('encoding')}: applies to file only; a journal has none")
+    files = r.str_list("file") if r.has("file") else ()
+    if len(set(files)) != len(files):
+        raise ConfigError(f"{r.key('file')}: a path is listed twice")
     return LogConfig(
         journald_unit=r.text("journald_unit"),
-        file=r.text("file"),
+        file=files[0] if files else None,
+        more_files=files[1:],
         format=r.choice("format", LogFormat, LogFormat.AUTO),
+        encoding=r.choice("encoding", LogEncoding, LogEncoding.PLAIN),
     )
 
 

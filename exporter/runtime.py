@@ -32,11 +32,12 @@ from typing import Any
 
 from exporter import __version__
 from exporter.cadence import ProbeCadence
-from exporter.config import Config, ProcessConfig, TargetConfig
+from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.exitwatch import ExitWatch
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
+from exporter.logfind import LogFinding, find_log
 from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
@@ -103,6 +104,8 @@ class TargetRuntime:
     gone_since: float | None = None  # a discovered server's process went away at this time
     logs: LogSource | None = None  # made once the process's start is known (a journal's start)
     log_seq: int = 0  # the last log event handed to the tracker
+    log_for: tuple[int, float] | None = None  # the process (pid, start) its log was found for
+    log_finding: LogFinding | None = None  # where that log was found, or why none was
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
@@ -132,12 +135,14 @@ class Runtime:
         gpu_pid_check: NvmlPidCheck | None = None,
         proc_root: str = "/proc",
         sys_root: str = "/sys",
+        host_root: str = "/",
         clock: Callable[[], float] = time.time,
         quiet_interval: float = QUIET_INTERVAL,
     ) -> None:
         self.config = config
         self._clock = clock
         self._proc_root = proc_root
+        self._host_root = host_root  # where container runtimes' logs are (exporter/logfind.py)
         self.quiet_interval = quiet_interval
         self.quiet = False  # every target settled: the loops run at quiet_interval
         self.exits = ExitWatch()
@@ -517,23 +522,55 @@ class Runtime:
         runtime.hung = hung
 
     def _open_log(self, runtime: TargetRuntime, now: float) -> None:
-        """Start following a target's log once it is known where to start reading a journal.
+        """Follow a target's log: the configured one, else the one its server process writes.
 
-        From the server process's start (so an exporter started mid-load still reads the whole
-        load's markers), or from now when there is no process or it is not running.
+        A configured log opens once it is known where to start reading a journal: from the server
+        process's start (so an exporter started mid-load still reads the whole load's markers),
+        or from now when there is no process or it is not running. Without `log:`, each new
+        server process (a restart too) has its log found afresh (exporter/logfind.py).
         """
-        config = runtime.config.log
-        if config is None or runtime.logs is not None:
-            return
-        since: float | None = now
+        name = runtime.config.name
+        process = None
         if runtime.finder is not None:
-            reading = self.sampler.latest(PROCESS, runtime.config.name)
+            reading = self.sampler.latest(PROCESS, name)
             if reading is None:
                 return  # the first process sample is not in yet
             process = reading.good
-            if process is not None and process.found and process.start_time is not None:
-                since = process.start_time
-        runtime.logs = LogSource(config, since=since)
+        start = process.start_time if process is not None and process.found else None
+        configured = runtime.config.log
+        if configured is not None:
+            if runtime.logs is None:
+                self._follow_log(runtime, configured, now if start is None else start)
+            return
+        if start is None or process is None or process.root_pid is None:
+            return
+        found_for = (process.root_pid, start)
+        if found_for == runtime.log_for:
+            return
+        runtime.log_for = found_for
+        if runtime.logs is not None:  # an older process's log
+            self.sampler.discard(LOGS, name)
+            runtime.logs.close()
+            runtime.logs, runtime.log_seq = None, 0
+        finding = find_log(
+            process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
+        )
+        with self._lock:
+            runtime.log_finding = finding
+        if finding.config is None:
+            log.info("target %s: no log found: %s", name, finding.why)
+            return
+        log.info("target %s: following its log: %s", name, finding.why)
+        self._follow_log(runtime, finding.config, start, finding.whole_files)
+
+    def _follow_log(
+        self,
+        runtime: TargetRuntime,
+        config: LogConfig,
+        since: float,
+        whole_files: tuple[str, ...] = (),
+    ) -> None:
+        runtime.logs = LogSource(config, since=since, whole_files=whole_files)
         self.sampler.add(
             LOGS,
             runtime.config.name,
@@ -638,7 +675,8 @@ class Runtime:
                     by_target.get(name, {}),
                     dict(rt.gpu_memory),
                     rt.discovered,
-                    rt.pcie_at_start,
+                    pcie_at_start=rt.pcie_at_start,
+                    log_finding=rt.log_finding,
                 )
                 for name, rt in self.targets.items()
             )

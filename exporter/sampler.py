@@ -151,7 +151,7 @@ class Sampler:
         sample interval does not (asked after each sample); `after` sees each stored reading."""
 
         def sample() -> None:
-            reading = self.run_once(source, target, fn)
+            reading = self.run_once(source, target, fn, loop)
             if after is not None:
                 after(reading)
 
@@ -217,8 +217,18 @@ class Sampler:
         for loop in loops:
             loop.stop()
 
-    def run_once(self, source: SourceKey[T], target: str, fn: Callable[[], T]) -> Reading[T]:
-        """Take one sample now and store it; public so tests can step sources by hand."""
+    def run_once(
+        self,
+        source: SourceKey[T],
+        target: str,
+        fn: Callable[[], T],
+        loop: Periodic | None = None,
+    ) -> Reading[T]:
+        """Take one sample now and store it; public so tests can step sources by hand.
+
+        A sample of `loop` that ends after its loop was discarded or replaced is not stored: the
+        reading of a source the runtime let go (an older process's log) must not come back.
+        """
         key = (source.name, target)
         started = time.monotonic()
         try:
@@ -237,9 +247,12 @@ class Sampler:
             duration_seconds=time.monotonic() - started,
             finished_at=self._clock(),
         )
-        self._note_transition(key, reading)
         with self._lock:
-            self._latest[key] = reading
+            current = loop is None or self._loops.get(key) is loop
+            if current:
+                self._latest[key] = reading
+        if current:
+            self._note_transition(key, reading)
         return reading
 
     def _note_transition(self, key: tuple[str, str], reading: Reading[Any]) -> None:

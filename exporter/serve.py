@@ -119,7 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     single.add_argument("--pidfile", metavar="PATH", help="find the server by pidfile")
     single.add_argument("--cmdline", metavar="REGEX", help="find the server by command line")
     single.add_argument(
-        "--log.source", dest="log_source", metavar="journald:UNIT|file:PATH", help="server log"
+        "--log.source",
+        dest="log_source",
+        metavar="journald:UNIT|file:PATH|docker:PATH|cri:PATH",
+        help="server log (default: found from the server process)",
     )
     single.add_argument("--stall.after", dest="stall_after", metavar="DURATION", help="default 5m")
     p.add_argument(
@@ -133,10 +136,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _log_source(value: str) -> dict[str, str]:
+    """`journald:UNIT`, `file:PATH`, or a container log as `docker:PATH` / `cri:PATH`: the same
+    words `/api/v1/status` shows as the log's source."""
     kind, sep, rest = value.partition(":")
-    if not sep or kind not in ("journald", "file") or not rest:
-        raise ConfigError(f"--log.source: expected journald:UNIT or file:PATH, got {value!r}")
-    return {"journald_unit": rest} if kind == "journald" else {"file": rest}
+    if not sep or kind not in ("journald", "file", "docker", "cri") or not rest:
+        raise ConfigError(
+            f"--log.source: expected journald:UNIT, file:PATH, docker:PATH or cri:PATH, "
+            f"got {value!r}"
+        )
+    if kind == "journald":
+        return {"journald_unit": rest}
+    return {"file": rest} if kind == "file" else {"file": rest, "encoding": kind}
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 from exporter.config import TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.loadstats import HistogramCounts
+from exporter.logfind import LogFinding
 from exporter.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
 from exporter.sources.gpu import PcieMarks
@@ -37,6 +38,7 @@ class TargetView:
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
     # Each GPU's PCIe RX counter when the current (or last) load began.
     pcie_at_start: PcieMarks = field(default_factory=dict)
+    log_finding: LogFinding | None = None  # where its unconfigured log was found, or why not
 
     @property
     def name(self) -> str:

@@ -85,6 +85,15 @@ class LogFormat(StrEnum):
     TRITON = "triton"
 
 
+class LogEncoding(StrEnum):
+    """How a log file wraps the server's lines (`log.encoding`): as written, or in a container
+    runtime's records (Docker's json-file driver; the CRI format of /var/log/pods)."""
+
+    PLAIN = "plain"
+    DOCKER = "docker"
+    CRI = "cri"
+
+
 class Step(StrEnum):
     """The fine step a server's own log says it is in (`model_load_step{step}`)."""
 

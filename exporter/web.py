@@ -125,6 +125,20 @@ def _weight_files(sample: WeightFilesSample) -> dict[str, Any]:
     }
 
 
+def _log_json(view: TargetView) -> dict[str, Any]:
+    """Which log is followed and why: configured, found from the server's process (how), or
+    none (why not); the reading's fields follow once it has been sampled."""
+    finding = view.log_finding
+    if view.config.log is not None:
+        return {"source": None, "found_by": "configured"}
+    if finding is None:
+        why = "no server process seen yet" if view.config.process else "no process matching"
+        return {"source": None, "found_by": None, "not_found": why}
+    if finding.config is None:
+        return {"source": None, "found_by": None, "not_found": finding.why}
+    return {"source": None, "found_by": finding.why}
+
+
 def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
     disk = snap.host_value(DISK)
@@ -165,10 +179,12 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
         files = view.reading(WEIGHT_FILES)
         if files is not None and files.value is not None:
             entry["weight_files"] = _weight_files(files.value)
+        entry["log"] = _log_json(view)
         logs = view.reading(LOGS)
         if logs is not None and logs.value is not None:
             sample = logs.value
             entry["log"] = {
+                **entry["log"],
                 "source": sample.source,
                 "up": sample.up,
                 "reason": sample.reason,

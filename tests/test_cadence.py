@@ -71,3 +71,38 @@ def test_sampler_after_hook_sees_the_stored_reading() -> None:
     finally:
         sampler.stop()
     assert seen and all(seen)
+
+
+def test_a_sample_that_ends_after_its_source_was_let_go_is_not_stored() -> None:
+    """The runtime discards an older process's log source while a sample of it may be running:
+    that sample's reading must not come back once the source is gone, nor over its successor."""
+    sampler = Sampler(0.05)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        inside.set()
+        release.wait(2.0)
+        return "older"
+
+    sampler.add(MEMORY, "t", slow)
+    sampler.start()
+    try:
+        assert inside.wait(2.0)
+        sampler.discard(MEMORY, "t")
+        release.set()
+        time.sleep(0.2)
+        assert sampler.latest(MEMORY, "t") is None
+        inside.clear()
+        release.clear()
+        sampler.add(MEMORY, "t", slow)
+        assert inside.wait(2.0)
+        sampler.add(MEMORY, "t", lambda: "newer")  # replaced while the older one samples
+        release.set()
+        time.sleep(0.2)
+        reading = sampler.latest(MEMORY, "t")
+        assert reading is not None and reading.value == "newer"
+    finally:
+        release.set()
+        sampler.stop()
+    assert sampler.run_once(MEMORY, "", lambda: "by hand").value == "by hand"
+    assert sampler.latest(MEMORY) is not None  # a sample by hand, no loop: stored

@@ -10,15 +10,19 @@ from pathlib import Path
 import pytest
 import yaml
 
+from exporter.cli import build_parser
 from exporter.config import (
     DISCOVERY_SERVERS,
     ConfigError,
     DiscoveryConfig,
+    LogConfig,
     format_duration,
     load_config,
     parse_config,
     parse_duration,
 )
+from exporter.serve import config_from_args
+from exporter.vocabulary import LogEncoding
 
 GOOD = {
     "sample_interval": "500ms",
@@ -82,6 +86,43 @@ def test_good_config_loads_into_dataclasses(tmp_path: Path, weights: Path) -> No
     assert target.stall_after == 300.0
 
 
+def test_log_file_takes_one_path_or_two_and_an_encoding(tmp_path: Path, weights: Path) -> None:
+    both = {"file": ["/var/log/vllm.out", "/var/log/vllm.err"], "encoding": "plain"}
+    cri = {"file": "/var/log/pods/ns_pod_uid/server/0.log", "encoding": "cri"}
+    endpoint = {"url": "http://127.0.0.1:1"}
+    targets = [
+        {"name": n, "endpoint": endpoint, "log": log} for n, log in (("a", both), ("b", cri))
+    ]
+    first, second = load_config(str(write(tmp_path, {"targets": targets}, weights))).targets
+    assert first.log is not None and first.log.files == ("/var/log/vllm.out", "/var/log/vllm.err")
+    assert first.log.encoding is LogEncoding.PLAIN
+    assert second.log is not None and second.log.files == (cri["file"],)
+    assert second.log.encoding is LogEncoding.CRI and second.log.more_files == ()
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("journald:vllm.service", LogConfig(journald_unit="vllm.service")),
+        ("file:/var/log/vllm.log", LogConfig(file="/var/log/vllm.log")),
+        ("docker:/d/c-json.log", LogConfig(file="/d/c-json.log", encoding=LogEncoding.DOCKER)),
+        ("cri:/var/log/pods/p/c/0.log", LogConfig(file="/var/log/pods/p/c/0.log", encoding=LogEncoding.CRI)),
+    ],
+)  # fmt: skip
+def test_log_source_flag_names_the_log_as_status_shows_it(flag: str, expected: LogConfig) -> None:
+    flags = ["serve", "--target", "t", "--endpoint", "http://127.0.0.1:1", f"--log.source={flag}"]
+    [target] = config_from_args(build_parser("serve").parse_args(flags)).targets
+    assert target.log == expected
+
+
+def test_log_source_flag_of_an_unknown_kind_is_one_line() -> None:
+    flags = ["serve", "--target", "t", "--endpoint", "http://127.0.0.1:1", "--log.source=pipe:x"]
+    with pytest.raises(
+        ConfigError, match="expected journald:UNIT, file:PATH, docker:PATH or cri:PATH"
+    ):
+        config_from_args(build_parser("serve").parse_args(flags))
+
+
 def test_probe_kind_sets_default_path(tmp_path: Path, weights: Path) -> None:
     data = {"targets": [{"name": "a", "endpoint": {"url": "http://h:1", "probe": "health"}}]}
     config = load_config(str(write(tmp_path, data, weights)))
@@ -134,6 +175,10 @@ MALFORMED: list[tuple[str, object, str]] = [
     ("bad cmdline regex", _target(process={"cmdline": "sglang(("}), "invalid regular expression"),
     ("bad gpus", _target(gpus="all"), "targets[0].gpus: expected auto or a list"),
     ("bad log format", _target(log={"file": "/var/log/x", "format": "ollama"}), "targets[0].log.format"),
+    ("bad log encoding", _target(log={"file": "/var/log/x", "encoding": "json-file"}), "targets[0].log.encoding: must be one of plain, docker, cri, got 'json-file'"),
+    ("encoding of a journal", _target(log={"journald_unit": "x", "encoding": "cri"}), "targets[0].log.encoding: applies to file only"),
+    ("log file listed twice", _target(log={"file": ["/var/log/x", "/var/log/x"]}), "targets[0].log.file: a path is listed twice"),
+    ("empty log file list", _target(log={"file": []}), "targets[0].log.file: expected a non-empty list"),
     ("per_file not bool", _target(weights={"paths": ["WEIGHTS"], "per_file": "yes"}), "per_file: expected true or false"),
     ("unset env var in header", _target(endpoint={"url": "http://h:1", "headers": {"Authorization": "${NO_SUCH_VAR_XYZ}"}}), "environment variable NO_SUCH_VAR_XYZ is not set"),
     ("residency budget out of range", {**_target(), "residency_cpu_budget": 2}, "residency_cpu_budget"),

@@ -7,18 +7,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
+from helpers import containerlog
+from helpers.cgroups import cgroups, hierarchies, joining
 from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
@@ -215,33 +220,18 @@ def journald() -> Iterator[None]:
         started.wait(10)
 
 
-def _unified_cgroup_root() -> Path | None:
-    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
-        if (root / "cgroup.procs").exists() and (root / "cgroup.controllers").exists():
-            return root
-    return None
-
-
 @pytest.fixture
 def unit_cgroup() -> Iterator[tuple[str, Path]]:
     """A `system.slice/NAME.service` cgroup: journald derives `_SYSTEMD_UNIT=NAME.service` from a
     writer's cgroup, so `journalctl -u` matches it exactly as it matches a real unit."""
-    root = _unified_cgroup_root()
-    if root is None:
-        pytest.skip("no cgroup v2 hierarchy")
     unit = f"mle-logtest-{os.getpid()}.service"
-    path = root / "system.slice" / unit
-    try:
-        path.mkdir(parents=True)
-    except OSError as exc:
-        pytest.skip(f"cannot create a cgroup: {exc}")
-    yield unit, path
-    for _ in range(100):
-        try:
-            path.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
+    with cgroups(f"system.slice/{unit}", hierarchies(named=False)) as (path,):
+        yield unit, path
+
+
+def in_unit(cgroup: Path, command: list[str]) -> list[str]:
+    """`command` in the unit's cgroup, its output to the journal as a unit's goes."""
+    return joining([cgroup], ["systemd-cat", "-t", "sim", *command])
 
 
 def test_simulator_logs_through_journald(
@@ -251,10 +241,8 @@ def test_simulator_logs_through_journald(
     since = time.time()
     follower = Follower(LogSource(LogConfig(journald_unit=unit), since=since))
     follower.poll()
-    inner = " ".join(simulate(tmp_path, "sglang"))
-    command = ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
     try:
-        with running_command(command):
+        with running_command(in_unit(cgroup, simulate(tmp_path, "sglang"))):
             follow_all([follower])
     finally:
         follower.source.close()
@@ -294,23 +282,29 @@ def first(seen: list[dict[str, Any]], key: str, value: str) -> float:
     return float(next(s["time"] for s in seen if s.get(key) == value))
 
 
+def log_status(running: RunningExporter) -> dict[str, Any]:
+    return dict(running.status()["targets"][0]["log"])
+
+
 def exporter_with_log(
-    start_exporter: Any, tmp_path: Path, port: int, log: dict[str, str]
+    start_exporter: Any, tmp_path: Path, port: int, log: dict[str, str] | None, **kwargs: Any
 ) -> RunningExporter:
-    """An exporter watching one simulator (by its pidfile) and following its log."""
+    """An exporter watching one simulator (by its pidfile) and following its log: the one
+    configured, or with `log` None the one it finds for itself."""
+    target = {
+        "name": "logged",
+        "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+        "process": {"pidfile": str(tmp_path / "server.pid")},
+    }
+    if log is not None:
+        target["log"] = log
     running: RunningExporter = start_exporter(
         {
             "sample_interval": f"{int(INTERVAL * 1000)}ms",
             "history_path": str(tmp_path / "history.sqlite"),
-            "targets": [
-                {
-                    "name": "logged",
-                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
-                    "process": {"pidfile": str(tmp_path / "server.pid")},
-                    "log": log,
-                }
-            ],
-        }
+            "targets": [target],
+        },
+        **kwargs,
     )
     return running
 
@@ -318,15 +312,18 @@ def exporter_with_log(
 def exporter_follows_the_log(
     tmp_path: Path,
     start_exporter: Any,
-    log: dict[str, str],
+    log: dict[str, str] | None,
     command: Callable[[list[str]], list[str]],
     slack: float,
-) -> None:
+    **kwargs: Any,
+) -> RunningExporter:
     """Phases and steps in /api/v1/status follow the simulator's markers within one interval,
     and the finished load records the steps the log timed."""
     port = free_port()
-    running = exporter_with_log(start_exporter, tmp_path, port, log)
-    wait_for(lambda: running.status()["targets"][0].get("step") == "none")
+    running = exporter_with_log(start_exporter, tmp_path, port, log, **kwargs)
+    # A configured log is followed from the start; a found one once the server's process is.
+    idle = ("step", "none") if log is not None else ("phase", "down")
+    wait_for(lambda: running.status()["targets"][0].get(idle[0]) == idle[1])
     extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
     report_file = tmp_path / "report.json"
     with running_command(command(extra)):
@@ -356,6 +353,9 @@ def exporter_follows_the_log(
     assert running.status()["targets"][0]["server"] == "sglang"
     text = running.metrics()
     assert 'model_load_phase_duration_seconds_count{phase="cuda_graph",target="logged"}' in text
+    if log is not None:
+        assert log_status(running)["found_by"] == "configured"
+    return running
 
 
 def test_exporter_follows_a_log_file(tmp_path: Path, start_exporter: Any) -> None:
@@ -374,12 +374,12 @@ def test_exporter_follows_a_units_journal(
 ) -> None:
     unit, cgroup = unit_cgroup
 
-    def in_the_unit(extra: list[str]) -> list[str]:
-        inner = " ".join(simulate(tmp_path, "sglang", *extra))
-        return ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec systemd-cat -t sim {inner}"]
-
     exporter_follows_the_log(
-        tmp_path, start_exporter, {"journald_unit": unit}, in_the_unit, slack=JOURNAL_SLACK
+        tmp_path,
+        start_exporter,
+        {"journald_unit": unit},
+        lambda extra: in_unit(cgroup, simulate(tmp_path, "sglang", *extra)),
+        slack=JOURNAL_SLACK,
     )
 
 
@@ -398,3 +398,215 @@ def test_a_fatal_line_fails_the_load_with_the_servers_message(
     assert "simulated crash during initialization" in (state["fatal"] or "")
     [load] = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
     assert load["outcome"] == "failed" and load["fatal"] == state["fatal"]
+
+
+# --- the exporter finding the server's log by itself (exporter/logfind.py) ----------------------
+
+SHIM = Path(containerlog.__file__)  # dockerd's or containerd-shim's part: pipes -> log records
+
+
+def redirected(redirects: str, command: list[str]) -> list[str]:
+    """`command` with its output redirected as a shell line does it: `exec server >a 2>b`."""
+    return ["sh", "-c", f'exec "$@" {redirects}', "sh", *command]
+
+
+def in_container(
+    dirs: list[Path], encoding: str, log: Path, command: list[str], *options: str
+) -> list[str]:
+    """`command` in the container's cgroups, its output written to `log` by a shim outside them."""
+    shim = [sys.executable, str(SHIM), encoding, str(log), *options, "--"]
+    return [*shim, *joining(dirs, command)]
+
+
+def loads_of(running: RunningExporter, count: int) -> list[dict[str, Any]]:
+    def loads() -> list[dict[str, Any]] | None:
+        found = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+        return found if len(found) >= count else None
+
+    return list(wait_for(loads))
+
+
+def test_exporter_finds_the_servers_stderr_file(tmp_path: Path, start_exporter: Any) -> None:
+    stderr = tmp_path / "sglang.err"
+    running = exporter_follows_the_log(
+        tmp_path,
+        start_exporter,
+        None,
+        lambda extra: redirected(f">/dev/null 2>{stderr}", simulate(tmp_path, "sglang", *extra)),
+        slack=SLACK,
+    )
+    log = log_status(running)
+    assert log["source"] == f"file:{stderr}" and log["up"] is True
+    # The shell's `2>` truncates (the descriptor wrote every byte) and, on a busy machine, may
+    # also create the file a clock tick after the process started: either shows it is its own.
+    own = "(written from its first byte through this descriptor|created after the process started)"
+    assert re.fullmatch(rf"stderr of pid \d+ is the regular file {re.escape(str(stderr))}, "
+                        rf"{own}: read from its start", log["found_by"]), log  # fmt: skip
+
+
+def test_an_exporter_started_mid_load_reads_the_found_log_from_the_start_and_refinds_it(
+    tmp_path: Path, start_exporter: Any
+) -> None:
+    """The server writes its log (TGI's, stamped to the microsecond) to a file through `2>`; the
+    exporter starts after the weights began, finds that file, reads it from its start, so the
+    load's starting phase and fine steps are the log's own. The server restarts writing to
+    another file: the new process's log is found afresh."""
+    port = free_port()
+    extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    first_log, second_log = tmp_path / "tgi-1.log", tmp_path / "tgi-2.log"
+    command = simulate(tmp_path, "tgi", *extra)
+    with running_command(redirected(f">/dev/null 2>{first_log}", command)):
+        wait_for(lambda: first_log.exists() and b"Starting shard" in first_log.read_bytes())
+        running = exporter_with_log(start_exporter, tmp_path, port, None)
+        watch_load(running, "ready")
+        [load] = loads_of(running, 1)
+        report = json.loads(wait_for(lambda: (tmp_path / "report.json").read_text()))
+        log = log_status(running)
+    assert not load["partial"]
+    assert log["source"] == f"file:{first_log}" and log["found_by"].endswith("read from its start")
+    phases = load["phase_seconds"]
+    assert phases["starting"] == pytest.approx(
+        report["weights_started_at"] - report["start_time"], abs=INTERVAL + SLACK
+    )
+    for step, seconds in step_seconds("tgi").items():
+        if step in phases:  # the warm-up may end after the endpoint answered
+            assert phases[step] == pytest.approx(seconds, abs=INTERVAL + SLACK), (step, phases)
+    assert {Step.KV_CACHE, Step.CUDA_GRAPH} <= set(phases), phases
+    (tmp_path / "report.json").unlink()
+    with running_command(redirected(f">/dev/null 2>{second_log}", command)):
+        watch_load(running, "ready")
+        second = loads_of(running, 2)[0]
+    assert log_status(running)["source"] == f"file:{second_log}"
+    assert {Step.KV_CACHE, Step.CUDA_GRAPH} <= set(second["phase_seconds"]), second
+
+
+def test_exporter_finds_a_units_journal(
+    tmp_path: Path, start_exporter: Any, journald: None, unit_cgroup: tuple[str, Path]
+) -> None:
+    unit, cgroup = unit_cgroup
+    running = exporter_follows_the_log(
+        tmp_path,
+        start_exporter,
+        None,
+        lambda extra: in_unit(cgroup, simulate(tmp_path, "sglang", *extra)),
+        slack=JOURNAL_SLACK,
+    )
+    log = log_status(running)
+    assert log["source"] == f"journald:{unit}"
+    pattern = rf"pid \d+ runs in systemd unit {re.escape(unit)} \(from /proc/\d+/cgroup\)"
+    assert re.fullmatch(pattern, log["found_by"]), log
+
+
+def test_exporter_finds_a_docker_containers_json_file_log(
+    tmp_path: Path, start_exporter: Any
+) -> None:
+    """Under a host root laid out as dockerd lays it, for a process in the cgroup Docker's
+    systemd driver gives a container. The container's previous process crashed just before, and
+    Docker appends a restart's output to the same file: its fatal line is not this load's."""
+    container, host = secrets.token_hex(32), tmp_path / "host"
+    log = host / "var/lib/docker/containers" / container / f"{container}-json.log"
+    stamp = time.strftime("[%Y-%m-%d %H:%M:%S]")
+    crashed = tmp_path / "crashed.err"
+    lines = ("Load weight begin. avail mem=70.00 GB", "Initialization failed. warmup error: OOM")
+    crashed.write_text("".join(f"{stamp} {line}\n" for line in lines))
+    restarted = ("--restarted-after", str(crashed))
+    with cgroups(f"system.slice/docker-{container}.scope", hierarchies()) as dirs:
+        running = exporter_follows_the_log(
+            tmp_path,
+            start_exporter,
+            None,
+            lambda extra: in_container(
+                dirs, "docker", log, simulate(tmp_path, "sglang", *extra), *restarted
+            ),
+            slack=SLACK,
+            host_root=str(host),
+        )
+    state = running.status()["targets"][0]
+    assert state["fatal"] is None and state["log"]["source"] == f"docker:{log}"
+    where = f"/var/lib/docker/containers/{container}/{container}-json.log"
+    assert re.fullmatch(rf"pid \d+ runs in Docker container {container[:12]} \(from "
+                        rf"/proc/\d+/cgroup\): its json-file log {where}",
+                        state["log"]["found_by"]), state["log"]  # fmt: skip
+    assert b"warmup error: OOM" in log.read_bytes()
+
+
+def pod(host: Path, uid: str, container: str) -> tuple[Path, str]:
+    """The kubelet's /var/log/containers link to a container's /var/log/pods file, and the
+    cgroup its systemd driver gives that container (burstable QoS, containerd)."""
+    relative = f"var/log/pods/inference_sglang-0_{uid}/server/0.log"
+    links = host / "var/log/containers"
+    links.mkdir(parents=True)
+    (links / f"sglang-0_inference_server-{container}.log").symlink_to(f"/{relative}")
+    slice_ = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    cgroup = f"kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{container}.scope"
+    return host / relative, cgroup
+
+
+def test_exporter_finds_a_pod_containers_file_under_var_log_pods(
+    tmp_path: Path, start_exporter: Any
+) -> None:
+    container, uid, host = secrets.token_hex(32), str(uuid.uuid4()), tmp_path / "host"
+    log, cgroup = pod(host, uid, container)
+    with cgroups(cgroup, hierarchies()) as dirs:
+        running = exporter_follows_the_log(
+            tmp_path,
+            start_exporter,
+            None,
+            lambda extra: in_container(dirs, "cri", log, simulate(tmp_path, "sglang", *extra)),
+            slack=SLACK,
+            host_root=str(host),
+        )
+    found = log_status(running)
+    assert found["source"] == f"cri:{log}"
+    assert re.fullmatch(rf"pid \d+ runs in container {container[:12]} of pod {uid} \(from "
+                        rf"/proc/\d+/cgroup\): /{log.relative_to(host)}, named by "
+                        rf"/var/log/containers/sglang-0_inference_server-{container}\.log",
+                        found["found_by"]), found  # fmt: skip
+
+
+def test_a_found_log_that_cannot_be_read_is_logged_once_and_the_load_goes_on(
+    tmp_path: Path, start_exporter: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/var/log/containers mounted but not /var/log/pods: the link names a file not there."""
+    container, uid, host = secrets.token_hex(32), str(uuid.uuid4()), tmp_path / "host"
+    missing, cgroup = pod(host, uid, container)
+    elsewhere = tmp_path / "runtime" / "0.log"
+    port = free_port()
+    extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    running = exporter_with_log(start_exporter, tmp_path, port, None, host_root=str(host))
+    with (
+        cgroups(cgroup, hierarchies()) as dirs,
+        running_command(in_container(dirs, "cri", elsewhere, simulate(tmp_path, "sglang", *extra))),
+    ):
+        watch_load(running, "ready")
+    log = log_status(running)
+    assert log["source"] == f"cri:{missing}" and log["up"] is False
+    assert log["reason"] == f"{missing} does not exist (yet)"
+    downs = [r.getMessage() for r in caplog.records if "source logs:logged" in r.getMessage()]
+    assert downs == [f"source logs:logged is down: {missing} does not exist (yet)"]
+    assert 'model_load_source_up{source="logs",target="logged"} 0.0' in running.metrics()
+
+
+def test_no_log_found_says_why_in_the_status(tmp_path: Path, start_exporter: Any) -> None:
+    port = free_port()
+    extra = ["--port", str(port), "--pidfile", str(tmp_path / "server.pid")]
+    running = exporter_with_log(start_exporter, tmp_path, port, None)
+    wait_for(lambda: running.status()["targets"][0].get("phase") == "down")
+    assert log_status(running) == {
+        "source": None,
+        "found_by": None,
+        "not_found": "no server process seen yet",
+    }
+    child = subprocess.Popen(simulate(tmp_path, "sglang", *extra), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        log = wait_for(lambda: (s := log_status(running)).get("not_found", "").startswith("pid ")
+                       and s)  # fmt: skip
+    finally:
+        child.kill()
+        child.communicate()
+    assert log["source"] is None and log["found_by"] is None
+    assert re.fullmatch(r"pid \d+: stdout is a pipe, stderr is a pipe, and its cgroup \(.*\) is "
+                        r"no systemd service, Docker container or Kubernetes pod",
+                        log["not_found"]), log  # fmt: skip
+    assert "logs" not in running.status()["targets"][0]["sources"]

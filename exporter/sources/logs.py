@@ -1,4 +1,4 @@
-"""Follow a model server's log (a file or a systemd unit's journal) and turn it into step events.
+"""Follow a model server's log (files or a systemd unit's journal) and turn it into step events.
 
 Reading never blocks the sampler: a file is read with pread up to a byte budget per sample, and
 journald is read from a `journalctl --follow` child through a non-blocking pipe. Per-sample
@@ -7,18 +7,28 @@ blocks on a full pipe, which is enlarged to 1 MiB, and resumes where it stopped)
 acts once per interval anyway. `follow()` runs the same polling from a thread that wakes on new
 journal output, for a log so busy that one interval's output outgrows the pipe.
 
+A file is plain text, or a container runtime's records (`LogEncoding`): Docker's json-file
+(`{"log":"...\\n","stream":"stderr","time":"<RFC 3339>"}`, a long line split over several
+records without the `\\n`) or the CRI format of /var/log/pods (`<RFC 3339> <stream> <F|P> <text>`,
+`P` a partial line). Each record's own time is its lines' reference time (as journald's
+`__REALTIME_TIMESTAMP` is), records older than `since` are skipped (so an older process's lines in
+the same file are not this load's), and stdout and stderr are joined into lines apart.
+
 Memory stays bounded whatever arrives: a line longer than `MAX_LINE` is cut there (the rest is
-skipped up to its end), bytes that are not UTF-8 become U+FFFD, and only the last `MAX_EVENTS`
-events are kept (each carries a sequence number, so a reader knows what it has seen).
+skipped up to its end), a record longer than `MAX_RECORD` is skipped, bytes that are not UTF-8
+become U+FFFD, and only the last `MAX_EVENTS` events are kept (each carries a sequence number, so
+a reader knows what it has seen).
 """
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import fcntl
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import stat
@@ -26,16 +36,18 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
-from exporter.vocabulary import LogFormat, Step
+from exporter.vocabulary import LogEncoding, LogFormat, Step
 
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024  # bytes of one line kept; markers sit at a line's start
+MAX_RECORD = 8 * MAX_LINE  # a journal entry or container record longer than this is skipped
 READ_BUDGET = 8 * 1024 * 1024  # bytes read per sample at most; the rest waits for the next one
 MAX_EVENTS = 1024
 JOURNAL_PIPE_SIZE = 1 << 20
@@ -50,7 +62,7 @@ class LogSample:
 
     up: bool  # the log can be read (a missing file or a dead journalctl is not up)
     reason: str | None  # why not up, in words
-    source: str  # "file:/var/log/sglang.log" or "journald:sglang.service"
+    source: str  # "file:/var/log/sglang.log", "journald:sglang.service", "cri:/var/log/pods/..."
     format: LogFormat | None  # the format in use; None while `auto` has not decided
     format_reason: str  # "configured", or which line decided, or that none did
     events: tuple[LogEvent, ...]  # the last MAX_EVENTS events, oldest first, seq increasing
@@ -111,54 +123,303 @@ def _first_terminator(data: bytes) -> int:
     return min(found) if found else -1
 
 
+# A chunk of whole lines of text and the time they were logged (None: when they were read).
+Piece = tuple[float | None, str]
+
+
+class _Records:
+    """Bytes -> whole `\\n`-terminated records (journal JSON, container records); a record longer
+    than MAX_RECORD is skipped to its end. Only `\\n` ends a record: CRI text keeps tqdm's `\\r`."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._skipping = False
+
+    def push(self, data: bytes) -> list[bytes]:
+        if self._skipping:
+            end = data.find(b"\n")
+            if end < 0:
+                return []
+            data, self._skipping = data[end + 1 :], False
+        buf = self._tail + data if self._tail else data
+        cut = buf.rfind(b"\n") + 1
+        self._tail = buf[cut:]
+        if len(self._tail) > MAX_RECORD:
+            self._tail, self._skipping = b"", True
+        return buf[:cut].split(b"\n")[:-1]
+
+    def reset(self) -> None:
+        """The file ended under us: a record cut off there is lost."""
+        self._tail, self._skipping = b"", False
+
+
+class _PlainText:
+    """A plain log: its bytes are the server's text, timed when read."""
+
+    def __init__(self) -> None:
+        self._lines = _Lines()
+        self._pieces: list[Piece] = []
+
+    @property
+    def lines(self) -> int:
+        return self._lines.lines
+
+    def push(self, data: bytes) -> None:
+        self._keep(self._lines.push(data))
+
+    def cut(self) -> None:
+        """The file was replaced or cut under us: its unterminated tail is a last line."""
+        self._keep(self._lines.flush())
+
+    def take(self) -> list[Piece]:
+        pieces, self._pieces = self._pieces, []
+        return pieces
+
+    def tails(self) -> list[Piece]:
+        return [(None, self._lines.peek())]
+
+    def _keep(self, text: str) -> None:
+        if text:
+            self._pieces.append((None, text))
+
+
+@dataclass(frozen=True)
+class ContainerEntry:
+    """One record of a container runtime's log file."""
+
+    time: float  # when the runtime read it from the container, unix seconds
+    stream: str  # stdout or stderr
+    text: bytes  # this record's part of a line; ends with `\n` where the line ends
+
+
+STREAMS = ("stdout", "stderr")
+_RFC3339 = re.compile(
+    rb"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(\.\d{1,9})?(Z|[+-]\d\d:\d\d)", re.ASCII
+)
+
+
+def parse_rfc3339(text: bytes) -> float | None:
+    """Unix seconds of an RFC 3339 time with up to nanoseconds, as Docker and CRI write it."""
+    m = _RFC3339.fullmatch(text)
+    if m is None:
+        return None
+    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+    try:
+        stamp = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
+    except (ValueError, OverflowError):
+        return None
+    zone = m[8]
+    if zone != b"Z":
+        sign = -1 if zone[:1] == b"+" else 1
+        stamp += sign * (int(zone[1:3]) * 3600 + int(zone[4:6]) * 60)
+    return stamp + (float(m[7]) if m[7] else 0.0)
+
+
+def _json_object(line: bytes) -> dict[str, Any] | None:
+    """A line of JSON that is an object, else None (a journal's or Docker's record)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def parse_docker_json(record: bytes) -> ContainerEntry | None:
+    """One line of Docker's json-file log; None for anything that is not an entry."""
+    entry = _json_object(record)
+    if entry is None:
+        return None
+    text, stream, stamp = entry.get("log"), entry.get("stream"), entry.get("time")
+    if not isinstance(text, str) or stream not in STREAMS or not isinstance(stamp, str):
+        return None
+    when = parse_rfc3339(stamp.encode("ascii", "replace"))
+    if when is None:
+        return None
+    return ContainerEntry(when, stream, text.encode("utf-8", "replace"))
+
+
+def parse_cri(record: bytes) -> ContainerEntry | None:
+    """One line of the CRI log format: `<time> <stream> <tags> <text>`, tag `P` a partial line."""
+    parts = record.split(b" ", 3)
+    if len(parts) < 3:
+        return None
+    stamp, stream, tags = parts[0], parts[1].decode("ascii", "replace"), parts[2]
+    when = parse_rfc3339(stamp)
+    if when is None or stream not in STREAMS:
+        return None
+    partial = tags.split(b":", 1)[0]
+    if partial not in (b"F", b"P"):
+        return None
+    text = parts[3] if len(parts) == 4 else b""
+    return ContainerEntry(when, stream, text if partial == b"P" else text + b"\n")
+
+
+_PARSERS: dict[LogEncoding, Callable[[bytes], ContainerEntry | None]] = {
+    LogEncoding.DOCKER: parse_docker_json,
+    LogEncoding.CRI: parse_cri,
+}
+
+
+class _ContainerText:
+    """A container runtime's records: lines joined per stream, each timed by its last record.
+
+    A line may be split over several records (Docker and CRI split at 16 KiB, and a tqdm bar
+    redrawn with `\\r` has no `\\n` until it is done), and stdout's and stderr's records interleave,
+    so each stream keeps its own unterminated tail. Records before `since` are skipped.
+    """
+
+    def __init__(self, parse: Callable[[bytes], ContainerEntry | None], since: float | None):
+        self._parse = parse
+        self._since = since
+        self._records = _Records()
+        self._streams = {stream: _Lines() for stream in STREAMS}
+        self._last: dict[str, float] = {}
+        self._pieces: list[Piece] = []
+
+    @property
+    def lines(self) -> int:
+        return sum(lines.lines for lines in self._streams.values())
+
+    def push(self, data: bytes) -> None:
+        for record in self._records.push(data):
+            entry = self._parse(record)
+            if entry is None or (self._since is not None and entry.time < self._since):
+                continue
+            self._last[entry.stream] = entry.time
+            text = self._streams[entry.stream].push(entry.text)
+            if text:
+                self._pieces.append((entry.time, text))
+
+    def cut(self) -> None:
+        """Rotated or truncated: a line split over records goes on in the next file."""
+        self._records.reset()
+
+    def take(self) -> list[Piece]:
+        pieces, self._pieces = self._pieces, []
+        return pieces
+
+    def tails(self) -> list[Piece]:
+        return [(self._last.get(s), lines.peek()) for s, lines in self._streams.items()]
+
+
+BISECT_WINDOW = 64 * 1024
+
+
+def offset_since(
+    fd: int, size: int, since: float, parse: Callable[[bytes], ContainerEntry | None]
+) -> int:
+    """Where to start reading time-ordered records so that none stamped at or after `since` is
+    missed: a bisection over record starts, so a log of gigabytes (Docker's default has no size
+    limit, and a restarted container appends to it) is not parsed from its start. Records before
+    the offset are all older; the few older ones after it are skipped as they are read."""
+    lo, hi = 0, size
+    while hi - lo > BISECT_WINDOW:
+        mid = (lo + hi) // 2
+        found = _record_after(fd, mid)
+        if found is None or found[0] >= hi:
+            hi = mid
+            continue
+        start, record = found
+        entry = parse(record)
+        if entry is not None and entry.time >= since:
+            hi = start
+        else:
+            lo = start + len(record) + 1
+    return lo
+
+
+def _record_after(fd: int, pos: int) -> tuple[int, bytes] | None:
+    """The first whole record that starts at or after `pos`: its offset and bytes."""
+    at = max(pos - 1, 0)
+    try:
+        data = os.pread(fd, 2 * BISECT_WINDOW, at)
+    except OSError:
+        return None
+    begin = data.find(b"\n") + 1 if pos > 0 else 0
+    if pos > 0 and begin == 0:
+        return None
+    end = data.find(b"\n", begin)
+    return (at + begin, data[begin:end]) if end >= 0 else None
+
+
+def _next_restart(path: str) -> str:
+    """CRI: the kubelet writes a restarted container's log beside the last, `<N+1>.log`."""
+    head, name = os.path.split(path)
+    stem, dot, ext = name.partition(".")
+    if not (stem.isdigit() and dot and ext == "log"):
+        return path
+    successor = os.path.join(head, f"{int(stem) + 1}.log")
+    return successor if os.path.exists(successor) else path
+
+
+class _Decoder(Protocol):
+    """What a file's bytes mean: plain text or a container runtime's records."""
+
+    @property
+    def lines(self) -> int: ...
+    def push(self, data: bytes) -> None: ...
+    def cut(self) -> None: ...
+    def take(self) -> list[Piece]: ...
+    def tails(self) -> list[Piece]: ...
+
+
 class _FileReader:
     """Follows a path like `tail -F`: through rename rotation, truncation and absence.
 
-    The first time the file is found it is read from its end (its history is an older load's),
-    unless it did not exist when following began: then all of it is new.
+    The first time the file is found it is read from `first_offset(fd, size)` (its end for a plain
+    file whose history is an older load's), unless it did not exist when following began: then
+    all of it is new. `successor` names the file that replaces this one when a new one is started
+    beside it rather than renamed over it (CRI's next restart).
     """
 
-    def __init__(self, path: str, lines: _Lines) -> None:
+    def __init__(
+        self,
+        path: str,
+        decoder: _Decoder,
+        first_offset: Callable[[int, int], int],
+        successor: Callable[[str], str] | None = None,
+    ) -> None:
         self.path = path
-        self._lines = lines
+        self.decoder = decoder
+        self._first_offset = first_offset if os.path.exists(path) else None
+        self._successor = successor
         self._fd: int | None = None
         self._identity: tuple[int, int] | None = None
         self._offset = 0
-        self._from_end = os.path.exists(path)
 
-    def read(self, budget: int) -> tuple[str, int, str | None]:
-        """(text of whole lines, bytes read, reason the file cannot be read or None)."""
+    def read(self, budget: int) -> tuple[int, str | None]:
+        """(bytes read into the decoder, reason the file cannot be read or None)."""
         reason = None
         if self._fd is None:
             reason = self._open()
             if self._fd is None:
-                return "", 0, reason
-        texts, read = [], 0
+                return 0, reason
+        read = 0
+        if self._successor is not None:
+            self.path = self._successor(self.path)
         try:
             current = os.stat(self.path)
             identity: tuple[int, int] | None = (current.st_dev, current.st_ino)
         except OSError:
             identity = None  # renamed away and not recreated yet: finish the old one
         if identity is not None and identity != self._identity:
-            text, read = self._drain(budget)  # rotated: the old file's last lines first
-            texts += [text, self._lines.flush()]
+            read = self._drain(budget)  # rotated: the old file's last lines first
+            self.decoder.cut()
             self._close()
             reason = self._open()
             budget -= read
         if self._fd is not None:
             if os.fstat(self._fd).st_size < self._offset:  # truncated (copytruncate)
-                texts.append(self._lines.flush())
+                self.decoder.cut()
                 self._offset = 0
-            text, more = self._drain(budget)
-            texts.append(text)
-            read += more
-        return "".join(texts), read, reason
+            read += self._drain(budget)
+        return read, reason
 
     def _open(self) -> str | None:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
-            self._from_end = False
+            self._first_offset = None
             return f"{self.path} does not exist (yet)"
         except OSError as exc:
             return f"cannot open {self.path}: {exc.strerror}"
@@ -167,13 +428,13 @@ class _FileReader:
             os.close(fd)
             return f"{self.path} is not a regular file"
         self._fd, self._identity = fd, (st.st_dev, st.st_ino)
-        self._offset = st.st_size if self._from_end else 0
-        self._from_end = False
+        first, self._first_offset = self._first_offset, None
+        self._offset = first(fd, st.st_size) if first is not None else 0
         return None
 
-    def _drain(self, budget: int) -> tuple[str, int]:
+    def _drain(self, budget: int) -> int:
         assert self._fd is not None
-        texts, read = [], 0
+        read = 0
         while read < budget:
             try:
                 data = os.pread(self._fd, min(1 << 20, budget - read), self._offset)
@@ -184,8 +445,8 @@ class _FileReader:
                 break
             self._offset += len(data)
             read += len(data)
-            texts.append(self._lines.push(data))
-        return "".join(texts), read
+            self.decoder.push(data)
+        return read
 
     def _close(self) -> None:
         if self._fd is not None:
@@ -194,9 +455,6 @@ class _FileReader:
 
     def close(self) -> None:
         self._close()
-
-    def fileno(self) -> int | None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -208,11 +466,8 @@ class JournalEntry:
 
 def parse_journal_json(line: bytes) -> JournalEntry | None:
     """One line of `journalctl -o json`; None for anything that is not an entry."""
-    try:
-        entry = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(entry, dict):
+    entry = _json_object(line)
+    if entry is None:
         return None
     message = entry.get("MESSAGE")
     if isinstance(message, list):
@@ -270,8 +525,7 @@ class _JournalReader:
         self._journalctl = journalctl
         self._child: subprocess.Popen[bytes] | None = None
         self._cursor: str | None = None
-        self._partial = b""
-        self._skipping = False
+        self._records = _Records()
         self._next_start = 0.0
         self._reason: str | None = None
 
@@ -303,17 +557,7 @@ class _JournalReader:
         return entries, read, self._reason
 
     def _split(self, data: bytes, entries: list[JournalEntry]) -> None:
-        if self._skipping:
-            end = data.find(b"\n")
-            if end < 0:
-                return
-            data, self._skipping = data[end + 1 :], False
-        buf = self._partial + data if self._partial else data
-        cut = buf.rfind(b"\n") + 1
-        self._partial = buf[cut:]
-        if len(self._partial) > 8 * MAX_LINE:  # an entry too big to be a log line: skip it
-            self._partial, self._skipping = b"", True
-        for raw in buf[:cut].splitlines():
+        for raw in self._records.push(data):
             entry = parse_journal_json(raw)
             if entry is not None:
                 self._cursor = entry.cursor or self._cursor
@@ -343,7 +587,8 @@ class _JournalReader:
             os.set_blocking(stream.fileno(), False)
         with contextlib.suppress(OSError):  # unprivileged limits may refuse; 64 KiB still works
             fcntl.fcntl(child.stdout.fileno(), _F_SETPIPE_SZ, JOURNAL_PIPE_SIZE)
-        self._child, self._reason, self._partial, self._skipping = child, None, b"", False
+        self._child, self._reason = child, None
+        self._records.reset()
         return child
 
     def _died(self, child: subprocess.Popen[bytes]) -> None:
@@ -378,11 +623,19 @@ class _JournalReader:
                 stream.close()
 
 
+# Seconds before `since` a container record may be stamped and still be read: the runtime stamps
+# a record after the process wrote it, and the process start is exact to a clock tick, so only
+# the two clocks' granularity matters (a restart in the same container follows the last exit).
+ENTRY_SKEW = 0.1
+
+
 class LogSource:
     """Follows one target's log and keeps what its markers said, for `sample()` to report.
 
-    `since` (unix seconds) is where a journal is read from: the server process's start time when
-    known, else now; never the journal's whole history. A file is read from its end.
+    `since` (unix seconds) is where a journal is read from, and the oldest container record read:
+    the server process's start time when known, else now; never the whole history. A plain file
+    is read from its end, or from its start when listed in `whole_files` (it is known to be this
+    process's own, exporter/logfind.py). Several files (stdout's and stderr's) feed one parser.
     """
 
     def __init__(
@@ -390,6 +643,7 @@ class LogSource:
         config: LogConfig,
         *,
         since: float | None = None,
+        whole_files: Collection[str] = (),
         clock: Callable[[], float] = time.time,
         journalctl: str = "journalctl",
         read_budget: int = READ_BUDGET,
@@ -400,20 +654,22 @@ class LogSource:
         self._parser = MarkerParser(config.format)
         self._timeline = StepTimeline()
         self._events: deque[LogEvent] = deque(maxlen=MAX_EVENTS)
-        self._lines = _Lines()
+        self._journal_lines = 0
         self._lock = threading.Lock()
         self._bytes = 0
         self._last_line_at: float | None = None
         self._announced_unknown = False
-        self._file: _FileReader | None = None
+        self._files: list[_FileReader] = []
         self._journal: _JournalReader | None = None
         if config.journald_unit:
             self.source = f"journald:{config.journald_unit}"
             start = clock() if since is None else since
             self._journal = _JournalReader(config.journald_unit, start, journalctl, restart_after)
         elif config.file:
-            self.source = f"file:{config.file}"
-            self._file = _FileReader(config.file, self._lines)
+            kind = "file" if config.encoding is LogEncoding.PLAIN else config.encoding.value
+            self.source = ", ".join(f"{kind}:{path}" for path in config.files)
+            self._files = [_file_reader(path, config.encoding, since, path in whole_files)
+                           for path in config.files]  # fmt: skip
         else:
             raise ValueError("log config names neither journald_unit nor file")
         self._reason: str | None = None
@@ -449,14 +705,14 @@ class LogSource:
         with self._lock:
             if self._journal is not None:
                 self._journal.close()
-            if self._file is not None:
-                self._file.close()
+            for reader in self._files:
+                reader.close()
 
     def _poll(self) -> None:
         now = self._clock()
         try:
-            if self._file is not None:
-                self._poll_file(now)
+            if self._files:
+                self._poll_files(now)
             elif self._journal is not None:
                 self._poll_journal(now)
         except Exception as exc:  # a bad byte must never take the exporter down
@@ -464,17 +720,20 @@ class LogSource:
             log.exception("log source %s", self.source)
         self._announce()
 
-    def _poll_file(self, now: float) -> None:
-        assert self._file is not None
-        lines_before = self._lines.lines
-        text, read, self._reason = self._file.read(self._budget)
-        self._bytes += read
-        if text:
-            self._take(self._parser.feed(text, now))
-        tail = self._lines.peek()
-        if tail:
-            self._take(self._parser.peek(tail, now))
-        if self._lines.lines != lines_before:
+    def _poll_files(self, now: float) -> None:
+        lines_before = self._lines_total
+        reasons = []
+        for reader in self._files:
+            read, reason = reader.read(self._budget // len(self._files))
+            self._bytes += read
+            reasons.append(reason)
+            for ref, text in reader.decoder.take():
+                self._take(self._parser.feed(text, now if ref is None else min(ref, now)))
+            for ref, tail in reader.decoder.tails():
+                if tail:
+                    self._take(self._parser.peek(tail, now if ref is None else min(ref, now)))
+        self._reason = next((r for r in reasons if r is not None), None)
+        if self._lines_total != lines_before:
             self._last_line_at = now
 
     def _poll_journal(self, now: float) -> None:
@@ -483,13 +742,17 @@ class LogSource:
         self._bytes += read
         for entry in entries:
             text = entry.message
-            self._lines.lines += 1 + text.count("\r") + text.count("\n") - text.count("\r\n")
+            self._journal_lines += 1 + text.count("\r") + text.count("\n") - text.count("\r\n")
             if len(text) > MAX_LINE:
                 text = text[:MAX_LINE]
             ref = entry.realtime if entry.realtime is not None else now
             self._take(self._parser.feed(text, min(ref, now)))
         if entries:
             self._last_line_at = now
+
+    @property
+    def _lines_total(self) -> int:
+        return self._journal_lines + sum(reader.decoder.lines for reader in self._files)
 
     def _take(self, events: Sequence[LogEvent]) -> None:
         for event in events:
@@ -521,10 +784,26 @@ class LogSource:
             cuda_graphs=timeline.cuda_graphs,
             ready_at=timeline.ready_at,
             fatal=timeline.fatal,
-            lines_total=self._lines.lines,
+            lines_total=self._lines_total,
             bytes_total=self._bytes,
             last_line_at=self._last_line_at,
         )
+
+
+def _file_reader(
+    path: str, encoding: LogEncoding, since: float | None, from_start: bool
+) -> _FileReader:
+    """A reader of one log file in its encoding, starting where `LogSource` says."""
+    if encoding is LogEncoding.PLAIN:
+        return _FileReader(path, _PlainText(), lambda fd, size: 0 if from_start else size)
+    parse = _PARSERS[encoding]
+    oldest = None if since is None else since - ENTRY_SKEW
+    successor = _next_restart if encoding is LogEncoding.CRI else None
+
+    def first_offset(fd: int, size: int) -> int:
+        return 0 if oldest is None else offset_since(fd, size, oldest, parse)
+
+    return _FileReader(path, _ContainerText(parse, oldest), first_offset, successor)
 
 
 def new_events(sample: LogSample, after_seq: int) -> tuple[LogEvent, ...]:
