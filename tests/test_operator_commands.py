@@ -237,6 +237,8 @@ def test_wait_url_probes_the_server_itself(tmp_path: Path) -> None:
         (["history", "--history.path", "{missing}"], "--history.path: {missing} does not exist"),
         (["history", "--history.path", "{notdb}"], "file is not a database"),
         (["history", "--exporter", "{exporter}", "--target", "nope"], "unknown target 'nope'"),
+        (["mcp", "--exporter", "ftp://x"], "--exporter: expected an http or https URL"),
+        (["mcp", "--exporter", "https://ops@127.0.0.1:1"], "names user 'ops': set $MODEL_LOAD"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(
@@ -270,8 +272,9 @@ def test_wait_url_max_wait_while_refused(tmp_path: Path) -> None:
 def test_serve_does_not_import_the_client_commands_nor_rich() -> None:
     code = (
         "import sys; from exporter import cli; cli.build_parser('serve'); "
-        "print(sorted(m for m in sys.modules if m == 'rich' or m.startswith('exporter.') and "
-        "m.split('.')[1] in ('wait', 'status', 'prewarm', 'history_cmd', 'terminal', 'client')))"
+        "print(sorted(m for m in sys.modules if m in ('rich', 'mcp') or m.startswith('exporter.') "
+        "and m.split('.')[1] in ('wait', 'status', 'prewarm', 'history_cmd', 'terminal', 'client', "
+        "'mcp_cmd', 'mcp_server')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr
