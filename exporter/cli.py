@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("exporter.status", "one table of every target of a running exporter"),
     "prewarm": ("exporter.prewarm", "pull weight files into the page cache (or --evict them)"),
     "history": ("exporter.history_cmd", "past loads from a running exporter or its SQLite file"),
+    "mcp": ("exporter.mcp_cmd", "a Model Context Protocol server (stdio) for agents"),
 }
 
 

@@ -22,6 +22,7 @@ import requests
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
 PASSWORD_ENV = "MODEL_LOAD_EXPORTER_PASSWORD"
 REQUEST_TIMEOUT_SECONDS = 5.0
+MAX_LOADS = 1000  # the most /api/v1/loads answers at once
 
 
 class ClientError(Exception):
@@ -90,12 +91,15 @@ class ExporterClient:
     def loads(
         self, target: str | None = None, limit: int = 100, timeout: float = REQUEST_TIMEOUT_SECONDS
     ) -> list[dict[str, Any]]:
+        """The newest `limit` loads; an unknown target is an error, one with no loads yet is not."""
         params: dict[str, str] = {"limit": str(limit)}
         if target is not None:
             params["target"] = target
         loads = self._get("/api/v1/loads", params, timeout).get("loads")
         if not isinstance(loads, list):
             raise ClientError(f"{self.url}/api/v1/loads: no 'loads' list in the answer")
+        if target is not None and not loads:
+            find_target(self.status(timeout), target)
         return [load for load in loads if isinstance(load, dict)]
 
     def _get(self, path: str, params: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -185,6 +189,19 @@ class LoadView:
 
 
 @dataclass(frozen=True)
+class RestartForecast:
+    """How long a restart begun now would take to be ready, as the exporter forecasts it."""
+
+    seconds: float | None  # None: no basis, and `reason` says why
+    resident_share: float | None  # share of the weights in page cache now, 0..1
+    reason: str | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RestartForecast:
+        return cls(_number(data, "seconds"), _number(data, "resident_share"), _text(data, "reason"))
+
+
+@dataclass(frozen=True)
 class GpuUse:
     gpu: int
     used_bytes: int
@@ -213,6 +230,9 @@ class TargetView:
     gpu_memory: tuple[GpuUse, ...] = ()
     expected_seconds: Mapping[str, float] | None = None
     last_load: LoadView | None = None
+    fatal: str | None = None  # why the last load failed, in the server's own words (its log)
+    # None when the exporter publishes no forecast at all (one older than the forecast).
+    restart_forecast: RestartForecast | None = None
     detail: str | None = None  # e.g. the probe's answer, or why the exporter is not answering
 
     @property
@@ -238,6 +258,7 @@ class TargetView:
         last = entry.get("last_record")
         expected = entry.get("expected_duration_seconds")
         gpus = entry.get("gpu_memory")
+        forecast = entry.get("restart_forecast")
         return cls(
             target=str(entry.get("target", "")),
             phase=str(entry.get("phase") or "unknown"),
@@ -267,6 +288,10 @@ class TargetView:
                 else None
             ),
             last_load=LoadView.from_json(last) if isinstance(last, dict) else None,
+            fatal=_text(entry, "fatal"),
+            restart_forecast=(
+                RestartForecast.from_json(forecast) if isinstance(forecast, dict) else None
+            ),
         )
 
 

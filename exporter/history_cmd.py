@@ -12,11 +12,11 @@ from typing import Any
 
 from exporter import terminal
 from exporter.client import (
+    MAX_LOADS,
     ClientError,
     LoadView,
     add_exporter_arguments,
     client_from_args,
-    find_target,
 )
 from exporter.history import HistoryStore
 
@@ -34,8 +34,10 @@ def _limit(text: str) -> int:
         limit = int(text)
     except ValueError:
         limit = 0
-    if not 1 <= limit <= 1000:
-        raise argparse.ArgumentTypeError(f"expected a number of loads from 1 to 1000, got {text!r}")
+    if not 1 <= limit <= MAX_LOADS:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of loads from 1 to {MAX_LOADS}, got {text!r}"
+        )
     return limit
 
 
@@ -56,10 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_exporter(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
-        client = client_from_args(args)
-        loads = client.loads(args.target, args.limit)
-        if args.target is not None and not loads:
-            find_target(client.status(), args.target)  # a typo is an error, no loads yet is not
+        loads = client_from_args(args).loads(args.target, args.limit)
     except ClientError as exc:
         raise UsageError(str(exc)) from None
     return loads
@@ -76,7 +75,7 @@ def from_file(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise UsageError(f"--history.path: {store.problem}")
         records = store.loads(args.target, args.limit)
         if args.target is not None and not records:
-            known = sorted({r.target for r in store.loads(None, 1000)})
+            known = sorted({r.target for r in store.loads(None, MAX_LOADS)})
             if args.target not in known:
                 raise UsageError(
                     f"no loads of target {args.target!r} in {path} "

@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     stop_at = began + args.max_wait if args.max_wait is not None else None
     output = _output(args)
     try:
-        return _loop(watch, output, began, deadline, stop_at)
+        return follow(watch, output, began, deadline, stop_at)
     except UsageError as exc:
         output.close()
         terminal.fail("wait", str(exc))
@@ -348,9 +348,13 @@ def run(args: argparse.Namespace) -> int:
         output.close()
 
 
-def _loop(
+def follow(
     watch: Watch, output: Output, began: float, deadline: float, stop_at: float | None
 ) -> int:
+    """Poll until the outcome, `deadline` (timeout) or `stop_at` (max_wait); the exit code.
+
+    The MCP server's wait tool runs this too, with an Output that keeps the answer.
+    """
     while True:
         polled = time.monotonic()
         answer_by = min(deadline, stop_at if stop_at is not None else deadline)

@@ -9,16 +9,15 @@ import pty
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import bcrypt
 import pytest
-from helpers.processes import CLI, ExitClock, Exporter, Simulator, cli, evict_dir
+from helpers.processes import CLI, ExitClock, Host, Simulator, cli
+from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
 
 from exporter.sim.shards import generate_shards
@@ -30,39 +29,9 @@ SHARDS, SHARD_SIZE = 4, 8 << 20  # 32 MiB at 40 MB/s: about a second of weights
 READINESS_SECONDS = 1.0  # the issue's promise: ready is seen within a second
 
 
-class Host:
-    """One exporter on a module's worth of simulated loads, one at a time."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.weights = tmp / "model"
-        generate_shards(self.weights, SHARDS, SHARD_SIZE)
-        self.sim_port = free_port()
-        self.exporter = Exporter(tmp, self.weights, self.sim_port, "--stall.after", "2s")
-        self.sims: list[Simulator] = []
-
-    def simulate(self, *extra: str) -> Simulator:
-        """A cold load, started once the exporter has seen the previous server go."""
-        for sim in self.sims:
-            sim.stop()
-        self.exporter.until("down", "failed")
-        evict_dir(self.weights)
-        sim = Simulator(self.tmp, self.weights, self.sim_port, *extra)
-        self.sims.append(sim)
-        return sim
-
-    def wait_cmd(self, *extra: str) -> list[str]:
-        return [*CLI, "wait", "--exporter", self.exporter.url, "--target", "sim", *extra]
-
-    def close(self) -> None:
-        for sim in self.sims:
-            sim.stop()
-        self.exporter.stop()
-
-
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    running = Host(tmp_path_factory.mktemp("ops"))
+    running = Host(tmp_path_factory.mktemp("ops"), SHARDS, SHARD_SIZE, "--stall.after", "2s")
     yield running
     running.close()
 
@@ -268,6 +237,8 @@ def test_wait_url_probes_the_server_itself(tmp_path: Path) -> None:
         (["history", "--history.path", "{missing}"], "--history.path: {missing} does not exist"),
         (["history", "--history.path", "{notdb}"], "file is not a database"),
         (["history", "--exporter", "{exporter}", "--target", "nope"], "unknown target 'nope'"),
+        (["mcp", "--exporter", "ftp://x"], "--exporter: expected an http or https URL"),
+        (["mcp", "--exporter", "https://ops@127.0.0.1:1"], "names user 'ops': set $MODEL_LOAD"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(
@@ -301,40 +272,12 @@ def test_wait_url_max_wait_while_refused(tmp_path: Path) -> None:
 def test_serve_does_not_import_the_client_commands_nor_rich() -> None:
     code = (
         "import sys; from exporter import cli; cli.build_parser('serve'); "
-        "print(sorted(m for m in sys.modules if m == 'rich' or m.startswith('exporter.') and "
-        "m.split('.')[1] in ('wait', 'status', 'prewarm', 'history_cmd', 'terminal', 'client')))"
+        "print(sorted(m for m in sys.modules if m in ('rich', 'mcp') or m.startswith('exporter.') "
+        "and m.split('.')[1] in ('wait', 'status', 'prewarm', 'history_cmd', 'terminal', 'client', "
+        "'mcp_cmd', 'mcp_server')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr
-
-
-class ScriptedExporter:
-    """An HTTP server answering /api/v1/status from a script over time: the one race a real
-    exporter cannot be made to show on demand (asked just before it saw a restart)."""
-
-    def __init__(self, script: Any) -> None:
-        self.began = time.time()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                body = json.dumps(script(time.time() - outer.began, outer.began)).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def restart(elapsed: float, began: float) -> dict[str, Any]:

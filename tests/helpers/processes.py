@@ -15,6 +15,7 @@ from typing import Any
 import requests
 
 from exporter.cachectl import evict
+from exporter.sim.shards import generate_shards
 from helpers.support import free_port, wait_for
 
 CLI = (sys.executable, "-m", "exporter")
@@ -112,3 +113,34 @@ class Exporter:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=10)
         self.log.close()
+
+
+class Host:
+    """One exporter (flags `exporter_flags`) on a module's worth of simulated loads of one set of
+    shards, one load at a time."""
+
+    def __init__(self, tmp: Path, shards: int, shard_size: int, *exporter_flags: str) -> None:
+        self.tmp = tmp
+        self.weights = tmp / "model"
+        generate_shards(self.weights, shards, shard_size)
+        self.sim_port = free_port()
+        self.exporter = Exporter(tmp, self.weights, self.sim_port, *exporter_flags)
+        self.sims: list[Simulator] = []
+
+    def simulate(self, *extra: str) -> Simulator:
+        """A cold load, started once the exporter has seen the previous server go."""
+        for sim in self.sims:
+            sim.stop()
+        self.exporter.until("down", "failed")
+        evict_dir(self.weights)
+        sim = Simulator(self.tmp, self.weights, self.sim_port, *extra)
+        self.sims.append(sim)
+        return sim
+
+    def wait_cmd(self, *extra: str) -> list[str]:
+        return [*CLI, "wait", "--exporter", self.exporter.url, "--target", "sim", *extra]
+
+    def close(self) -> None:
+        for sim in self.sims:
+            sim.stop()
+        self.exporter.stop()
