@@ -83,6 +83,9 @@ TRACKER_LOOP = "tracker"
 # failed probe or evicted weights can change a phase; the first two wake the loops at once, so
 # the rest (gauges, the tracker) are sampled every other 15-s scrape instead of every second.
 QUIET_INTERVAL = 30.0
+# While a load is starting or loading its weights, the weight files are looked at this often
+# per sample interval (a look of a TP-8 tree costs about half a millisecond).
+FILE_LOOKS_PER_INTERVAL = 4
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
@@ -255,9 +258,7 @@ class Runtime:
                 proc_root=self._proc_root,
                 clock=self._clock,
             )
-            self.sampler.add(
-                WEIGHT_FILES, name, files.sample, every=self._pace_of(WEIGHT_FILES, runtime)
-            )
+            self.sampler.add(WEIGHT_FILES, name, files.sample, every=self._files_pace(runtime))
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
         self.disk.watch(target.name, target.weights.paths if target.weights else None)
@@ -430,6 +431,18 @@ class Runtime:
             return self.quiet_interval if quiet else self.config.sample_interval
 
         return pace
+
+    def _files_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
+        """The weight files are looked at FILE_LOOKS_PER_INTERVAL times an interval until the
+        weights are in: a shard opened and closed between two looks is never seen held."""
+        pace = self._pace_of(WEIGHT_FILES, runtime)
+
+        def files_pace() -> float:
+            if runtime.cadence.phase in (Phase.STARTING, Phase.LOADING_WEIGHTS):
+                return self.config.sample_interval / FILE_LOOKS_PER_INTERVAL
+            return pace()
+
+        return files_pace
 
     def _note_quiet(self, runtimes: list[TargetRuntime], moved: bool) -> None:
         """Every loop re-asks its pace when a phase moved (the probe's cadence follows it) or

@@ -684,12 +684,14 @@ class Tracker:
             uncached = max(0, weights - load.resident_start)
         storage_basis = uncached if uncached is not None else weights
         files = obs.files
-        # With the files in view, storage bytes count only from the first weight-file open and
-        # only up to the files held so far: never ahead of the file view.
+        # With the files in view, the tree's storage bytes count only from the first weight-file
+        # open and only up to the files held so far: never ahead of the file view. Residency
+        # growth is the weight files' own pages: it counts even for files opened and closed
+        # between two looks.
         cap = files.seen_bytes if files is not None else None
         if storage_basis:
             if uncached is not None and obs.resident_bytes is not None:
-                growth = _capped(obs.resident_bytes - (load.resident_start or 0), cap)
+                growth = _capped(obs.resident_bytes - (load.resident_start or 0), None)
                 out["page_cache"] = _Evidence(growth / storage_basis, storage_basis)
             if obs.process_read_bytes is not None:
                 reads = obs.process_read_bytes
@@ -775,12 +777,11 @@ class Tracker:
         if progress is None:
             return
         files = obs.files
-        if self._phase is Phase.STARTING and files is not None:
-            if files.first_open_at is not None:
-                # The first weight file opened: whatever the tree read before was start-up.
-                at = min(max(files.first_open_at, load.started_at), now)
-                seen = files.first_open_seen or not load.seen_late
-                self._begin_weights(load, at, 0.0, now, seen)
+        if self._phase is Phase.STARTING and files is not None and files.first_open_at is not None:
+            # The first weight file opened: whatever the tree read before was start-up.
+            at = min(max(files.first_open_at, load.started_at), now)
+            seen = files.first_open_seen or not load.seen_late
+            self._begin_weights(load, at, 0.0, now, seen)
         elif self._phase is Phase.STARTING and progress >= BEGIN_RATIO:
             # Backdated to the last flat tick: watched only if that tick was (a load seen late
             # may have begun before the exporter's first tick).

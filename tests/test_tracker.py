@@ -1021,8 +1021,9 @@ def test_storage_reads_never_run_ahead_of_the_weight_files_held() -> None:
     sim.spawn()
     sim.tick(3)
     sim.hold(2 * GB)
-    # A library imported lazily reads 3 GB from storage while the first shard loads.
-    sim.tick(1, read=3 * GB + 100 * MB, consume=100 * MB)
+    # A library imported lazily reads 3 GB from storage while the first shard loads (into the
+    # page cache, but not the weight files' pages).
+    sim.tick(1, read=3 * GB + 100 * MB, cache=100 * MB, consume=100 * MB)
     sim.tick(4, read=100 * MB, consume=100 * MB)
     for state in sim.states[3:]:
         assert state.phase == "loading_weights"
@@ -1173,3 +1174,14 @@ def test_a_weights_end_line_with_its_duration_dates_the_weights_begin_it_never_l
     [record] = sim.records
     assert record.phase_seconds["loading_weights"] == pytest.approx(2.65)
     assert record.phase_seconds["starting"] == pytest.approx(20.5 - 2.65)
+
+
+def test_weights_read_between_two_looks_are_seen_in_the_page_cache() -> None:
+    sim = Sim(tracker(), weights=8 * MIB * 100)
+    sim.files = True
+    sim.spawn()
+    sim.tick(3, chars=50 * MB)  # imports
+    # Both shards opened, read cold and closed between two looks: never seen held.
+    sim.tick(1, read=sim.weights)
+    assert sim.state.phase == "initializing"
+    assert sim.state.progress_source == "page_cache"
