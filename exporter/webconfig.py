@@ -96,7 +96,7 @@ _TLS_KEYS = (
     "prefer_server_cipher_suites",
 )
 _HTTP_KEYS = ("http2", "headers")
-_BCRYPT_RE = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
+_BCRYPT_RE = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}\Z")
 BCRYPT_MAX_PASSWORD = 72  # bcrypt reads no further; the library refuses longer ones
 # A bcrypt hash of a random password: unknown users cost the same as known ones.
 _DUMMY_HASH = b"$2b$10$8uftkJhxOOMjke6owQUDAed8SPAZcGoM4rHmauSo/VmRdhzH4ft3S"
