@@ -143,9 +143,7 @@ def _set_ids(rights: Rights) -> bool:
     # setfsuid/setfsgid never fail loudly: they return the previous id; -1 asks without setting.
     _libc.syscall(_NR[2], rights.gid)
     _libc.syscall(_NR[1], rights.uid)
-    return bool(
-        _libc.syscall(_NR[1], -1) == rights.uid and _libc.syscall(_NR[2], -1) == rights.gid
-    )
+    return bool(_libc.syscall(_NR[1], -1) == rights.uid and _libc.syscall(_NR[2], -1) == rights.gid)
 
 
 @contextlib.contextmanager

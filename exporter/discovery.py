@@ -84,7 +84,7 @@ class DiscoveredServer:
     weights_include: tuple[str, ...]
     reachable: bool
     evidence: tuple[Evidence, ...]
-    # Whose rights its files are looked at with; None: they are not looked at.
+    # The process's credentials: its files are looked at with these rights, and no others.
     rights: Rights | None = None
     # Values are secrets (the server's API key): never in repr, logs or evidence.
     headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
@@ -272,7 +272,6 @@ class Discoverer:
             refuse("hung" if isinstance(exc, TimeoutError) else "unreadable", "", str(exc))
             recognised = recognise(argv, environ, self._kinds, read_config=lambda path: None)
             weights, weight_evidence = (), [Evidence("weights", "unknown", f"files: {exc}")]
-            rights = None
         if recognised is None:
             return None
         evidence = list(recognised.evidence)
@@ -285,8 +284,6 @@ class Discoverer:
         )
         if note:
             evidence.append(Evidence("probe host", host, note))
-            if not reachable:
-                refuse("probe_address", recognised.host, f"{recognised.host!r}: {note}")
         evidence.extend(weight_evidence)
         spec = recognised.spec
         model = recognised.served_model_name or (

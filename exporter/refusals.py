@@ -15,6 +15,21 @@ from collections.abc import Hashable, Mapping
 log = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 4096
+# Every reason, so that each series exists (at 0) from the first scrape and rate() sees its
+# first increase.
+REASONS = (
+    "max_targets",  # discovery.max_targets discovered targets already, none of them gone
+    "user_share",  # the process's user has discovery.max_targets_per_user already
+    "user",  # its user is not in discovery.users
+    "unreadable",  # a file its own rights do not let it read (or its credentials not takeable)
+    "not_regular",  # a FIFO, a device, a socket where a file was named
+    "too_large",  # a config, ref or environment file over its size bound
+    "pseudo_filesystem",  # a path into /proc, /sys or /dev
+    "too_many_files",  # a weights tree over discovery.max_files entries
+    "unreachable",  # a listen address that is neither loopback nor its namespace's own
+    "hung",  # a file access that did not finish in time (a hung NFS or FUSE mount)
+    "error",  # an unexpected failure: that process skipped, the pass went on
+)
 
 
 class Refusals:
@@ -28,6 +43,7 @@ class Refusals:
 
     def note(self, reason: str, key: Hashable, message: str, *args: object) -> None:
         """Count one refusal of `key` for `reason`, and log it, unless it was noted already."""
+        assert reason in REASONS, reason
         with self._lock:
             said = (reason, key)
             if said in self._said:
@@ -40,5 +56,6 @@ class Refusals:
         log.warning("discovery refused (%s): " + message, reason, *args)
 
     def counts(self) -> Mapping[str, int]:
+        """Refusals so far by reason, every reason present."""
         with self._lock:
-            return dict(self._counts)
+            return {reason: self._counts[reason] for reason in REASONS}
