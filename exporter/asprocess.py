@@ -1,4 +1,4 @@
-"""Act with a discovered process's own rights: its file-system uid, gid and groups, no capabilities.
+"""Act with a discovered process's own rights: its file-system uid, gid, groups and capabilities.
 
 Discovery reads what any local user's command line names, and the exporter usually runs as root
 or with CAP_DAC_READ_SEARCH and CAP_FOWNER; so every file it opens, stats or measures on behalf
@@ -14,9 +14,14 @@ nothing else, so no sampler, HTTP worker or the main thread ever holds another u
 Capabilities: a fsuid changed from 0 to non-zero clears the file-system capabilities from the
 effective set (capabilities(7), "Effect of user ID changes on capabilities"), but an exporter that
 is not root and holds CAP_DAC_READ_SEARCH through ambient capabilities keeps them across the
-change; so the worker also empties its effective set with `capset`, and restores it after. Without
-CAP_SETUID and CAP_SETGID a worker cannot take another user's ids: it then acts only for processes
-whose ids are the exporter's own (with its capabilities dropped) and refuses the others.
+change; so the worker also sets its effective set with `capset` to the process's own effective
+capabilities (those of them the exporter holds: none for an ordinary user's process), and
+restores its own after. The process's capabilities matter beyond its files: the kernel lets a
+thread into /proc/PID/root only when the process's permitted capabilities are a subset of the
+thread's effective ones (cap_ptrace_access_check), so a container's root process is looked at
+with the container's capabilities. Without CAP_SETUID and CAP_SETGID a worker cannot take
+another user's ids: it then acts only for processes whose ids are the exporter's own and refuses
+the others.
 """
 
 from __future__ import annotations
@@ -78,11 +83,17 @@ class RightsError(PermissionError):
 
 @dataclass(frozen=True)
 class Rights:
-    """The credentials a process accesses files with (its fsuid, fsgid, supplementary groups)."""
+    """The credentials a process accesses files with: fsuid, fsgid, supplementary groups and
+    effective capabilities (a bit mask, capability(7) numbers)."""
 
     uid: int
     gid: int
     groups: tuple[int, ...]
+    capabilities: int = 0
+
+    @property
+    def ids(self) -> tuple[int, int, tuple[int, ...]]:
+        return (self.uid, self.gid, self.groups)
 
 
 def rights_of(pid: int, proc_root: str = "/proc") -> Rights | None:
@@ -98,16 +109,18 @@ def rights_of(pid: int, proc_root: str = "/proc") -> Rights | None:
     try:
         uid, gid = int(fields["Uid"][3]), int(fields["Gid"][3])
         groups = tuple(sorted(int(g) for g in fields.get("Groups", [])))
+        capabilities = int(fields["CapEff"][0], 16)
     except (KeyError, IndexError, ValueError):
         return None
-    return Rights(uid, gid, groups)
+    return Rights(uid, gid, groups, capabilities)
 
 
 def own_rights() -> Rights:
-    """This thread's own file-system credentials (for tests and the no-CAP_SETUID rule)."""
-    return rights_of(threading.get_native_id(), "/proc/self/task") or Rights(
-        os.geteuid(), os.getegid(), tuple(sorted(os.getgroups()))
-    )
+    """This thread's own credentials (for tests and the no-CAP_SETUID rule)."""
+    mine = rights_of(threading.get_native_id(), "/proc/self/task")
+    if mine is None:
+        raise RightsError("cannot read this thread's own credentials")
+    return mine
 
 
 def _syscall(number: int, *args: Any) -> int:
@@ -151,13 +164,15 @@ def _assumed(rights: Rights, mine: Rights) -> Iterator[None]:
     """This thread with `rights` and no effective capabilities, then `mine` again."""
     header, data = _capabilities()
     effective = (data[0].effective, data[1].effective)
-    switched = rights != mine
+    permitted = data[0].permitted | data[1].permitted << 32
+    theirs = rights.capabilities & permitted
+    switched = rights.ids != mine.ids
     try:
         if switched and not _set_ids(rights):
             raise RightsError(
                 f"cannot take uid {rights.uid}'s rights (needs CAP_SETUID and CAP_SETGID)"
             )
-        _set_effective(header, data, (0, 0))
+        _set_effective(header, data, (theirs & 0xFFFFFFFF, theirs >> 32))
         yield
     finally:
         _set_effective(header, data, effective)

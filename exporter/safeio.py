@@ -135,8 +135,9 @@ def resolve_in_root(root: str, path: str) -> str:
 
     `root + path` handed to the kernel would resolve an absolute symlink against this exporter's
     root instead (a container's `/models -> /mnt/models` would land on the host); this walks the
-    components itself, so that every absolute target starts again at `root`. OSError (ELOOP,
-    ENOENT, EACCES) when the kernel refuses a step.
+    components itself, so that every absolute target starts again at `root`. A missing step
+    leaves the rest as written (opening it then says ENOENT); OSError (ELOOP, EACCES) when the
+    kernel refuses a step.
     """
     parts = [p for p in path.split("/") if p and p != "."]
     done: list[str] = []
@@ -154,6 +155,9 @@ def resolve_in_root(root: str, path: str) -> str:
             if exc.errno == errno.EINVAL:  # not a symlink
                 done.append(part)
                 continue
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # missing: the rest as written
+                done.extend(p for p in [part, *parts] if p != "..")
+                break
             raise
         links += 1
         if links > MAX_SYMLINKS:
