@@ -270,6 +270,8 @@ class Runtime:
         runtime.prober.close()
         self.sampler.remove(name)
         self.disk.watch(name, None)
+        self.load_durations.forget(name)
+        self.phase_durations.forget(name)
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
         if runtime.logs is not None:

@@ -23,7 +23,7 @@ import pytest
 import requests
 import yaml
 from helpers.fakeservers import SYSTEM_PYTHON, FakeServers, world_dir
-from helpers.hostile import REPO, ExporterProcess
+from helpers.hostile import REPO, ExporterProcess, Listener
 from helpers.support import free_port, metrics_when, sample_value, wait_for
 from helpers.users import NOBODY
 
@@ -118,41 +118,35 @@ def socket_owned_by(pid: int, peer: tuple[str, int]) -> bool:
     return False
 
 
-class Recorder:
+class Recorder(Listener):
     """A loopback listener that keeps every request head the exporter under test sends it (a
     user's own listener)."""
 
-    def __init__(self, port: int, exporter: ExporterProcess, host: str = "127.0.0.1") -> None:
+    def __init__(self, exporter: ExporterProcess) -> None:
         self.heads: list[bytes] = []
         self._pid = exporter.pid
-        self.sock = socket.create_server((host, port))
-        self.sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(2)
             try:
-                conn, peer = self.sock.accept()
-            except TimeoutError:
-                continue
+                peer = conn.getpeername()
+                head = conn.recv(65536)
+                if socket_owned_by(self._pid, peer):
+                    self.heads.append(head)
+                conn.sendall(b"HTTP/1.1 503 Loading\r\nContent-Length: 0\r\n\r\n")
             except OSError:
                 return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    head = conn.recv(65536)
-                    if socket_owned_by(self._pid, peer):
-                        self.heads.append(head)
-                    conn.sendall(b"HTTP/1.1 503 Loading\r\nContent-Length: 0\r\n\r\n")
-                except OSError:
-                    continue
 
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
-        self._thread.join(2)
+
+def a_later_server_is_found(exporter: ExporterProcess) -> None:
+    """Discovery still works: a server started now is found within a few passes."""
+    later = FakeServers([["vllm", "serve", "later", "--port", str(free_port())]])
+    try:
+        found(exporter, later.pids[0], timeout=5)
+    finally:
+        later.stop()
 
 
 # -- table 1, row 1: a root-only config names the key and the port ------------------------------
@@ -161,11 +155,11 @@ class Recorder:
 def test_row_a_root_only_config_never_sends_its_key_to_the_users_listener(
     exporter: ExporterProcess, root_dir: Path, user_dir: Path
 ) -> None:
-    port = free_port()
+    listener = Recorder(exporter)
+    port = listener.port
     config = root_dir / "vllm.yaml"
     config.write_text(f"api-key: {SECRET}\nport: {port}\n")
     config.chmod(0o600)
-    listener = Recorder(port, exporter)
     model = fake_weights(user_dir, "Tiny", 4096)
     fakes = FakeServers([["vllm", "serve", str(model), "--config", str(config)]])
     try:
@@ -238,16 +232,12 @@ def test_row_a_fifo_as_config_blocks_no_pass(exporter: ExporterProcess, user_dir
     os.mkfifo(fifo)
     os.chown(fifo, NOBODY, NOBODY)
     blocking = FakeServers([["vllm", "serve", "m", "--config", str(fifo)]])
-    later: FakeServers | None = None
     try:
         found(exporter, blocking.pids[0])
-        later = FakeServers([["vllm", "serve", "later", "--port", str(free_port())]])
-        found(exporter, later.pids[0], timeout=5)  # a server started later is still found
+        a_later_server_is_found(exporter)
         assert refused(exporter, "not_regular") >= 1
     finally:
         blocking.stop()
-        if later is not None:
-            later.stop()
 
 
 # -- row 4: refs/main is a symlink to /dev/zero ------------------------------------------------
@@ -266,12 +256,10 @@ def test_row_refs_main_to_dev_zero_costs_no_memory_and_no_core(
         [["vllm", "serve", "acme/Zero", "--port", str(free_port())]],
         env={"HF_HUB_CACHE": str(user_dir / "hub")},
     )
-    other: FakeServers | None = None
     try:
         found(exporter, zero.pids[0])
         cpu, rss = exporter.cpu_seconds(), exporter.rss_bytes()
-        other = FakeServers([["vllm", "serve", "other", "--port", str(free_port())]])
-        found(exporter, other.pids[0], timeout=5)
+        a_later_server_is_found(exporter)
         time.sleep(2.0)
         used = exporter.cpu_seconds() - cpu
         assert used < 0.5, f"{used:.2f}s of CPU in 2 s beside a /dev/zero ref"
@@ -279,8 +267,6 @@ def test_row_refs_main_to_dev_zero_costs_no_memory_and_no_core(
         assert refused(exporter, "not_regular") >= 1
     finally:
         zero.stop()
-        if other is not None:
-            other.stop()
 
 
 # -- row 5: a served model name that is not UTF-8 -----------------------------------------------
@@ -383,8 +369,8 @@ def test_row_proc_as_the_model_walks_nothing(exporter: ExporterProcess, user_dir
 
 
 def test_row_probes_go_only_where_the_server_is(exporter: ExporterProcess) -> None:
-    port = free_port()
-    listener = Recorder(port, exporter)
+    listener = Recorder(exporter)
+    port = listener.port
     outside = [
         ["vllm", "serve", "meta", "--host", "169.254.169.254", "--port", "80"],
         ["vllm", "serve", "scan", "--host", "192.0.2.7", "--port", "22"],
