@@ -167,15 +167,9 @@ class Discoverer:
         self._known: dict[tuple[int, int], DiscoveredServer] = {}
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
         self._boot: float | None = None
-        self._own_actor = actor is None
         self._actor = actor or Actor()
         self.refusals = refusals or Refusals()
         self._users = frozenset(users) if users is not None else None
-
-    def close(self) -> None:
-        """Stop the actor's threads if this discoverer made them."""
-        if self._own_actor:
-            self._actor.close()
 
     def scan(self) -> tuple[DiscoveredServer, ...]:
         """The servers running now, sorted by name."""

@@ -26,6 +26,7 @@ from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, LOGS, NVML, PAGECACHE
 from exporter.tracker import LoadRecord
+from exporter.untrusted import clean
 from exporter.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
             entry["discovered"] = {
                 "pid": found.pid,
                 "kind": found.kind,
-                "weights": list(found.weights),
+                "weights": [clean(path, 4096) for path in found.weights],
                 "why": [dataclasses.asdict(e) for e in found.evidence],
             }
         if disk is not None:
