@@ -260,7 +260,10 @@ class Actor:
                 log.critical("%s: this worker thread stops", exc)
                 job.future.set_exception(RightsError(str(exc)))
                 with self._lock:
-                    self._workers -= 0 if job.abandoned else 1
+                    if job.abandoned:
+                        self._stuck -= 1  # counted as stuck, and gone for good now
+                    else:
+                        self._workers -= 1
                 return
             except BaseException as exc:  # handed to the caller, whatever it is
                 job.future.set_exception(exc)

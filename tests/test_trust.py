@@ -572,3 +572,32 @@ def test_a_file_opened_for_the_log_finder_is_opened_with_the_process_rights(
     finally:
         actor.close()
         fakes.stop()
+
+
+def test_a_hung_file_access_is_given_up_and_its_worker_replaced() -> None:
+    """A hung NFS or FUSE mount must not hold discovery: the call times out, a new worker takes
+    the next call, and past MAX_STUCK hung workers calls are refused at once."""
+    from exporter.asprocess import MAX_STUCK
+
+    actor = Actor(timeout=0.2)
+    release = threading.Event()
+    try:
+        for _ in range(MAX_STUCK):
+            with pytest.raises(TimeoutError):
+                actor.call(own_rights(), lambda: release.wait(30))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="refusing more"):
+            actor.call(own_rights(), lambda: "never run")
+        assert time.monotonic() - started < 0.1
+        release.set()  # the hung accesses come back: their workers serve again
+        assert wait_for(lambda: _answers(actor), timeout=5) == "served"
+    finally:
+        release.set()
+        actor.close()
+
+
+def _answers(actor: Actor) -> str | None:
+    try:
+        return actor.call(own_rights(), lambda: "served")
+    except TimeoutError:
+        return None
