@@ -14,6 +14,7 @@ stay at the user's share (discovery.max_targets_per_user) and threads and RSS st
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -91,6 +92,7 @@ def main() -> int:
             time.sleep(3)  # seen gone, so that the next wave's servers may take their places
     finally:
         exporter.close()
+        shutil.rmtree(work)
     return 0
 
 

@@ -10,6 +10,7 @@ and failed before its fix (the report says how); the HTTP rows drive the same su
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -38,21 +39,23 @@ SECRET = "sk-root-only-0a1b2c3d"
 
 
 @pytest.fixture
-def root_dir(tmp_path: Path) -> Path:
-    """A directory only root may enter, holding a weight file and a config with a secret."""
+def root_dir() -> Iterator[Path]:
+    """A directory only root may enter, holding weight files (a config with a secret, later)."""
     path = world_dir("root-only-")
     path.chmod(0o700)
     (path / "hidden-00001-of-00001.safetensors").write_bytes(b"\0" * 8192)
     (path / "known.safetensors").write_bytes(b"\0" * 4096)
-    return path
+    yield path
+    shutil.rmtree(path)
 
 
 @pytest.fixture
-def user_dir() -> Path:
+def user_dir() -> Iterator[Path]:
     """A directory of nobody's own."""
     path = world_dir("nobody-")
     os.chown(path, NOBODY, NOBODY)
-    return path
+    yield path
+    shutil.rmtree(path)
 
 
 @pytest.fixture
