@@ -30,6 +30,7 @@ from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step
 
 NS = "model_load"
@@ -77,6 +78,11 @@ DISK_READ = _counter(
 )
 DISK_RATE = _gauge(
     "disk_read_bytes_per_second", "Read throughput over the last sample interval.", "device"
+)
+DISCOVERY_REFUSED = _counter(
+    "discovery_refused",
+    "Processes, files and addresses discovery declined, by reason.",
+    "reason",
 )
 MEMORY_TOTAL = _gauge("host_memory_total_bytes", "MemTotal from /proc/meminfo.")
 MEMORY_AVAILABLE = _gauge("host_memory_available_bytes", "MemAvailable from /proc/meminfo.")
@@ -157,8 +163,8 @@ PHASE_DURATION = _histogram(
 
 CATALOG: tuple[MetricSpec, ...] = (
     BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK, HISTORY_UP,
-    DISK_READ, DISK_RATE, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
-    GPU_PCIE_RX,
+    DISK_READ, DISK_RATE, DISCOVERY_REFUSED,
+    MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL, GPU_PCIE_RX,
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
@@ -181,7 +187,7 @@ class Scrape:
     def add(self, spec: MetricSpec, labels: Sequence[str], value: float | None) -> None:
         """One sample; a value that could not be measured (None) is left out."""
         if value is not None:
-            self._family(spec).add_metric(list(labels), value)  # type: ignore[attr-defined]
+            self._family(spec).add_metric([_label(v) for v in labels], value)  # type: ignore[attr-defined]
 
     def histogram(self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts) -> None:
         buckets = [
@@ -189,11 +195,23 @@ class Scrape:
         ]
         buckets.append(("+Inf", counts.count))
         family = self._family(spec)
-        family.add_metric(list(labels), buckets, counts.sum)  # type: ignore[attr-defined]
+        family.add_metric([_label(v) for v in labels], buckets, counts.sum)  # type: ignore[attr-defined]
 
     def families(self) -> Iterator[Metric]:
         for spec in CATALOG:
             yield self._families.get(spec) or spec.new()
+
+
+def _label(value: str) -> str:
+    """A label value that encodes: a file or model name that is not UTF-8 must not make every
+    scrape a 500 (discovery cleans what it found already; configured file names come here)."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return clean(value, limit=4096)
+    return value
 
 
 # -- one function per source -------------------------------------------------------------------
@@ -274,6 +292,8 @@ def _exporter(out: Scrape, snap: Snapshot) -> None:
         out.add(SOURCE_UP, [reading.source, reading.target], 1 if reading.ok else 0)
         out.add(SOURCE_DURATION, [reading.source, reading.target], reading.duration_seconds)
     out.add(RELOAD_OK, [], 1 if snap.config_reload_successful else 0)
+    for reason, count in (snap.discovery_refused or {}).items():
+        out.add(DISCOVERY_REFUSED, [reason], count)
     if snap.history_up is not None:
         out.add(HISTORY_UP, [], 1 if snap.history_up else 0)
 

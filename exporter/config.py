@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import pwd
 import re
 import stat
 from collections.abc import Mapping, Sequence
@@ -42,13 +43,19 @@ MAX_SAMPLE_INTERVAL = 3600.0
 DISCOVERY_SERVERS: tuple[ServerKind, ...] = tuple(k for k in ServerKind if k != ServerKind.UNKNOWN)
 DEFAULT_DISCOVERY_INTERVAL = 5.0
 DEFAULT_DISCOVERY_KEEP_FOR = 3600.0
+# What any local user can make discovery hold (a host runs a few servers per GPU at most).
+DEFAULT_MAX_TARGETS = 32
+DEFAULT_MAX_TARGETS_PER_USER = 16
+DEFAULT_MAX_FILES = 10_000  # entries a discovered target's weights walk may look at
+DEFAULT_HISTORY_MAX_ROWS = 100_000
+DEFAULT_HISTORY_MAX_AGE = 365 * 86400.0
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_TARGET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+_TARGET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
 _E = TypeVar("_E", bound=StrEnum)
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an HTTP token (RFC 9110)
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _HEADER_VALUE_BAD_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # tab is allowed
 
@@ -158,9 +165,21 @@ class DiscoveryConfig:
     interval: float = DEFAULT_DISCOVERY_INTERVAL
     keep_for: float = DEFAULT_DISCOVERY_KEEP_FOR
     servers: tuple[ServerKind, ...] = DISCOVERY_SERVERS
+    max_targets: int = DEFAULT_MAX_TARGETS
+    max_targets_per_user: int = DEFAULT_MAX_TARGETS_PER_USER
+    max_files: int = DEFAULT_MAX_FILES
+    users: tuple[int, ...] | None = None  # uids whose processes may be discovered; None: all
 
     def active(self, has_targets: bool) -> bool:
         return self.enabled is True or (self.enabled == "auto" and not has_targets)
+
+
+@dataclass(frozen=True)
+class HistoryRetention:
+    """How much of the past the history database keeps: no one can grow it without limit."""
+
+    max_rows: int = DEFAULT_HISTORY_MAX_ROWS
+    max_age: float = DEFAULT_HISTORY_MAX_AGE
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,7 @@ class Config:
     residency_cpu_budget: float = DEFAULT_RESIDENCY_CPU_BUDGET
     source: str = "flags"
     discovery: DiscoveryConfig = DiscoveryConfig()
+    history_retention: HistoryRetention = HistoryRetention()
 
 
 def parse_duration(value: object, where: str, maximum: float = MAX_DURATION) -> float:
@@ -265,6 +285,15 @@ class _Reader:
         value = self.data.get(name, default)
         if not isinstance(value, bool):
             raise ConfigError(f"{self.key(name)}: expected true or false, got {value!r}")
+        return value
+
+    def count(self, name: str, default: int, maximum: int = 10**9) -> int:
+        value = self.data.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+            raise ConfigError(
+                f"{self.key(name)}: expected a whole number from 1 to {maximum}, got "
+                f"{_short(value)}"
+            )
         return value
 
     def str_list(self, name: str, default: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -501,7 +530,20 @@ def _target(data: object, where: str, env: Mapping[str, str]) -> TargetConfig:
 def _discovery(data: object, where: str) -> DiscoveryConfig:
     if data is None:
         return DiscoveryConfig()
-    r = _Reader(data, where, ("enabled", "interval", "keep_for", "servers"))
+    r = _Reader(
+        data,
+        where,
+        (
+            "enabled",
+            "interval",
+            "keep_for",
+            "servers",
+            "max_targets",
+            "max_targets_per_user",
+            "max_files",
+            "users",
+        ),
+    )
     raw_enabled = r.data.get("enabled", "auto")
     if raw_enabled is not True and raw_enabled is not False and raw_enabled != "auto":
         raise ConfigError(f"{r.key('enabled')}: expected auto, true or false, got {raw_enabled!r}")
@@ -513,11 +555,48 @@ def _discovery(data: object, where: str) -> DiscoveryConfig:
                 f"{r.key('servers')}[{i}]: must be one of {', '.join(DISCOVERY_SERVERS)}, "
                 f"got {server!r}"
             )
+    max_targets = r.count("max_targets", DEFAULT_MAX_TARGETS, 10_000)
     return DiscoveryConfig(
         enabled=enabled,
         interval=r.duration("interval", DEFAULT_DISCOVERY_INTERVAL),
         keep_for=r.duration("keep_for", DEFAULT_DISCOVERY_KEEP_FOR),
         servers=tuple(dict.fromkeys(ServerKind(s) for s in servers)),
+        max_targets=max_targets,
+        max_targets_per_user=r.count(
+            "max_targets_per_user", min(DEFAULT_MAX_TARGETS_PER_USER, max_targets), max_targets
+        ),
+        max_files=r.count("max_files", DEFAULT_MAX_FILES),
+        users=_users(r.data.get("users"), r.key("users")),
+    )
+
+
+def _users(value: object, where: str) -> tuple[int, ...] | None:
+    """User names or uids -> uids; a name this host does not know is an error, not a no-op."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: expected a non-empty list of user names or uids")
+    uids: list[int] = []
+    for i, user in enumerate(value):
+        if isinstance(user, int) and not isinstance(user, bool) and 0 <= user < 2**32 - 1:
+            uids.append(user)
+        elif isinstance(user, str) and user:
+            try:
+                uids.append(pwd.getpwnam(user).pw_uid)
+            except KeyError:
+                raise ConfigError(f"{where}[{i}]: no user {_short(user)} on this host") from None
+        else:
+            raise ConfigError(f"{where}[{i}]: expected a user name or uid, got {_short(user)}")
+    return tuple(dict.fromkeys(uids))
+
+
+def _retention(data: object, where: str) -> HistoryRetention:
+    if data is None:
+        return HistoryRetention()
+    r = _Reader(data, where, ("max_rows", "max_age"))
+    return HistoryRetention(
+        max_rows=r.count("max_rows", DEFAULT_HISTORY_MAX_ROWS),
+        max_age=r.duration("max_age", DEFAULT_HISTORY_MAX_AGE),
     )
 
 
@@ -531,7 +610,14 @@ def parse_config(
     r = _Reader(
         data,
         "",
-        ("sample_interval", "history_path", "residency_cpu_budget", "discovery", "targets"),
+        (
+            "sample_interval",
+            "history_path",
+            "history_retention",
+            "residency_cpu_budget",
+            "discovery",
+            "targets",
+        ),
     )
     discovery = _discovery(r.data.get("discovery"), "discovery")
     raw_targets = r.data.get("targets")
@@ -564,6 +650,7 @@ def parse_config(
         residency_cpu_budget=float(budget),
         source=source,
         discovery=discovery,
+        history_retention=_retention(r.data.get("history_retention"), "history_retention"),
     )
 
 

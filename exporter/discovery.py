@@ -12,25 +12,52 @@ arguments, config file and environment (see exporter/serverargs.py), resolved th
 process sees its files: relative paths against its working directory, hub ids in its own
 Hugging Face cache, and everything through /proc/PID/root when it lives in another mount
 namespace (a container), so that the paths returned are ones this exporter can open.
+
+Trust: any local user can start a process that looks like a server, so what its command line,
+environment and files say is believed only as far as that user's own rights reach. Every file
+looked at for a process is opened on a thread holding the process's credentials
+(exporter/asprocess.py), regular files only and bounded (exporter/safeio.py), never on /proc,
+/sys or /dev; what the user could not read is neither read, counted nor named. Probes go only to
+loopback or an address of the process's own network namespace; text shown anywhere is cleaned
+(exporter/untrusted.py); what is refused is counted by reason (exporter/refusals.py).
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import yaml
 
+from exporter.asprocess import Actor, Rights, RightsError, rights_of
 from exporter.config import DISCOVERY_SERVERS, EndpointConfig, WeightsConfig
+from exporter.refusals import Refusals
+from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
 from exporter.serverargs import Evidence, Recognised, find_launch, recognise
 from exporter.sources.process import boot_time, read_stat
+from exporter.untrusted import clean
 from exporter.vocabulary import ProbeKind, ServerKind
+
+log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_PASSES = 12
 MAX_CONFIG_BYTES = 1 << 20
+MAX_CMDLINE_BYTES = 1 << 20
+MAX_ENVIRON_BYTES = 1 << 20
+MAX_REF_BYTES = 4096
+MAX_PASSWD_BYTES = 4 << 20
+MAX_NET_BYTES = 4 << 20
+MAX_SNAPSHOTS = 1024  # snapshot directories looked at for the newest
+# Cloud metadata services: never probed, whatever a command line says.
+_METADATA = frozenset(
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254")
+)
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.:-]+")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?\Z")
 _COMMIT = re.compile(r"[0-9a-f]{40}\Z")
@@ -57,6 +84,8 @@ class DiscoveredServer:
     weights_include: tuple[str, ...]
     reachable: bool
     evidence: tuple[Evidence, ...]
+    # The process's credentials: its files are looked at with these rights, and no others.
+    rights: Rights | None = None
     # Values are secrets (the server's API key): never in repr, logs or evidence.
     headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -116,7 +145,8 @@ class _Seen:
 class Discoverer:
     """Scans /proc for model servers; cheap to call every few seconds on a busy host.
 
-    Keeps what it read between passes, so one instance is called from one thread.
+    Keeps what it read between passes, so one instance is called from one thread. Files are
+    looked at through `actor`, with each process's own rights; refusals go to `refusals`.
     """
 
     def __init__(
@@ -124,6 +154,10 @@ class Discoverer:
         servers: Sequence[str] = DISCOVERY_SERVERS,
         proc_root: str = "/proc",
         refresh_passes: int = DEFAULT_REFRESH_PASSES,
+        *,
+        actor: Actor | None = None,
+        refusals: Refusals | None = None,
+        users: Collection[int] | None = None,
     ) -> None:
         self._kinds = tuple(servers)
         self._proc_root = proc_root
@@ -133,6 +167,9 @@ class Discoverer:
         self._known: dict[tuple[int, int], DiscoveredServer] = {}
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
         self._boot: float | None = None
+        self._actor = actor or Actor()
+        self.refusals = refusals or Refusals()
+        self._users = frozenset(users) if users is not None else None
 
     def scan(self) -> tuple[DiscoveredServer, ...]:
         """The servers running now, sorted by name."""
@@ -199,17 +236,36 @@ class Discoverer:
         known = self._known.get((pid, start_ticks))
         if known is not None and (known.weights or not _awaits_weights(known)):
             return known
-        return self._describe(pid, start_ticks, argv)
+        try:
+            return self._describe(pid, start_ticks, argv)
+        except Exception as exc:  # one bad process must not end the pass for the others
+            log.debug("describing pid %d failed", pid, exc_info=True)
+            self.refusals.note("error", (pid, start_ticks), "pid %d skipped: %s", pid, exc)
+            return None
 
     def _describe(
         self, pid: int, start_ticks: int, argv: tuple[str, ...]
     ) -> DiscoveredServer | None:
+        key = (pid, start_ticks)
         base = f"{self._proc_root}/{pid}"
+        rights = rights_of(pid, self._proc_root)
+        if rights is None:
+            return None  # gone
+        if self._users is not None and rights.uid not in self._users:
+            self.refusals.note("user", key, "pid %d: uid %d is not in discovery.users",
+                               pid, rights.uid)  # fmt: skip
+            return None
         environ = _read_environ(base)
         view = _View.of(self._proc_root, pid, environ)
-        recognised = recognise(
-            argv, environ, self._kinds, read_config=lambda path: _read_config(view, path)
-        )
+        refuse = _Refuser(self.refusals, key)
+        try:
+            recognised, weights, weight_evidence = self._actor.call(
+                rights, lambda: _on_behalf(argv, environ, view, self._kinds, refuse)
+            )
+        except (RightsError, TimeoutError) as exc:
+            refuse("hung" if isinstance(exc, TimeoutError) else "unreadable", "", str(exc))
+            recognised = recognise(argv, environ, self._kinds, read_config=lambda path: None)
+            weights, weight_evidence = (), [Evidence("weights", "unknown", f"files: {exc}")]
         if recognised is None:
             return None
         evidence = list(recognised.evidence)
@@ -217,17 +273,19 @@ class Discoverer:
             evidence.append(Evidence("environment", "unreadable", f"{base}/environ"))
         evidence.extend(view.evidence)
         same_netns = _same_namespace(self._proc_root, pid, "net")
-        addresses = [] if same_netns is not False else _local_addresses(base)
-        host, reachable, note = _probe_host(recognised.host, same_netns is not False, addresses)
+        host, reachable, note = _probe_host(
+            recognised.host, same_netns is not False, lambda: _local_addresses(base)
+        )
         if note:
             evidence.append(Evidence("probe host", host, note))
-        weights, weight_evidence = _weights(recognised, view, environ)
         evidence.extend(weight_evidence)
         spec = recognised.spec
         model = recognised.served_model_name or (
             recognised.model if spec.model_is != "repository" else None
         )
         headers = {"Authorization": f"Bearer {recognised.api_key}"} if recognised.api_key else {}
+        if headers and _HEADER_BAD.search(headers["Authorization"]):
+            headers = {}  # a line break would forge the probe's request
         return DiscoveredServer(
             kind=spec.kind,
             name=target_name(spec.kind, model or recognised.model, recognised.port),
@@ -237,18 +295,20 @@ class Discoverer:
             url=f"http://{_url_host(host)}:{recognised.port}",
             probe=spec.probe,
             probe_path=spec.probe_path,
-            model=model,
+            model=clean(model) if model is not None else None,
             weights=weights,
             weights_include=spec.include,
             reachable=reachable,
-            evidence=tuple(evidence),
+            evidence=tuple(
+                Evidence(clean(e.what), clean(e.value), clean(e.source)) for e in evidence
+            ),
+            rights=rights,
             headers=headers,
         )
 
     def _argv(self, pid: int) -> tuple[str, ...] | None:
         try:
-            with open(f"{self._proc_root}/{pid}/cmdline", "rb") as f:
-                raw = f.read()
+            raw = read_regular(f"{self._proc_root}/{pid}/cmdline", MAX_CMDLINE_BYTES)
         except OSError:
             return None
         if not raw:
@@ -260,6 +320,47 @@ class Discoverer:
         if self._boot is None:
             self._boot = boot_time(self._proc_root)
         return None if self._boot is None else self._boot + start_ticks / self._clock_ticks
+
+
+_HEADER_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class _Refuser:
+    """Notes refusals about one process (from the actor's thread too: Refusals is thread-safe)."""
+
+    refusals: Refusals
+    key: tuple[int, int]
+
+    def __call__(self, reason: str, what: str, message: str) -> None:
+        self.refusals.note(reason, (self.key, what), "pid %d: %s", self.key[0], clean(message))
+
+    def of(self, exc: OSError, what: str) -> None:
+        """An OSError from looking at `what`: a refusal, or a plain absence (not counted)."""
+        if isinstance(exc, Refused):
+            self(exc.reason, what, str(exc))
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            self("unreadable", what, f"{what}: not readable with the process's rights")
+        elif exc.errno in (errno.ELOOP, errno.EMLINK):
+            self("not_regular", what, f"{what}: {exc.strerror}")
+
+
+def _on_behalf(
+    argv: tuple[str, ...],
+    environ: Mapping[str, str] | None,
+    view: _View,
+    kinds: Sequence[str],
+    refuse: _Refuser,
+) -> tuple[Recognised | None, tuple[str, ...], list[Evidence]]:
+    """What needs the process's files: its config, home, weights. Runs with its rights."""
+    view = replace(view, home=(environ or {}).get("HOME") or _passwd_home(view, refuse))
+    recognised = recognise(
+        argv, environ, kinds, read_config=lambda path: _read_config(view, path, refuse)
+    )
+    if recognised is None:
+        return None, (), []
+    weights, evidence = _weights(recognised, view, environ, refuse)
+    return recognised, weights, evidence
 
 
 def _awaits_weights(server: DiscoveredServer) -> bool:
@@ -284,39 +385,48 @@ class _View:
     """Paths as one process sees them, turned into paths this exporter can open."""
 
     prefix: str  # "" or /proc/PID/root when the process has another root or mount namespace
-    cwd: str | None
+    cwd: str | None  # its working directory, as the process sees it
     home: str | None
     evidence: tuple[Evidence, ...]
+    uid: int | None = None
 
     @classmethod
     def of(cls, proc_root: str, pid: int, environ: Mapping[str, str] | None) -> _View:
         base = f"{proc_root}/{pid}"
         same_mounts = _same_namespace(proc_root, pid, "mnt")
         evidence: list[Evidence] = []
+        prefix = ""
         if same_mounts is False or not _same_root(proc_root, pid):
-            prefix, cwd = f"{base}/root", f"{base}/cwd"
+            prefix = f"{base}/root"
             evidence.append(
                 Evidence("files", prefix, "another mount namespace or root: paths go through it")
             )
-        else:
-            prefix = ""
-            try:
-                cwd = os.readlink(f"{base}/cwd")
-            except OSError:
-                cwd = None
-            if same_mounts is None:
-                evidence.append(Evidence("files", "as on this host", "mount namespace unreadable"))
-        home = (environ or {}).get("HOME") or _passwd_home(base, prefix)
-        return cls(prefix, cwd, home, tuple(evidence))
+        elif same_mounts is None:
+            evidence.append(Evidence("files", "as on this host", "mount namespace unreadable"))
+        try:
+            cwd: str | None = os.readlink(f"{base}/cwd")
+            uid: int | None = os.stat(base).st_uid
+        except OSError:
+            cwd = uid = None
+        return cls(prefix, cwd, None, tuple(evidence), uid)
 
     def host_path(self, path: str) -> str | None:
+        """The path this exporter opens for one the process names; symlinks resolved inside the
+        process's root, Refused for /proc, /sys and /dev, OSError when a step is refused."""
         if path == "~" or path.startswith("~/"):
             if self.home is None:
                 return None
             path = self.home + path[1:]
-        if path.startswith("/"):
-            return self.prefix + path
-        return None if self.cwd is None else os.path.join(self.cwd, path)
+        if not path.startswith("/"):
+            if self.cwd is None:
+                return None
+            path = os.path.join(self.cwd, path)
+        if pseudo_path(path):
+            raise Refused("pseudo_filesystem", f"{path}: /proc, /sys and /dev are never read")
+        resolved = resolve_in_root(self.prefix, path)
+        if pseudo_path(resolved[len(self.prefix) :]):
+            raise Refused("pseudo_filesystem", f"{path}: leads into /proc, /sys or /dev")
+        return resolved
 
 
 def _same_namespace(proc_root: str, pid: int, kind: str) -> bool | None:
@@ -337,25 +447,26 @@ def _same_root(proc_root: str, pid: int) -> bool:
     return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
 
-def _passwd_home(base: str, prefix: str) -> str | None:
+def _passwd_home(view: _View, refuse: _Refuser) -> str | None:
     """The process owner's home from the passwd file the process itself sees."""
-    try:
-        uid = os.stat(base).st_uid
-        with open(f"{prefix}/etc/passwd", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.rstrip("\n").split(":")
-                if len(fields) >= 6 and fields[2] == str(uid):
-                    return fields[5] or None
-    except OSError:
+    if view.uid is None:
         return None
+    try:
+        text = read_regular(f"{view.prefix}/etc/passwd", MAX_PASSWD_BYTES)
+    except OSError as exc:
+        refuse.of(exc, "/etc/passwd")
+        return None
+    for line in text.decode("utf-8", "surrogateescape").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 6 and fields[2] == str(view.uid):
+            return fields[5] or None
     return None
 
 
 def _read_environ(base: str) -> dict[str, str] | None:
     """The process's initial environment; None when we may not read it (another user's)."""
     try:
-        with open(f"{base}/environ", "rb") as f:
-            raw = f.read()
+        raw = read_regular(f"{base}/environ", MAX_ENVIRON_BYTES)
     except OSError:
         return None
     environ = {}
@@ -366,95 +477,155 @@ def _read_environ(base: str) -> dict[str, str] | None:
     return environ
 
 
-def _read_config(view: _View, path: str) -> Mapping[str, object] | None:
+def _read_config(view: _View, path: str, refuse: _Refuser) -> Mapping[str, object] | None:
     """A server's own --config file (YAML), read through the process's view of the files."""
-    host = view.host_path(path)
-    if host is None:
-        return None
     try:
-        with open(host, "rb") as f:
-            document = yaml.safe_load(f.read(MAX_CONFIG_BYTES))
-    except (OSError, yaml.YAMLError):
+        host = view.host_path(path)
+        if host is None:
+            return None
+        document = yaml.safe_load(read_regular(host, MAX_CONFIG_BYTES))
+    except OSError as exc:
+        refuse.of(exc, path)
+        return None
+    except (yaml.YAMLError, RecursionError):
         return None
     return document if isinstance(document, dict) else None
 
 
 def _local_addresses(base: str) -> list[str]:
-    """The IPv4 addresses local to a process's network namespace, loopback excluded."""
-    try:
-        with open(f"{base}/net/fib_trie", encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
+    """The addresses local to a process's network namespace, loopback excluded: IPv4 from
+    fib_trie, IPv6 from if_inet6."""
     addresses: dict[str, None] = {}  # ordered, each once (Main and Local tables repeat them)
+    try:
+        lines = read_regular(f"{base}/net/fib_trie", MAX_NET_BYTES).decode("ascii", "replace")
+    except OSError:
+        lines = ""
     current = ""
-    for line in lines:
+    for line in lines.splitlines():
         text = line.strip()
         if text.startswith("|-- "):
             current = text[4:]
         elif text.startswith("/32 host LOCAL") and current and not current.startswith("127."):
             addresses[current] = None
+    try:
+        inet6 = read_regular(f"{base}/net/if_inet6", MAX_NET_BYTES).decode("ascii", "replace")
+    except OSError:
+        inet6 = ""
+    for line in inet6.splitlines():
+        digits = line.split()[0] if line.split() else ""
+        if len(digits) == 32:
+            ip = ipaddress.ip_address(int(digits, 16).to_bytes(16, "big"))
+            if not ip.is_loopback:
+                addresses[str(ip)] = None
     return list(addresses)
 
 
-def _probe_host(host: str, same_netns: bool, addresses: Sequence[str]) -> tuple[str, bool, str]:
-    """(address to probe, reachable from here, why that address) for a server's listen host."""
+def _probe_host(
+    host: str, same_netns: bool, addresses: Sequence[str] | Callable[[], Sequence[str]]
+) -> tuple[str, bool, str]:
+    """(address to probe, reachable from here, why that address) for a server's listen host.
+
+    Only where the server is: loopback of our own namespace, or an address of the process's
+    network namespace (`addresses`, asked only when needed); never link-local or a metadata
+    service. An IPv4-mapped address is its IPv4 address, so `::ffff:127.0.0.1` is loopback.
+    """
+    local = addresses if not callable(addresses) else None
+
+    def namespace_addresses() -> Sequence[str]:
+        nonlocal local
+        if local is None:
+            local = addresses() if callable(addresses) else addresses
+        return local
+
     try:
-        ip = ipaddress.ip_address("127.0.0.1" if host == "localhost" else host.strip("[]"))
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(
+            "127.0.0.1" if host == "localhost" else host.strip("[]")
+        )
     except ValueError:
         ip = None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
     loopback = "::1" if ip is not None and ip.version == 6 else "127.0.0.1"
-    if ip is not None and not ip.is_unspecified and not (ip.is_loopback and not same_netns):
-        return str(ip), True, ""
+    if ip is not None and (ip.is_link_local or ip in _METADATA):
+        return str(ip), False, "a link-local or metadata address: never probed"
+    if ip is not None and ip.is_loopback:
+        if same_netns:
+            return str(ip), True, ""
+        return str(ip), False, "listens on loopback in its own network namespace: not reachable"
+    if ip is not None and not ip.is_unspecified:
+        if str(ip) in namespace_addresses():
+            return str(ip), True, ""
+        return str(ip), False, "not an address of the server's network namespace: not probed"
     if same_netns:
         why = "listens on every interface" if ip is not None else f"{host!r} is a host name"
         return loopback, True, f"{why}: probed on loopback"
-    if (ip is None or ip.is_unspecified) and addresses:
-        return (
-            addresses[0],
-            True,
-            "in its own network namespace: probed on that namespace's address",
-        )
-    return (
-        loopback,
-        False,
-        "listens on loopback in its own network namespace: not reachable from here",
-    )
+    usable = [a for a in namespace_addresses() if not ipaddress.ip_address(a).is_link_local]
+    if usable:
+        return usable[0], True, "in its own network namespace: probed on that namespace's address"
+    return loopback, False, "in its own network namespace with no address reachable from here"
 
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _usable(path: str, what: str, refuse: _Refuser) -> bool | None:
+    """Whether the process may open `path` (True), it is missing (None), or refused (False)."""
+    try:
+        fd, _ = open_checked(path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR) and not isinstance(exc, Refused):
+            return None
+        refuse.of(exc, what)
+        return False
+    os.close(fd)
+    return True
+
+
 def _weights(
-    recognised: Recognised, view: _View, environ: Mapping[str, str] | None
+    recognised: Recognised, view: _View, environ: Mapping[str, str] | None, refuse: _Refuser
 ) -> tuple[tuple[str, ...], list[Evidence]]:
     """The weight paths a server loads, as paths this exporter can open, and why."""
     model = recognised.model
     if model is None:
         return (), [Evidence("weights", "unknown", "no model argument")]
-    path = view.host_path(model)
-    if path is not None and os.path.exists(path):
+    try:
+        path = view.host_path(model)
+    except OSError as exc:
+        refuse.of(exc, model)
+        return (), [Evidence("weights", "refused", _refusal(exc))]
+    usable = _usable(path, model, refuse) if path is not None else None
+    if usable is False:
+        return (), [Evidence("weights", "refused", "not readable with the process's rights")]
+    if path is not None and usable:
         if recognised.spec.model_is == "file":
-            return _gguf_parts(path), [Evidence("weights", path, "the model file")]
+            return _gguf_parts(path, refuse), [Evidence("weights", path, "the model file")]
         return (path,), [Evidence("weights", path, "local path")]
     if recognised.spec.model_is == "model" and _HUB_ID.match(model):
-        return _hub_snapshot(model, recognised, view, environ)
+        return _hub_snapshot(model, recognised, view, environ, refuse)
     return (), [Evidence("weights", "not found", f"{model} does not exist (yet)")]
 
 
-def _gguf_parts(path: str) -> tuple[str, ...]:
+def _refusal(exc: OSError) -> str:
+    return exc.reason.replace("_", " ") if isinstance(exc, Refused) else str(exc.strerror)
+
+
+def _gguf_parts(path: str, refuse: _Refuser) -> tuple[str, ...]:
     """All files of a split GGUF (`x-00001-of-00003.gguf`); llama.cpp loads them together."""
     split = _GGUF_SPLIT.match(path)
     if not split:
         return (path,)
-    stem, total = split.group(1), int(split.group(3))
+    stem, total = split.group(1), min(int(split.group(3)), MAX_SNAPSHOTS)
     parts = (f"{stem}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1))
-    return tuple(p for p in parts if os.path.exists(p))
+    return tuple(p for p in parts if _usable(p, p, refuse))
 
 
 def _hub_snapshot(
-    repo_id: str, recognised: Recognised, view: _View, environ: Mapping[str, str] | None
+    repo_id: str,
+    recognised: Recognised,
+    view: _View,
+    environ: Mapping[str, str] | None,
+    refuse: _Refuser,
 ) -> tuple[tuple[str, ...], list[Evidence]]:
     """A hub id's snapshot in the process's own Hugging Face cache."""
     env = environ or {}
@@ -470,33 +641,51 @@ def _hub_snapshot(
         caches.append((f"{view.home}/.cache/huggingface/hub", "default under the owner's home"))
     folder = "models--" + repo_id.replace("/", "--")
     for cache, source in caches:
-        host = view.host_path(cache)
-        if host is None or not os.path.isdir(f"{host}/{folder}"):
+        try:
+            host = view.host_path(f"{cache}/{folder}")
+        except OSError as exc:
+            refuse.of(exc, cache)
             continue
-        snapshot, how = _snapshot(f"{host}/{folder}", recognised.revision)
+        if host is None or not _usable(host, cache, refuse) or not os.path.isdir(host):
+            continue
+        snapshot, how = _snapshot(host, recognised.revision, refuse)
         if snapshot is not None:
             return (snapshot,), [Evidence("weights", snapshot, f"hub cache from {source}; {how}")]
     searched = ", ".join(cache for cache, _ in caches) or "no cache directory known"
     return (), [Evidence("weights", "not found", f"hub id {repo_id} in none of: {searched}")]
 
 
-def _snapshot(repo: str, revision: str | None) -> tuple[str | None, str]:
-    """The snapshot a revision names (refs/<revision>, default main), as huggingface_hub does."""
+def _snapshot(
+    repo: str, revision: str | None, refuse: Callable[[str, str, str], None] | None = None
+) -> tuple[str | None, str]:
+    """The snapshot a revision names (refs/<revision>, default main), as huggingface_hub does.
+
+    refs/<revision> must be a small regular file: a FIFO or /dev/zero there is refused.
+    """
     rev = revision or "main"
     commit: str | None = rev if _COMMIT.match(rev) else None
-    if commit is None:
+    if commit is None and "/" not in rev and rev not in (".", ".."):
         try:
-            with open(f"{repo}/refs/{rev}", encoding="ascii") as f:
-                commit = f.read().strip()
+            text = read_regular(f"{repo}/refs/{rev}", MAX_REF_BYTES).decode("ascii").strip()
+            commit = text if _COMMIT.match(text) else None
+        except Refused as exc:
+            if refuse is not None:
+                refuse(exc.reason, f"{repo}/refs/{rev}", str(exc))
         except (OSError, UnicodeDecodeError):
             commit = None
     if commit and os.path.isdir(f"{repo}/snapshots/{commit}"):
         return f"{repo}/snapshots/{commit}", f"refs/{rev} -> {commit}"
+    snapshots: list[tuple[float, str]] = []
     try:
-        snapshots = [e for e in os.scandir(f"{repo}/snapshots") if e.is_dir()]
+        with os.scandir(f"{repo}/snapshots") as entries:
+            for entry in entries:
+                if len(snapshots) >= MAX_SNAPSHOTS:
+                    break
+                if entry.is_dir():
+                    snapshots.append((entry.stat().st_mtime, entry.path))
     except OSError:
         return None, "no snapshots"
     if not snapshots:
         return None, "no snapshots"
-    newest = max(snapshots, key=lambda e: e.stat().st_mtime)
-    return newest.path, f"refs/{rev} missing: newest of {len(snapshots)} snapshot(s)"
+    newest = max(snapshots)[1]
+    return newest, f"refs/{rev} missing: newest of {len(snapshots)} snapshot(s)"

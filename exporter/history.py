@@ -6,6 +6,10 @@ history off (every method then returns empty or None) instead of raising into th
 A failed write (a full disk) is different: what is stored stays readable, the record waits in
 memory (a bounded few) and `retry()` writes it once the disk has room again; `up` says whether
 finished loads are being kept.
+
+Retention: discovered targets are whatever any local user starts, so the store keeps at most
+`max_rows` loads, none that ended more than `max_age` before the newest (config
+`history_retention`); each write prunes.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from exporter.config import HistoryRetention
 from exporter.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -53,6 +58,7 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE loads ADD COLUMN seen_late INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE loads ADD COLUMN fatal TEXT",
     ),
+    ("CREATE INDEX IF NOT EXISTS loads_by_end ON loads (ended_at)",),
 )
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
@@ -80,8 +86,14 @@ _Row = tuple[
 class HistoryStore:
     """One row per finished load; safe to share between threads."""
 
-    def __init__(self, path: str, busy_timeout: float = BUSY_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        path: str,
+        busy_timeout: float = BUSY_TIMEOUT_SECONDS,
+        retention: HistoryRetention | None = None,
+    ) -> None:
         self.path = path
+        self.retention = retention or HistoryRetention()
         self.enabled = False
         self.problem: str | None = None
         self.write_problem: str | None = None  # why the last write failed, until one succeeds
@@ -134,6 +146,7 @@ class HistoryStore:
             db = self._db
             if db is None:
                 return
+            newest = None
             while self._pending:
                 try:
                     db.execute(
@@ -151,10 +164,25 @@ class HistoryStore:
                         )
                     self.write_problem = f"{self.path}: {exc}"
                     return
-                self._pending.popleft()
+                newest = self._pending.popleft().ended_at
+            if newest is not None:
+                self._prune(db, newest)
             if self.write_problem is not None:
                 log.info("load history is writable again: %s", self.path)
                 self.write_problem = None
+
+    def _prune(self, db: sqlite3.Connection, now: float) -> None:
+        """Drop loads past the retention: ended max_age before `now` (the end of the load just
+        written, on the tracker's clock), or beyond the newest max_rows."""
+        try:
+            db.execute("DELETE FROM loads WHERE ended_at < ?", (now - self.retention.max_age,))
+            db.execute(
+                "DELETE FROM loads WHERE id <= (SELECT id FROM loads ORDER BY id DESC "
+                "LIMIT 1 OFFSET ?)",
+                (self.retention.max_rows,),
+            )
+        except sqlite3.Error as exc:
+            log.debug("load history: pruning failed: %s", exc)
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         """Finished loads, newest first."""

@@ -8,7 +8,10 @@ reads request heads on pool threads (slowloris holds them); waitress has no TLS;
 no timer on a connection until it has answered one request (an idle or trickling client is held
 forever) and answers 503 at its connection limit; hypercorn has every timeout but no bound on
 connections, and six dependencies. This is asyncio's TLS and stream machinery (part of CPython,
-maintained with it) plus the limits below, in one module.
+maintained with it) plus the limits below, in one module; request framing (request line, header
+syntax, Content-Length) is h11's, the sans-I/O HTTP/1.1 parser under httpcore and hypercorn, so
+malformed framing (a non-ASCII digit in Content-Length, a header name ending in a newline) is a
+400 from a well-kept parser rather than a traceback from one written here.
 
 One event loop thread owns every socket, so an idle, slow or malicious client costs a file
 descriptor and a few KB, never a thread. The app runs on a small pool of worker threads, and
@@ -16,7 +19,9 @@ bcrypt checks on one thread of their own, so a flood of wrong passwords cannot t
 
 Limits (`Limits`): the TLS handshake must finish within 5 s, the request head (from the first
 byte of a request to its blank line, however slowly it trickles) within 10 s, a kept-alive
-connection may idle 120 s; heads over 64 KiB are answered 431, bodies over 64 KiB 413. The
+connection may idle 120 s; heads over 64 KiB are answered 431, bodies over 64 KiB 413. Every
+answer carries `X-Content-Type-Options: nosniff`; with `allowed_hosts` a request whose `Host` is
+not one of them is 421, before authentication (a DNS-rebinding page gets nothing). The
 listen backlog is the kernel's somaxconn (at least 128), and no more than the connection bound,
 which a low fd limit lowers. At most `max_connections` connections are held: at the bound, the
 one that has been idle (or handshaking, or sending its head) the longest is closed to admit the
@@ -44,14 +49,20 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+import h11
+
 from exporter.webconfig import BasicAuth
 
 log = logging.getLogger(__name__)
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
-_TOKEN_RE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _MAX_HEADERS = 100
+_READ_BYTES = 65536
+_HEAD_KEPT = 256
+# A request line naming an HTTP version h11 does not speak: 505, not 400.
+_OTHER_VERSION_RE = re.compile(rb"[^ ]+ [^ ]+ HTTP/(?!1\.[01]\r?\n)\d(?:\.\d)?\r?\n")
+NOSNIFF = ("X-Content-Type-Options", "nosniff")
 # File descriptors kept for everything but HTTP: sources, history, NVML, logs.
 _RESERVED_FDS = 256
 
@@ -142,11 +153,13 @@ class Server:
         auth: BasicAuth | None = None,
         headers: Iterable[tuple[str, str]] = (),
         limits: Limits | None = None,
+        allowed_hosts: Iterable[str] = (),
     ) -> None:
         self.app = app
         self.tls = tls
         self.auth = auth
         self.headers = list(headers)
+        self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
         self.limits = limits or Limits()
         self.max_connections = connection_bound(self.limits.max_connections)
         # asyncio accepts up to `backlog` connections per wake-up, each an fd before admission:
@@ -185,6 +198,15 @@ class Server:
         self._bcrypt.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(OSError):
             self._sock.close()
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """Added to every answer: the web config's, and nosniff unless it set that already."""
+        return self._headers
+
+    @headers.setter
+    def headers(self, headers: Iterable[tuple[str, str]]) -> None:
+        self._headers = _with_nosniff(headers)
 
     @property
     def connections(self) -> int:
@@ -271,21 +293,22 @@ class Server:
         self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = writer.get_extra_info("peername") or ("", 0)
+        buffered = b""  # bytes of the next request already read (pipelining)
         first = True
         while True:
-            if first:
+            if first or buffered:
                 conn.enter(_State.HEAD)
-                request = await self._read_request(reader, writer, None)
             else:
                 conn.enter(_State.IDLE)
                 async with asyncio.timeout(self.limits.idle_timeout):
-                    start = await reader.read(1)
-                if not start:
+                    buffered = await reader.read(_READ_BYTES)
+                if not buffered:
                     return
                 conn.enter(_State.HEAD)
-                request = await self._read_request(reader, writer, start)
-            if request is None:
+            parsed = await self._read_request(reader, writer, buffered)
+            if parsed is None:
                 return
+            request, buffered = parsed
             conn.enter(_State.BUSY)
             keep = await self._answer(request, writer, peer)
             if not keep:
@@ -293,33 +316,51 @@ class Server:
             first = False
 
     async def _read_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, start: bytes | None
-    ) -> _Request | None:
-        """The next request, or None after answering an error (the connection then closes)."""
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, start: bytes
+    ) -> tuple[_Request, bytes] | None:
+        """The next request and what followed it, or None after answering an error (the
+        connection then closes) or when the client closed mid-request."""
+        h = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
+        head = bytearray(start)  # the first bytes, to tell an unknown version from garbage
+        if start:
+            h.receive_data(start)  # b"" would tell h11 the client closed
         try:
             async with asyncio.timeout(self.limits.header_timeout):
-                try:
-                    head = (start or b"") + await reader.readuntil(b"\r\n\r\n")
-                except asyncio.LimitOverrunError:
-                    raise _Reply(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE) from None
-                except asyncio.IncompleteReadError:
-                    return None  # closed mid-head
-                request = _parse_head(head)
-                length = _content_length(request.headers)
+                event = await _next_event(h, reader, head)
+                if not isinstance(event, h11.Request):
+                    return None  # closed before a whole request head
+                request = _request(event, self.limits.max_head_bytes)
+                if "transfer-encoding" in request.headers:
+                    raise _Reply(HTTPStatus.LENGTH_REQUIRED)  # no chunked bodies: none needed
+                length = int(request.headers.get("content-length") or 0)
                 if length > self.limits.max_body_bytes:
                     raise _Reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-                if length:
-                    request.body = await reader.readexactly(length)
-                return request
+                body = bytearray()
+                while not isinstance(event := await _next_event(h, reader), h11.EndOfMessage):
+                    if not isinstance(event, h11.Data):
+                        return None  # closed mid-body
+                    body += event.data
+                request.body = bytes(body)
+                return request, h.trailing_data[0]
+        except h11.RemoteProtocolError as exc:
+            status = (
+                HTTPStatus.HTTP_VERSION_NOT_SUPPORTED
+                if _OTHER_VERSION_RE.match(bytes(head).lstrip(b"\r\n"))
+                else HTTPStatus(exc.error_status_hint)
+            )
+            await self._send(writer, _error_response(status, self.headers))
         except _Reply as reply:
             await self._send(writer, _error_response(reply.status, self.headers))
-            return None
+        return None
 
     async def _answer(
         self, request: _Request, writer: asyncio.StreamWriter, peer: tuple[Any, ...]
     ) -> bool:
         """Authorize, run the app on a worker, write the response; whether to keep alive."""
         loop = asyncio.get_running_loop()
+        if self.allowed_hosts and not _host_allowed(request, self.allowed_hosts):
+            await self._send(writer, _error_response(HTTPStatus.MISDIRECTED_REQUEST, self.headers))
+            return False
         auth = self.auth
         if auth is not None and auth.enabled:
             header = request.headers.get("authorization")
@@ -409,46 +450,55 @@ class Server:
             )
 
 
-def _parse_head(head: bytes) -> _Request:
-    """Request line and headers; _Reply(400/431/505) when they are not HTTP/1.x."""
-    lines = head.split(b"\r\n")
-    while lines and not lines[0]:
-        lines.pop(0)  # RFC 9112: ignore empty lines before the request line
-    if not lines:
-        raise _Reply(HTTPStatus.BAD_REQUEST)
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not _TOKEN_RE.match(parts[0]) or not parts[1]:
-        raise _Reply(HTTPStatus.BAD_REQUEST)
-    method, target, version = (p.decode("latin-1") for p in parts)
-    if version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise _Reply(
-            HTTPStatus.HTTP_VERSION_NOT_SUPPORTED
-            if version.startswith("HTTP/")
-            else HTTPStatus.BAD_REQUEST
-        )
+async def _next_event(
+    h: h11.Connection, reader: asyncio.StreamReader, head: bytearray | None = None
+) -> object:
+    """h11's next event, reading from the client while it needs data (EOF included); the
+    first bytes read also go to `head`."""
+    while (event := h.next_event()) is h11.NEED_DATA:
+        data = await reader.read(_READ_BYTES)
+        if head is not None and len(head) < _HEAD_KEPT:
+            head += data[:_HEAD_KEPT]
+        h.receive_data(data)
+    return event
+
+
+def _request(event: h11.Request, max_head_bytes: int) -> _Request:
+    """h11's request as the server's: lower-case names, repeated headers joined with ", "."""
+    size = len(event.target) + sum(len(name) + len(value) + 4 for name, value in event.headers)
+    if len(event.headers) > _MAX_HEADERS or size > max_head_bytes:
+        raise _Reply(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)  # arrived whole, still too big
+    if event.http_version not in (b"1.0", b"1.1"):
+        raise _Reply(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
     headers: dict[str, str] = {}
-    fields = [line for line in lines[1:] if line]
-    if len(fields) > _MAX_HEADERS:
-        raise _Reply(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
-    for line in fields:
-        name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN_RE.match(name):  # also refuses obsolete line folding
-            raise _Reply(HTTPStatus.BAD_REQUEST)
-        key = name.decode("ascii").lower()
-        text = value.strip(b" \t").decode("latin-1")
-        headers[key] = f"{headers[key]}, {text}" if key in headers else text
-    return _Request(method, target, version, headers)
+    for raw_name, raw_value in event.headers:
+        name, value = raw_name.decode("ascii"), raw_value.decode("latin-1")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    if "," in headers.get("content-length", ""):
+        raise _Reply(HTTPStatus.BAD_REQUEST)  # "5, 5": h11 accepts equal repeats; none needed
+    return _Request(
+        event.method.decode("ascii"),
+        event.target.decode("latin-1"),
+        f"HTTP/{event.http_version.decode('ascii')}",
+        headers,
+    )
 
 
-def _content_length(headers: dict[str, str]) -> int:
-    if "transfer-encoding" in headers:
-        raise _Reply(HTTPStatus.LENGTH_REQUIRED)  # no chunked request bodies: none needed
-    value = headers.get("content-length")
-    if value is None:
-        return 0
-    if not value.isdigit() or len(value) > 18:
-        raise _Reply(HTTPStatus.BAD_REQUEST)  # also "5, 5": a repeated header
-    return int(value)
+def _host_allowed(request: _Request, allowed: frozenset[str]) -> bool:
+    """`Host` (with or without its port) is one of the allowed names."""
+    host = request.headers.get("host", "").strip().lower()
+    if host in allowed:
+        return True
+    name, sep, port = host.rpartition(":")
+    return bool(sep) and port.isdigit() and port.isascii() and name.strip("[]") in allowed
+
+
+def _with_nosniff(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The configured response headers, and nosniff unless the web config set it already."""
+    extra = list(headers)
+    if not any(name.lower() == NOSNIFF[0].lower() for name, _ in extra):
+        extra.append(NOSNIFF)
+    return extra
 
 
 def _response(

@@ -40,6 +40,13 @@ class Histograms:
             counts[bisect.bisect_left(self.buckets, value)] += 1
             self._sums[labels] = self._sums.get(labels, 0.0) + value
 
+    def forget(self, target: str) -> None:
+        """Drop every label set of one target (the first label): a dropped discovered target's
+        series go with it, so a flood of short-lived fake servers cannot grow them."""
+        with self._lock:
+            for labels in [k for k in self._counts if k[:1] == (target,)]:
+                del self._counts[labels], self._sums[labels]
+
     def snapshot(self) -> dict[tuple[str, ...], HistogramCounts]:
         with self._lock:
             result = {}

@@ -8,7 +8,10 @@ Targets come from the config, and, with discovery on, from the model servers fou
 a discovered target is added when its server first appears, follows it across restarts (same
 name, same tracker and history, a new process is a new load) and is dropped `keep_for` after
 its process went away. Discovery scans every `discovery.interval`, and every sample interval
-while a discovered server is gone, so its restart is seen at once.
+while a discovered server is gone, so its restart is seen at once. Any local user can start a
+process that looks like a server, so discovered targets are bounded (`_admit`: at most
+`max_targets`, `max_targets_per_user` of one user, gone targets make room first) and their
+files are only ever touched with their process's rights (`_on_behalf`).
 
 Quiet (DESIGN, "idle costs next to nothing"): once every target is ready and its server's exit is
 watched through a pidfd, nothing but that exit, a failing probe or evicted weights can change a
@@ -31,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from exporter import __version__
+from exporter.asprocess import Actor, OnBehalf
 from exporter.cadence import ProbeCadence
 from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
@@ -38,6 +42,8 @@ from exporter.exitwatch import ExitWatch
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.logfind import LogFinding, find_log
+from exporter.refusals import Refusals
+from exporter.safeio import Refused
 from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
@@ -151,7 +157,9 @@ class Runtime:
         self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
         self.sampler = Sampler(config.sample_interval, clock)
-        self.history = HistoryStore(config.history_path)
+        self.history = HistoryStore(config.history_path, retention=config.history_retention)
+        self.refusals = Refusals()
+        self.actor = Actor()  # the threads that touch discovered processes' files
         self.load_durations = Histograms()
         self.phase_durations = Histograms()
         self._lock = threading.Lock()
@@ -175,9 +183,14 @@ class Runtime:
         # With configured targets, discovery waits a tick: their process trees say which
         # servers they already watch.
         self._discovery_due = clock() + config.sample_interval if config.targets else 0.0
-        self._unreachable: set[str] = set()
         if config.discovery.active(bool(config.targets)):
-            self.discoverer = Discoverer(config.discovery.servers, proc_root=proc_root)
+            self.discoverer = Discoverer(
+                config.discovery.servers,
+                proc_root=proc_root,
+                actor=self.actor,
+                refusals=self.refusals,
+                users=config.discovery.users,
+            )
             self.sampler.add_loop("discovery", self.discover, every=self._discovery_wait)
         self._refresh_expectations()
 
@@ -207,6 +220,7 @@ class Runtime:
         runtime.finder = (
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
+        behalf = self._on_behalf(runtime.discovered)
         runtime.residency = (
             ResidencySource(
                 target.weights,
@@ -214,6 +228,9 @@ class Runtime:
                 refresh_after=lambda: (
                     SERVING_REFRESH_SECONDS if runtime.settled else QUIET_REFRESH_SECONDS
                 ),
+                on_behalf=behalf,
+                max_entries=self.config.discovery.max_files if behalf else None,
+                on_refused=lambda exc: self._refused_tree(target.name, exc),
             )
             if target.weights
             else None
@@ -257,38 +274,63 @@ class Runtime:
                 lambda: self.sampler.value(PROCESS, name),
                 proc_root=self._proc_root,
                 clock=self._clock,
+                on_behalf=behalf,
+                max_entries=self.config.discovery.max_files if behalf else None,
             )
             self.sampler.add(WEIGHT_FILES, name, files.sample, every=self._files_pace(runtime))
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
-        self.disk.watch(target.name, target.weights.paths if target.weights else None)
+        self.disk.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.quiet:  # a new target, or a new process of one: not quiet until it settles
             self.quiet = False
             self.sampler.wake_all()
 
-    def _drop_target(self, name: str) -> None:
+    def _on_behalf(self, found: DiscoveredServer | None) -> OnBehalf | None:
+        """How a discovered target's sources touch its files: with its process's rights."""
+        if found is None or found.rights is None:
+            return None
+        return OnBehalf(self.actor, found.rights)
+
+    def _refused_tree(self, name: str, exc: Refused) -> None:
+        self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
+
+    def _drop_target(self, name: str, why: str | None = None) -> None:
         with self._lock:
             runtime = self.targets.pop(name)
         runtime.prober.close()
         self.sampler.remove(name)
         self.disk.watch(name, None)
+        self.load_durations.forget(name)
+        self.phase_durations.forget(name)
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
         if runtime.logs is not None:
             runtime.logs.close()
-        log.info("target %s: its server has been gone for %gs, no longer watched", name,
-                 self.config.discovery.keep_for)  # fmt: skip
+        log.info("target %s: %s, no longer watched", name, why or
+                 f"its server has been gone for {self.config.discovery.keep_for:g}s")  # fmt: skip
 
     def discover(self) -> None:
-        """One discovery pass when due: add, follow and, after keep_for, drop discovered targets."""
+        """One discovery pass when due: add, follow and, after keep_for, drop discovered targets.
+
+        The next pass is due on time whatever this one met: a pass that fails must not run
+        again at once (a loop on /dev/zero would take a core).
+        """
         assert self.discoverer is not None
         now = self._clock()
         if now < self._discovery_due:
             return
-        found = self._claimable(self.discoverer.scan())
+        self._discovery_due = now + self.config.discovery.interval
+        try:
+            found = self._claimable(self.discoverer.scan())
+        except Exception as exc:
+            self.refusals.note("error", "pass", "a discovery pass failed: %s", exc)
+            log.debug("discovery pass failed", exc_info=True)
+            return
         for name, server in found.items():
             runtime = self.targets.get(name)
             if runtime is None:
+                if not self._admit(server):
+                    continue
                 log.info("target %s: discovered %s server, pid %d", name, server.kind, server.pid)
                 self._add_target(_target_config(server), server)
                 self._refresh_expectations()
@@ -307,6 +349,30 @@ class Runtime:
         interval = self.config.sample_interval if waiting else self.config.discovery.interval
         self._discovery_due = now + interval
 
+    def _admit(self, server: DiscoveredServer) -> bool:
+        """Room for one more discovered target: under `max_targets` and the user's share, a
+        gone target (the longest gone first) making room when needed; else refused."""
+        limits = self.config.discovery
+        owner = server.rights.uid if server.rights is not None else None
+        discovered = [rt for rt in self.targets.values() if rt.discovered is not None]
+        same_user = [rt for rt in discovered if _owner(rt) == owner]
+        for pool, limit, reason in (
+            (same_user, limits.max_targets_per_user, "user_share"),
+            (discovered, limits.max_targets, "max_targets"),
+        ):
+            live = [rt for rt in pool if rt.config.name in self.targets]
+            if len(live) < limit:
+                continue
+            gone = sorted(
+                (rt for rt in live if rt.gone_since is not None), key=lambda rt: rt.gone_since or 0
+            )
+            if not gone:
+                self.refusals.note(reason, server.key, "%s (pid %d, uid %s): %d targets already",
+                                   server.name, server.pid, owner, limit)  # fmt: skip
+                return False
+            self._drop_target(gone[0].config.name, f"gone, making room for {server.name}")
+        return True
+
     def _discovery_wait(self) -> float:
         return max(0.0, self._discovery_due - self._clock())
 
@@ -324,10 +390,9 @@ class Runtime:
             if server.pid in pids or server.url in urls:
                 continue
             if not server.reachable:
-                if server.name not in self._unreachable:
-                    self._unreachable.add(server.name)
-                    log.warning("discovered %s at pid %d, but its port cannot be reached from "
-                                "here; not watched", server.name, server.pid)  # fmt: skip
+                why = next((e.source for e in server.evidence if e.what == "probe host"), "")
+                self.refusals.note("unreachable", server.key, "%s at pid %d is not probed (%s); "
+                                   "not watched", server.name, server.pid, why)  # fmt: skip
                 continue
             claimable[server.name] = server
         return claimable
@@ -360,6 +425,7 @@ class Runtime:
         for runtime in self.targets.values():
             runtime.prober.close()  # a probe in flight ends now, not at its timeout
         self.sampler.stop()
+        self.actor.close()
         self.exits.close()
         for runtime in self.targets.values():
             if runtime.logs is not None:
@@ -706,6 +772,7 @@ class Runtime:
                 history_problem=self.history.problem or self.history.write_problem,
                 config_reload_successful=self.reload_successful,
                 history_up=self.history.up if self.history.configured else None,
+                discovery_refused=self.refusals.counts() if self.discoverer else None,
             )
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
@@ -739,6 +806,11 @@ def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -
         seen_bytes=files.seen_bytes,
         total_bytes=files.total_bytes,
     )
+
+
+def _owner(runtime: TargetRuntime) -> int | None:
+    found = runtime.discovered
+    return found.rights.uid if found is not None and found.rights is not None else None
 
 
 def _target_config(server: DiscoveredServer) -> TargetConfig:

@@ -28,7 +28,7 @@ from exporter.logsetup import LEVELS, setup_logging
 from exporter.runtime import Runtime
 from exporter.vocabulary import ProbeKind
 from exporter.web import HttpServer, WebApp
-from exporter.webconfig import WebConfig, load_web_config
+from exporter.webconfig import WebConfig, allowed_hosts, load_web_config
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="web_config_file",
         metavar="PATH",
         help="TLS and basic auth, exporter-toolkit format",
+    )
+    p.add_argument(
+        "--web.allowed-hosts",
+        dest="web_allowed_hosts",
+        metavar="HOST,...",
+        help="answer only requests whose Host header is one of these (default: any)",
     )
     single = p.add_argument_group("one target without a config file")
     single.add_argument("--target", help="target name (label value)")
@@ -228,6 +234,9 @@ def summary(config: Config) -> str:
 def _load(args: argparse.Namespace) -> tuple[Config, WebConfig]:
     config = config_from_args(args)
     web = load_web_config(args.web_config_file) if args.web_config_file else WebConfig()
+    if args.web_allowed_hosts is not None:
+        hosts = allowed_hosts(args.web_allowed_hosts, "--web.allowed-hosts")
+        web = dataclasses.replace(web, allowed_hosts=hosts)
     return config, web
 
 

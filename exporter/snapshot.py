@@ -80,6 +80,7 @@ class Snapshot:
     history_problem: str | None
     config_reload_successful: bool
     history_up: bool | None = None  # None: history_path "" (off by choice, not broken)
+    discovery_refused: Mapping[str, int] | None = None  # by reason; None: discovery off
 
     def host_reading(self, key: SourceKey[T]) -> Reading[T] | None:
         return _get(self.host, key)

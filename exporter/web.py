@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import socket
 from collections.abc import Callable, Iterable
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -27,12 +28,14 @@ from exporter.sources import DISK, LOGS, NVML, PAGECACHE, WEIGHT_FILES
 from exporter.sources.gpu import pcie_rx_since
 from exporter.sources.weightfiles import WeightFilesSample
 from exporter.tracker import LoadRecord
+from exporter.untrusted import clean
 from exporter.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 MAX_LOADS = 1000
+_WHOLE_NUMBER = re.compile(r"[0-9]{1,4}\Z")  # ASCII digits only: "²".isdigit() is True
 
 
 def _json_default(value: object) -> object:
@@ -203,7 +206,7 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
             entry["discovered"] = {
                 "pid": found.pid,
                 "kind": found.kind,
-                "weights": list(found.weights),
+                "weights": [clean(path, 4096) for path in found.weights],
                 "why": [dataclasses.asdict(e) for e in found.evidence],
             }
         if disk is not None:
@@ -285,6 +288,8 @@ class WebApp:
         if path == "/-/reload":
             if method != "POST":
                 return self._not_allowed(start_response, "POST")
+            if not same_origin(environ):
+                return _reply(start_response, "403 Forbidden", b"Cross-origin request refused\n")
             return self._reload_page(start_response)
         handler = self._get.get(path)
         if handler is None:
@@ -323,7 +328,7 @@ class WebApp:
         query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
         target = query.get("target", [None])[0]
         text = query.get("limit", ["100"])[0]
-        if not text.isdigit() or not 1 <= int(text) <= MAX_LOADS:
+        if not _WHOLE_NUMBER.match(text) or not 1 <= int(text) <= MAX_LOADS:
             message = f"limit must be a whole number from 1 to {MAX_LOADS}\n".encode()
             return _reply(start_response, "400 Bad Request", message)
         loads = [record_json(r) for r in self.runtime.loads(target, int(text))]
@@ -345,6 +350,27 @@ class WebApp:
             b"Method not allowed\n",
             extra=[("Allow", allow)],
         )
+
+
+def same_origin(environ: dict[str, Any]) -> bool:
+    """Whether a request that changes state comes from this exporter's own origin, or from no
+    browser page at all (curl, Prometheus tooling send neither header).
+
+    A form on any web page can POST to the exporter from the operator's browser; the browser
+    then says so in `Sec-Fetch-Site` (cross-site, same-site) and `Origin`.
+    """
+    site = environ.get("HTTP_SEC_FETCH_SITE")
+    if site is not None and site not in ("same-origin", "none"):
+        return False
+    origin = environ.get("HTTP_ORIGIN")
+    if origin is None:
+        return True
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    host = environ.get("HTTP_HOST", "").lower()
+    return parts.scheme == environ.get("wsgi.url_scheme") and bool(host) and parts.netloc == host
 
 
 def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:
@@ -385,7 +411,13 @@ class HttpServer:
             sock.close()
             raise
         self.server = Server(
-            app, sock, tls=tls, auth=app.web.auth, headers=app.web.headers.items(), limits=limits
+            app,
+            sock,
+            tls=tls,
+            auth=app.web.auth,
+            headers=app.web.headers.items(),
+            limits=limits,
+            allowed_hosts=app.web.allowed_hosts,
         )
         self.scheme = "https" if tls is not None else "http"
         self._port = int(sock.getsockname()[1])
@@ -404,6 +436,7 @@ class HttpServer:
             web.auth,
             list(web.headers.items()),
         )
+        self.server.allowed_hosts = frozenset(h.lower() for h in web.allowed_hosts)
 
     def start(self) -> None:
         self.server.start()

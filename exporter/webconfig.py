@@ -11,6 +11,7 @@ Same file format as every official exporter, so one web config serves the whole 
       cipher_suites: [TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256]   # Go names; TLS 1.2 only
     http_server_config:
       headers: {X-Frame-Options: deny}    # the headers exporter-toolkit allows
+      allowed_hosts: [gpu-7.example]      # ours, not the toolkit's: Host values answered
     basic_auth_users:
       prometheus: $2y$10$...              # bcrypt hash, as htpasswd -B makes
 
@@ -95,8 +96,9 @@ _TLS_KEYS = (
     "cipher_suites",
     "prefer_server_cipher_suites",
 )
-_HTTP_KEYS = ("http2", "headers")
-_BCRYPT_RE = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
+_HTTP_KEYS = ("http2", "headers", "allowed_hosts")
+_HOST_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.:-]+)(?::[0-9]{1,5})?\Z")
+_BCRYPT_RE = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}\Z")
 BCRYPT_MAX_PASSWORD = 72  # bcrypt reads no further; the library refuses longer ones
 # A bcrypt hash of a random password: unknown users cost the same as known ones.
 _DUMMY_HASH = b"$2b$10$8uftkJhxOOMjke6owQUDAed8SPAZcGoM4rHmauSo/VmRdhzH4ft3S"
@@ -220,6 +222,7 @@ class WebConfig:
     tls: TlsConfig | None = None
     basic_auth_users: Mapping[str, bytes] = field(default_factory=dict, repr=False)
     headers: Mapping[str, str] = field(default_factory=dict)  # added to every response
+    allowed_hosts: tuple[str, ...] = ()  # Host header values accepted; empty: any
     auth: BasicAuth = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -334,6 +337,20 @@ def _ciphers(value: object) -> str | None:
     return ":".join(names) or None
 
 
+def allowed_hosts(value: object, where: str) -> tuple[str, ...]:
+    """Host names (or host:port) the server answers for; what a DNS-rebinding page is not."""
+    if isinstance(value, str):
+        value = [h for h in value.split(",") if h.strip()]
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: expected a non-empty list of host names")
+    hosts = []
+    for i, host in enumerate(value):
+        if not isinstance(host, str) or not _HOST_RE.match(host.strip()):
+            raise ConfigError(f"{where}[{i}]: expected a host name or address, got {host!r}")
+        hosts.append(host.strip().lower())
+    return tuple(hosts)
+
+
 def _http(data: object) -> dict[str, str]:
     s = _Section(data, "http_server_config", _HTTP_KEYS)
     s.flag("http2", True)  # accepted for compatibility: this server speaks HTTP/1.1 only
@@ -354,6 +371,11 @@ def _http(data: object) -> dict[str, str]:
             raise ConfigError(f"{where}: must be one of {', '.join(allowed)}, got {value!r}")
         headers[name] = value
     return headers
+
+
+def _allowed_hosts_of(data: object) -> tuple[str, ...]:
+    value = data.get("allowed_hosts") if isinstance(data, dict) else None
+    return () if value is None else allowed_hosts(value, "http_server_config.allowed_hosts")
 
 
 def _users(data: object) -> dict[str, bytes]:
@@ -398,6 +420,7 @@ def load_web_config(path: str) -> WebConfig:
             tls=_tls(top.data.get("tls_server_config"), os.path.dirname(os.path.abspath(path))),
             basic_auth_users=_users(top.data.get("basic_auth_users")),
             headers=_http(top.data.get("http_server_config")),
+            allowed_hosts=_allowed_hosts_of(top.data.get("http_server_config")),
         )
         try:
             config.ssl_context()

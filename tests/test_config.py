@@ -15,6 +15,7 @@ from exporter.config import (
     DISCOVERY_SERVERS,
     ConfigError,
     DiscoveryConfig,
+    HistoryRetention,
     LogConfig,
     format_duration,
     load_config,
@@ -169,6 +170,13 @@ MALFORMED: list[tuple[str, object, str]] = [
     ("zero keep_for", {"discovery": {"keep_for": "0s"}}, "discovery.keep_for: duration must be positive"),
     ("unknown server kind", {"discovery": {"servers": ["vllm", "ollama"]}}, "discovery.servers[1]: must be one of sglang, vllm, llamacpp, tgi, triton, got 'ollama'"),
     ("empty server list", {"discovery": {"servers": []}}, "discovery.servers: expected a non-empty list"),
+    ("zero max_targets", {"discovery": {"max_targets": 0}}, "discovery.max_targets: expected a whole number from 1 to 10000, got 0"),
+    ("share above max_targets", {"discovery": {"max_targets": 4, "max_targets_per_user": 5}}, "discovery.max_targets_per_user: expected a whole number from 1 to 4, got 5"),
+    ("max_files a string", {"discovery": {"max_files": "many"}}, "discovery.max_files: expected a whole number from 1 to"),
+    ("unknown user", {"discovery": {"users": ["no-such-user-here"]}}, "discovery.users[0]: no user 'no-such-user-here' on this host"),
+    ("users not a list", {"discovery": {"users": "root"}}, "discovery.users: expected a non-empty list of user names or uids"),
+    ("unknown retention key", {"history_retention": {"rows": 5}}, "history_retention: unknown key 'rows'"),
+    ("zero retention rows", {"history_retention": {"max_rows": 0}}, "history_retention.max_rows: expected a whole number"),
     ("missing weights path", _target(weights={"paths": ["/nonexistent/model"]}), "targets[0].weights.paths[0]: /nonexistent/model does not exist"),
     ("weights paths not a list", _target(weights={"paths": 3}), "targets[0].weights.paths"),
     ("two process matchers", _target(process={"pidfile": "/run/x.pid", "cmdline": "x"}), "set exactly one of"),
@@ -321,3 +329,22 @@ def test_cli_with_no_config_at_all_discovers() -> None:
     done = run_cli("--config.check")
     assert done.returncode == 0, done.stderr
     assert "0 target(s)" in done.stdout and "discovery: sglang, vllm" in done.stdout
+
+
+def test_the_trust_bounds_parse_into_the_discovery_config() -> None:
+    config = parse_config(
+        {
+            "discovery": {
+                "max_targets": 8,
+                "max_targets_per_user": 2,
+                "max_files": 500,
+                "users": ["root", 65534],
+            },
+            "history_retention": {"max_rows": 1000, "max_age": "30d"},
+        }
+    )
+    assert (config.discovery.max_targets, config.discovery.max_targets_per_user) == (8, 2)
+    assert config.discovery.max_files == 500 and config.discovery.users == (0, 65534)
+    assert config.history_retention == HistoryRetention(1000, 30 * 86400.0)
+    # The share follows a smaller max_targets unless given.
+    assert parse_config({"discovery": {"max_targets": 4}}).discovery.max_targets_per_user == 4

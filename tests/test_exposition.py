@@ -20,6 +20,7 @@ from exporter.collector import CATALOG, ExporterCollector
 from exporter.config import parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.loadstats import Histograms
+from exporter.refusals import REASONS
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, ENDPOINT, LOGS, MEMORY, NVML, PAGECACHE, PROCESS, SourceKey
@@ -173,7 +174,9 @@ def golden_snapshot() -> Snapshot:
                     resident_bytes=96 * GIB,
                     per_file=(
                         FileResidency("model-00001-of-00002.safetensors", 192 * GIB, 96 * GIB),
-                        FileResidency("model-00002-of-00002.safetensors", 192 * GIB, 0),
+                        # A file name that is not UTF-8 (kept by os.fsdecode as a surrogate):
+                        # the label shows U+FFFD instead of failing the whole scrape.
+                        FileResidency("model-00002-of-00002-\udcff.safetensors", 192 * GIB, 0),
                     ),
                     method="cachestat",
                     measured_at=NOW - 1,
@@ -245,6 +248,7 @@ def golden_snapshot() -> Snapshot:
         history_problem=None,
         config_reload_successful=True,
         history_up=True,
+        discovery_refused={**dict.fromkeys(REASONS, 0), "max_targets": 468, "unreadable": 3},
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.config import HistoryRetention
 from exporter.history import SCHEMA_VERSION, HistoryStore
 from exporter.tracker import LoadRecord
 from exporter.vocabulary import Cache
@@ -151,7 +152,7 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
     store.add(record(30.0, seen_late=True))
     assert store.loads()[0].seen_late and store.enabled
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
 
 
 def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) -> None:
@@ -267,3 +268,16 @@ def test_concurrent_writers_and_readers(store: HistoryStore) -> None:
     assert store.enabled
     assert [len(store.loads(f"t{n}", limit=1000)) for n in range(4)] == [50] * 4
     assert store.last_duration("t3") == 50.0
+
+
+def test_retention_keeps_the_newest_rows_and_drops_old_loads(tmp_path: Path) -> None:
+    """Discovered targets are whatever any local user starts: the file must not grow forever."""
+    path = tmp_path / "history.sqlite"
+    store = HistoryStore(str(path), retention=HistoryRetention(max_rows=5, max_age=86400.0))
+    for i in range(8):
+        store.add(record(10.0, target=f"fake-{i}", at=T0 + i))
+    assert [r.target for r in store.loads()] == [f"fake-{i}" for i in (7, 6, 5, 4, 3)]
+    store.add(record(10.0, target="kimi", at=T0 + 2 * 86400))
+    assert [r.target for r in store.loads()] == ["kimi"]  # the others ended a day before it
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM loads").fetchone()[0] == 1

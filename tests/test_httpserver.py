@@ -111,13 +111,13 @@ def test_keep_alive_serves_several_requests_and_head_has_no_body(serve: Any) -> 
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
-        (b"GET / HTTP/1.1\r\nX: " + b"a" * (70 << 10) + b"\r\n\r\n", 431),
-        (b"POST / HTTP/1.1\r\nContent-Length: 100000\r\n\r\n", 413),
-        (b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nX: " + b"a" * (70 << 10) + b"\r\n\r\n", 431),
+        (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n", 413),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
         (b"NOT A REQUEST\r\n\r\n", 400),
         (b"GET / HTTP/2.0\r\n\r\n", 505),
         (b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400),
     ],
     ids=["head-too-large", "body-too-large", "chunked", "garbage", "http2", "bad-header", "length"],
 )

@@ -209,13 +209,24 @@ def test_an_invalid_name_would_be_refused_by_the_config() -> None:
         ("0.0.0.0", True, [], "127.0.0.1", True),
         ("::", True, [], "::1", True),
         ("localhost", True, [], "127.0.0.1", True),
-        ("10.1.2.3", True, [], "10.1.2.3", True),
+        ("10.1.2.3", True, ["10.1.2.3"], "10.1.2.3", True),
         ("gpu-node-7", True, [], "127.0.0.1", True),
         ("0.0.0.0", False, ["10.0.0.5"], "10.0.0.5", True),
         ("gpu-pod-7", False, ["10.0.0.5"], "10.0.0.5", True),
-        ("10.1.2.3", False, ["10.0.0.5"], "10.1.2.3", True),
+        ("10.0.0.5", False, ["10.0.0.5"], "10.0.0.5", True),
         ("127.0.0.1", False, ["10.0.0.5"], "127.0.0.1", False),
         ("0.0.0.0", False, [], "127.0.0.1", False),
+        # Only where the server is: not another host, link-local or a metadata service.
+        ("10.1.2.3", True, ["10.0.0.5"], "10.1.2.3", False),
+        ("10.1.2.3", False, ["10.0.0.5"], "10.1.2.3", False),
+        ("169.254.169.254", True, ["169.254.169.254"], "169.254.169.254", False),
+        ("fe80::1", True, ["fe80::1"], "fe80::1", False),
+        ("fd00:ec2::254", True, ["fd00:ec2::254"], "fd00:ec2::254", False),
+        ("0.0.0.0", False, ["169.254.3.4"], "127.0.0.1", False),
+        # IPv4-mapped addresses are their IPv4 address: loopback stays loopback.
+        ("::ffff:127.0.0.1", True, [], "127.0.0.1", True),
+        ("::ffff:127.0.0.1", False, ["10.0.0.5"], "127.0.0.1", False),
+        ("[::ffff:10.0.0.5]", False, ["10.0.0.5"], "10.0.0.5", True),
     ],
 )
 def test_probe_host(
@@ -231,9 +242,9 @@ def test_ipv6_hosts_are_bracketed_in_urls() -> None:
 @pytest.mark.system
 def test_local_addresses_match_ip_addr() -> None:
     require(shutil.which("ip") is not None, "needs ip (iproute2)")
-    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True)
+    out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True)
     expected = {line.split()[3].split("/")[0] for line in out.stdout.splitlines()}
-    expected = {a for a in expected if not a.startswith("127.")}
+    expected = {a for a in expected if not a.startswith("127.") and a != "::1"}
     assert set(_local_addresses(f"/proc/{os.getpid()}")) == expected
 
 

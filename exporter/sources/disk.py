@@ -11,6 +11,9 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+
+from exporter.asprocess import OnBehalf
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class DiskSource:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._paths_by_target = {t: tuple(p) for t, p in paths_by_target.items()}
+        self._on_behalf: Mapping[str, OnBehalf] = {}
         self._proc_root = proc_root
         self._sys_root = sys_root
         self._clock = clock
@@ -56,24 +60,38 @@ class DiskSource:
         self._reported: set[str] = set()
         self._previous: dict[str, tuple[float, int]] = {}
 
-    def watch(self, target: str, paths: Sequence[str] | None) -> None:
-        """Watch another target's weight paths, or none (thread-safe: the mapping is swapped)."""
+    def watch(
+        self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None
+    ) -> None:
+        """Watch another target's weight paths, or none (thread-safe: the mappings are swapped).
+
+        A discovered target's paths are stat'ed `on_behalf` of its process, with its rights.
+        """
         watched = {t: p for t, p in self._paths_by_target.items() if t != target}
+        behalf = {t: b for t, b in self._on_behalf.items() if t != target}
         if paths:
             watched[target] = tuple(paths)
+            if on_behalf is not None:
+                behalf[target] = on_behalf
+        self._on_behalf = behalf
         self._paths_by_target = watched
 
     def sample(self) -> DiskSample:
         devices_by_target: dict[str, tuple[str, ...]] = {}
         unbacked_by_target: dict[str, tuple[str, ...]] = {}
+        on_behalf = self._on_behalf
         for target, paths in self._paths_by_target.items():
             devices: list[str] = []
             unbacked: list[str] = []
-            for path in paths:
-                try:
-                    st_dev = os.stat(path).st_dev
-                except OSError as exc:
-                    self._report_once(path, logging.WARNING, "cannot stat %s: %s", path, exc)
+            behalf = on_behalf.get(target)
+            stats: list[tuple[str, int | OSError]]
+            try:
+                stats = behalf.run(partial(_devices_of, paths)) if behalf else _devices_of(paths)
+            except (PermissionError, TimeoutError) as exc:
+                stats = [(path, OSError(str(exc))) for path in paths]
+            for path, st_dev in stats:
+                if isinstance(st_dev, OSError):
+                    self._report_once(path, logging.WARNING, "cannot stat %s: %s", path, st_dev)
                     continue
                 device = self._device(st_dev, path)
                 if device is None:
@@ -132,6 +150,17 @@ class DiskSource:
         if key not in self._reported:
             self._reported.add(key)
             log.log(level, message, *args)
+
+
+def _devices_of(paths: Sequence[str]) -> list[tuple[str, int | OSError]]:
+    """Each path's st_dev, or why it could not be stat'ed."""
+    result: list[tuple[str, int | OSError]] = []
+    for path in paths:
+        try:
+            result.append((path, os.stat(path).st_dev))
+        except OSError as exc:
+            result.append((path, exc))
+    return result
 
 
 def resolve_block_device(st_dev: int, sys_root: str = "/sys") -> str | None:

@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import platform
+import re
 import stat
 import threading
 import time
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import NoReturn
 
+from exporter.asprocess import OnBehalf
 from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
+from exporter.safeio import PSEUDO_MAGIC, Refused, path_magic
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,10 @@ _MAP_SHARED = 0x01
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY  # no hang on a FIFO
 _LOW_BIT = bytes(i & 1 for i in range(256))
+# A tree seen through another process's root: an absolute symlink in it would resolve against
+# this exporter's root instead, outside the process's files, so it is not followed.
+_CONTAINED = re.compile(r"/proc/\d+/root(?:/|\Z)")
+PASS_TIMEOUT = 120.0  # a pass run with a process's rights (exporter/asprocess.py)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.syscall.restype = ctypes.c_long  # no argtypes: converting them doubles the call's cost
@@ -316,8 +323,32 @@ def _signature(path: str) -> tuple[int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns if stat.S_ISDIR(st.st_mode) else 0)
 
 
-def discover(weights: WeightsConfig) -> WeightTree:
-    """Weight files under each configured path, symlinks followed, each inode once."""
+def _pseudo(path: str) -> bool:
+    """On /proc, /sys or the like: a walk there would go through the whole host."""
+    try:
+        return path_magic(path) in PSEUDO_MAGIC
+    except OSError:
+        return False  # gone, or not ours to see: the walk's own stat says so
+
+
+def discover(weights: WeightsConfig, max_entries: int | None = None) -> WeightTree:
+    """Weight files under each configured path, symlinks followed, each inode once.
+
+    Never into a pseudo file system (/proc, /sys); `max_entries` bounds the entries looked at
+    (Refused "too_many_files" beyond it), so a tree named by someone else's command line cannot
+    make a pass walk the host.
+    """
+    looked = 0
+
+    def count() -> None:
+        nonlocal looked
+        looked += 1
+        if max_entries is not None and looked > max_entries:
+            raise Refused(
+                "too_many_files",
+                f"more than {max_entries} entries under {', '.join(weights.paths)}: not measured",
+            )
+
     files: list[WeightFile] = []
     watched: list[tuple[str, tuple[int, int, int] | None]] = []
     seen_files: set[tuple[int, int]] = set()
@@ -337,10 +368,14 @@ def discover(weights: WeightsConfig) -> WeightTree:
 
     for root in weights.paths:
         watched.append((root, _signature(root)))
+        contained = _CONTAINED.match(root) is not None
         try:
             st = os.stat(root)
         except OSError as exc:
             log.debug("weights path %s: %s", root, exc.strerror)
+            continue
+        if _pseudo(root):
+            log.debug("weights path %s: on a pseudo file system, not walked", root)
             continue
         if not stat.S_ISDIR(st.st_mode):
             parent, base = os.path.split(root)
@@ -352,6 +387,8 @@ def discover(weights: WeightsConfig) -> WeightTree:
             directory, prefix = stack.pop()
             if prefix:
                 watched.append((directory, _signature(directory)))
+                if _pseudo(directory):
+                    continue
             try:
                 with os.scandir(directory) as it:
                     entries = sorted(it, key=lambda e: e.name)
@@ -360,7 +397,13 @@ def discover(weights: WeightsConfig) -> WeightTree:
                 continue
             subdirs: list[tuple[str, str]] = []
             for entry in entries:
+                count()
                 try:
+                    if entry.is_symlink() and (
+                        (contained and os.readlink(entry.path).startswith("/"))
+                        or _pseudo(entry.path)
+                    ):
+                        continue
                     if entry.is_dir():
                         dst = entry.stat()
                         if (dst.st_dev, dst.st_ino) not in seen_dirs:  # symlink loops
@@ -379,12 +422,17 @@ def _included(name: str, patterns: Iterable[str]) -> bool:
 
 
 def measure(
-    files: Sequence[WeightFile], per_file: bool = False, methods: Sequence[str] = METHODS
+    files: Sequence[WeightFile],
+    per_file: bool = False,
+    methods: Sequence[str] = METHODS,
+    count_unreadable: bool = True,
 ) -> PassResult:
     """One pass over discovered files; vanished, replaced and shrunk files are handled, not fatal.
 
     Sizes come from fstat of the open fd, so a file replaced or truncated since discovery is
     measured as it is now, and an inode reached twice (e.g. replaced by a hard link) counts once.
+    A file that cannot be opened still counts its size, unless `count_unreadable` is False (a
+    pass with a discovered process's rights: what it cannot read is not its weights).
     """
     call = CachestatCall()
     fast = "cachestat" in methods  # the common case, kept free of per-file function layers
@@ -413,6 +461,8 @@ def measure(
             except OSError as exc:
                 if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                     stale = True  # vanished: skip it and rediscover
+                    continue
+                if not count_unreadable:
                     continue
                 reason = reason or f"cannot open {wf.path}: {exc.strerror}; {ADVICE}"
                 # Still a weight file: its size counts even though its residency cannot.
@@ -468,8 +518,15 @@ class ResidencySource:
         cpu_clock: Callable[[], float] = time.thread_time,
         methods: Sequence[str] = METHODS,
         refresh_after: Callable[[], float] = lambda: QUIET_REFRESH_SECONDS,
+        on_behalf: OnBehalf | None = None,
+        max_entries: int | None = None,
+        on_refused: Callable[[Refused], None] | None = None,
     ) -> None:
-        """`refresh_after`: how old a pass may get without reads before the next is worth it."""
+        """`refresh_after`: how old a pass may get without reads before the next is worth it.
+
+        A discovered target's passes run `on_behalf` of its process (with its rights), walk at
+        most `max_entries` entries, and report a refused tree to `on_refused`.
+        """
         if not 0 < cpu_budget <= 1:
             raise ValueError(f"cpu_budget must be in (0, 1], got {cpu_budget}")
         self._weights = weights
@@ -478,6 +535,10 @@ class ResidencySource:
         self._cpu_clock = cpu_clock
         self._methods = tuple(methods)
         self._refresh_after = refresh_after
+        self._on_behalf = on_behalf
+        self._max_entries = max_entries
+        self._on_refused = on_refused
+        self._refused: tuple[Refused, float] | None = None  # a refused tree, and until when
         self._lock = threading.Lock()
         self._forced = threading.Event()
         self._reads = threading.Event()
@@ -537,14 +598,38 @@ class ResidencySource:
             self._last = self._full_pass()
             return self._last
 
-    def _full_pass(self) -> ResidencySample:
+    def _walk_and_measure(self) -> tuple[PassResult, float]:
+        """One pass and its CPU seconds, taken on the thread that runs it (an actor's, maybe)."""
         cpu_start = self._cpu_clock()
         if self._tree is None or self._tree.changed():
-            self._tree = discover(self._weights)
-        result = measure(self._tree.files, self._weights.per_file, self._methods)
+            self._tree = discover(self._weights, self._max_entries)
+        result = measure(
+            self._tree.files,
+            self._weights.per_file,
+            self._methods,
+            count_unreadable=self._on_behalf is None,
+        )
         if result.stale:
             self._tree = None
-        cost = max(0.0, self._cpu_clock() - cpu_start)
+        return result, max(0.0, self._cpu_clock() - cpu_start)
+
+    def _full_pass(self) -> ResidencySample:
+        if self._refused is not None:
+            refused, until = self._refused
+            if self._clock() < until:
+                raise refused.with_traceback(None)  # no new walk of a refused tree before then
+        try:
+            if self._on_behalf is not None:
+                result, cost = self._on_behalf.run(self._walk_and_measure, PASS_TIMEOUT)
+            else:
+                result, cost = self._walk_and_measure()
+        except Refused as exc:
+            self._tree = None
+            self._refused = (exc, self._clock() + QUIET_REFRESH_SECONDS)
+            if self._on_refused is not None:
+                self._on_refused(exc)
+            raise
+        self._refused = None
         now = self._clock()
         reason, resident = result.reason, result.resident_bytes
         if result.files == 0 and reason is None:

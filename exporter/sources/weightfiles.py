@@ -38,11 +38,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from exporter.asprocess import OnBehalf
 from exporter.config import WeightsConfig
 from exporter.sources.pagecache import WeightFile, WeightTree, discover
 from exporter.sources.process import ProcessSample
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+WALK_TIMEOUT = 5.0  # seconds a walk of a discovered server's weights may take (a hung mount)
 YOUNG_SAMPLES = 5  # a descriptor this new is re-checked every sample: numbers are reused soonest
 ROTATE_SAMPLES = 300  # every older descriptor is re-checked within this many samples
 RESCAN_BYTES = 64 << 20  # read() bytes no weight file explains before every descriptor is re-read
@@ -168,8 +170,14 @@ class WeightFilesSource:
         tree: Callable[[], ProcessSample | None],
         proc_root: str = "/proc",
         clock: Callable[[], float] = time.time,
+        on_behalf: OnBehalf | None = None,
+        max_entries: int | None = None,
     ) -> None:
+        """A discovered server's weights are walked `on_behalf` of its process (with its
+        rights), at most `max_entries` entries; its /proc entries are the exporter's to read."""
         self._weights = weights
+        self._on_behalf = on_behalf
+        self._max_entries = max_entries
         self._tree_of = tree
         self._proc_root = proc_root
         self._clock = clock
@@ -210,15 +218,23 @@ class WeightFilesSource:
     # -- the weight files --------------------------------------------------------------------
 
     def _refresh_weights(self) -> None:
-        tree = self._weight_tree
-        if tree is not None and not tree.changed():
+        behalf = self._on_behalf
+        tree = behalf.run(self._walk, WALK_TIMEOUT) if behalf is not None else self._walk()
+        if tree is self._weight_tree:
             return
-        tree = self._weight_tree = discover(self._weights)
+        self._weight_tree = tree
         self._by_key = {(wf.dev, wf.ino): wf for wf in tree.files}
         by_ino: dict[bytes, list[WeightFile]] = {}
         for wf in tree.files:
             by_ino.setdefault(str(wf.ino).encode(), []).append(wf)
         self._by_ino = by_ino
+
+    def _walk(self) -> WeightTree:
+        """The weight files, walked again only when a directory of theirs changed."""
+        tree = self._weight_tree
+        if tree is not None and not tree.changed():
+            return tree
+        return discover(self._weights, self._max_entries)
 
     # -- following the tree ------------------------------------------------------------------
 
