@@ -43,7 +43,7 @@ from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.logfind import LogFinding, find_log
 from exporter.refusals import Refusals
-from exporter.safeio import Refused
+from exporter.safeio import Refused, open_checked
 from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
@@ -89,6 +89,7 @@ TRACKER_LOOP = "tracker"
 # failed probe or evicted weights can change a phase; the first two wake the loops at once, so
 # the rest (gauges, the tracker) are sampled every other 15-s scrape instead of every second.
 QUIET_INTERVAL = 30.0
+LOG_OPEN_TIMEOUT = 5.0  # seconds opening a discovered server's log may take (a hung mount)
 # While a load is starting or loading its weights, the weight files are looked at this often
 # per sample interval (a look of a TP-8 tree costs about half a millisecond).
 FILE_LOOKS_PER_INTERVAL = 4
@@ -649,7 +650,14 @@ class Runtime:
         since: float,
         whole_files: tuple[str, ...] = (),
     ) -> None:
-        runtime.logs = LogSource(config, since=since, whole_files=whole_files)
+        behalf = self._on_behalf(runtime.discovered)
+        opener = None
+        if behalf is not None:  # a discovered server's log is read with its own rights
+
+            def opener(path: str) -> int:
+                return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
+
+        runtime.logs = LogSource(config, since=since, whole_files=whole_files, opener=opener)
         self.sampler.add(
             LOGS,
             runtime.config.name,

@@ -227,6 +227,35 @@ def test_row_files_the_user_cannot_read_are_neither_measured_counted_nor_named(
         fakes.stop()
 
 
+def test_a_found_log_is_read_with_the_servers_rights(
+    exporter: ExporterProcess, user_dir: Path
+) -> None:
+    # The server's standard error is its user's file, but one its user may only write: read as
+    # root, it would give the exporter the server's markers; read as the server, nothing.
+    log_file = user_dir / "server.log"
+    log_file.write_text(
+        "(APIServer pid=1) INFO 12-01 10:00:00 [api_server.py:1] vLLM API server version 0.32\n"
+        "(Worker pid=2) INFO 12-01 10:00:01 [cpu_model_runner.py:68] Starting to load model m...\n"
+    )
+    os.chown(log_file, NOBODY, NOBODY)
+    log_file.chmod(0o200)
+    fakes = FakeServers([["vllm", "serve", "m", "--port", str(free_port())]], stderr=log_file)
+    try:
+        target = found(exporter, fakes.pids[0])
+
+        def log_state() -> dict[str, Any] | None:
+            entry = targets(exporter).get(fakes.pids[0]) or {}
+            state = entry.get("log") or {}
+            return state if state.get("reason") else None
+
+        state = wait_for(log_state, timeout=10)
+        assert "server.log" in state["found_by"]
+        assert "Permission denied" in state["reason"], state
+        assert state["format"] is None and state["lines"] == 0, target["target"]
+    finally:
+        fakes.stop()
+
+
 # -- row 3: a FIFO as the config file ------------------------------------------------------------
 
 

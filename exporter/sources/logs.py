@@ -378,8 +378,10 @@ class _FileReader:
         decoder: _Decoder,
         first_offset: Callable[[int, int], int],
         successor: Callable[[str], str] | None = None,
+        opener: Callable[[str], int] | None = None,
     ) -> None:
         self.path = path
+        self._opener = opener or _open_plain
         self.decoder = decoder
         self._first_offset = first_offset if os.path.exists(path) else None
         self._successor = successor
@@ -417,12 +419,12 @@ class _FileReader:
 
     def _open(self) -> str | None:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = self._opener(self.path)
         except FileNotFoundError:
             self._first_offset = None
             return f"{self.path} does not exist (yet)"
-        except OSError as exc:
-            return f"cannot open {self.path}: {exc.strerror}"
+        except (OSError, TimeoutError) as exc:
+            return f"cannot open {self.path}: {getattr(exc, 'strerror', None) or exc}"
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
@@ -648,7 +650,9 @@ class LogSource:
         journalctl: str = "journalctl",
         read_budget: int = READ_BUDGET,
         restart_after: float = JOURNAL_RESTART_SECONDS,
+        opener: Callable[[str], int] | None = None,
     ) -> None:
+        """`opener` opens a log file for reading (a found log: with its process's rights)."""
         self._clock = clock
         self._budget = read_budget
         self._parser = MarkerParser(config.format)
@@ -668,7 +672,7 @@ class LogSource:
         elif config.file:
             kind = "file" if config.encoding is LogEncoding.PLAIN else config.encoding.value
             self.source = ", ".join(f"{kind}:{path}" for path in config.files)
-            self._files = [_file_reader(path, config.encoding, since, path in whole_files)
+            self._files = [_file_reader(path, config.encoding, since, path in whole_files, opener)
                            for path in config.files]  # fmt: skip
         else:
             raise ValueError("log config names neither journald_unit nor file")
@@ -791,11 +795,17 @@ class LogSource:
 
 
 def _file_reader(
-    path: str, encoding: LogEncoding, since: float | None, from_start: bool
+    path: str,
+    encoding: LogEncoding,
+    since: float | None,
+    from_start: bool,
+    opener: Callable[[str], int] | None,
 ) -> _FileReader:
     """A reader of one log file in its encoding, starting where `LogSource` says."""
     if encoding is LogEncoding.PLAIN:
-        return _FileReader(path, _PlainText(), lambda fd, size: 0 if from_start else size)
+        return _FileReader(
+            path, _PlainText(), lambda fd, size: 0 if from_start else size, opener=opener
+        )
     parse = _PARSERS[encoding]
     oldest = None if since is None else since - ENTRY_SKEW
     successor = _next_restart if encoding is LogEncoding.CRI else None
@@ -803,7 +813,11 @@ def _file_reader(
     def first_offset(fd: int, size: int) -> int:
         return 0 if oldest is None else offset_since(fd, size, oldest, parse)
 
-    return _FileReader(path, _ContainerText(parse, oldest), first_offset, successor)
+    return _FileReader(path, _ContainerText(parse, oldest), first_offset, successor, opener)
+
+
+def _open_plain(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
 
 
 def new_events(sample: LogSample, after_seq: int) -> tuple[LogEvent, ...]:

@@ -68,22 +68,27 @@ class FakeServers:
         env: dict[str, str] | None = None,
         cwd: Path = Path("/"),
         prefix: Sequence[str] = (),
+        stderr: Path | None = None,
     ) -> None:
+        """`stderr`: a file every process gets as its standard error (appended to)."""
         encoded = []
         for argv in argvs:
             raw = b"\0".join(os.fsencode(a) for a in argv)
             assert len(raw) < _AREA, "command line longer than the reserved argv area"
             encoded.append(raw.hex())
         ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        errors = stderr.open("ab") if stderr is not None else None
         self.proc = subprocess.Popen(
             [*prefix, SETPRIV[0], *ids, SYSTEM_PYTHON, "-c", _CHILD, "x" * _AREA],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=errors if errors is not None else subprocess.DEVNULL,
             env={"PATH": os.defpath, **(env or {})},
             cwd=cwd,
             start_new_session=True,
         )
+        if errors is not None:
+            errors.close()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write("\n".join(encoded).encode() + b"\n")
         self.proc.stdin.close()
