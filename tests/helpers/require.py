@@ -52,6 +52,12 @@ def _nobody_python() -> bool:
     return nobody_python() is not None
 
 
+def _vllm() -> bool:
+    from servers.vllm_server import find_python
+
+    return find_python() is not None
+
+
 def _tool(name: str) -> tuple[Callable[[], bool], str]:
     return (lambda: shutil.which(name) is not None), f"needs {name} (util-linux)"
 
@@ -66,6 +72,11 @@ NEEDS: dict[str, tuple[Callable[[], bool], str]] = {
         _nobody_python,
         "needs a Python that user nobody may run with this checkout's packages"
         " (a checkout or venv nobody can read)",
+    ),
+    "vllm": (
+        _vllm,
+        "needs vLLM on CPU: `make test-servers` installs it into .servers/vllm"
+        " (MLE_VLLM_PYTHON names another venv's python)",
     ),
 }
 

@@ -1,0 +1,67 @@
+"""Fixtures for the tests against real model servers: vLLM on CPU serving the test checkpoint.
+
+`make test` leaves this folder out (pyproject's addopts); `make test-servers` installs vLLM and
+runs it. A vLLM start costs about two minutes on this 2-core machine, so each test starts only
+the servers it checks, and every test here gets a timeout that fits two starts at their limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers.require import require_all
+from helpers.support import free_port
+
+from servers import checkpoint
+from servers.vllm_server import CHECKPOINTS, START_TIMEOUT, VllmServer, find_python, set_cache
+
+HERE = Path(__file__).parent
+TEST_TIMEOUT = 2 * START_TIMEOUT
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.system)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The vLLM venv's python; a skip without one (a failure under MLE_STRICT=1)."""
+    require_all("vllm")
+    python = find_python()
+    assert python is not None
+    return python
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(vllm_python: str) -> Path:
+    """The random-weight Llama, written once into `.servers/checkpoints` and reused."""
+    return checkpoint.ensure(CHECKPOINTS, vllm_python)
+
+
+@pytest.fixture
+def start_vllm(
+    vllm_python: str, llama_checkpoint: Path, tmp_path: Path
+) -> Iterator[Callable[..., VllmServer]]:
+    """`start_vllm(cache="cold" | "warm", wait=True)`: vLLM on a free port serving the
+    checkpoint, its log in `tmp_path`; with `wait`, returned once `/health` answers 200.
+    Every server started is stopped afterwards, its whole process tree."""
+    started: list[VllmServer] = []
+
+    def start(cache: str = "cold", wait: bool = True) -> VllmServer:
+        set_cache(llama_checkpoint, cache)
+        log = tmp_path / f"vllm-{len(started)}.log"
+        server = VllmServer(vllm_python, llama_checkpoint, free_port(), log)
+        started.append(server)
+        if wait:
+            server.wait_healthy()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

