@@ -257,6 +257,10 @@ VLLM = _Format(
         _rule(EventKind.WEIGHTS_END, "Model loading took", r"^Model loading took [\d.]+ GiB(?: memory)? and (?P<seconds>[\d.]+) s"),
         _rule(EventKind.WEIGHTS_END, "Loading model weights took", r"^Loading model weights took [\d.]+ GB"),
         _rule(EventKind.COMPILE_BEGIN, "Starting torch.compile", r"^Starting torch\.compile"),
+        # The CPU runner (0.32): compile and the profiling run, then dummy runs until "Warming up
+        # done." and the KV cache.
+        _rule(EventKind.COMPILE_BEGIN, "Warming up model for the compilation", r"^Warming up model for the compilation"),
+        _rule(EventKind.WARMUP_BEGIN, "Initial profiling/warmup run took", r"^(?:\[\w+\] )?Initial profiling/warmup run took [\d.]+ s"),
         _rule(EventKind.COMPILE_BEGIN, "torch.compile", r"^Using cache directory: .* for vLLM's torch\.compile"),
         _rule(EventKind.COMPILE_BEGIN, "Dynamo bytecode transform", r"^Dynamo bytecode transform time: "),
         _rule(

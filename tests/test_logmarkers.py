@@ -34,11 +34,11 @@ FIXTURE_CASES = [
     ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.0, "compile": 45.0, "kv_cache": 0.2, "cuda_graph": 12.8}),
     ("vllm-0.6.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 7.0, "kv_cache": 2.0, "cuda_graph": 11.0}),
     ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 25.0, "kv_cache": 0.6}),
-    # Real vLLM 0.32 on CPU (bench/vllm_file_timeline.py): no rule matches its compile and warm-up
-    # lines yet ("Warming up model for the compilation...", "Warming up done."), so the minute
-    # between the weights and the KV cache has no step.
-    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache ready", {"weights": 12.0, "kv_cache": 7.3}),
-    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end kv_cache ready", {"weights": 1.0, "kv_cache": 9.3}),
+    # Real vLLM 0.32 on CPU (bench/vllm_file_timeline.py): "Warming up model for the
+    # compilation..." begins the compile, "Initial profiling/warmup run took" the dummy runs
+    # until the KV cache (whole-second stamps: the warm weights' 1.28 s reads as 1.0 s).
+    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.0, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
+    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.0, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
     ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 0.6, "kv_cache": 0.4, "warmup": 0.3}),
     ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
     ("llamacpp-python-0.3.36-real.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 27.2, "kv_cache": 28.7}),
