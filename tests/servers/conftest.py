@@ -48,15 +48,16 @@ def llama_checkpoint(vllm_python: str) -> Path:
 def start_vllm(
     vllm_python: str, llama_checkpoint: Path, tmp_path: Path
 ) -> Iterator[Callable[..., VllmServer]]:
-    """`start_vllm(cache="cold" | "warm", wait=True)`: vLLM on a free port serving the
+    """`start_vllm(cache="cold" | "warm", wait=True, port=None)`: vLLM on `port` (else a free
+    one; a restart on the same port is the same target to a zero-config exporter) serving the
     checkpoint, its log in `tmp_path`; with `wait`, returned once `/health` answers 200.
     Every server started is stopped afterwards, its whole process tree."""
     started: list[VllmServer] = []
 
-    def start(cache: str = "cold", wait: bool = True) -> VllmServer:
+    def start(cache: str = "cold", wait: bool = True, port: int | None = None) -> VllmServer:
         set_cache(llama_checkpoint, cache)
         log = tmp_path / f"vllm-{len(started)}.log"
-        server = VllmServer(vllm_python, llama_checkpoint, free_port(), log)
+        server = VllmServer(vllm_python, llama_checkpoint, port or free_port(), log)
         started.append(server)
         if wait:
             server.wait_healthy()

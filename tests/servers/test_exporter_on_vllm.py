@@ -1,0 +1,128 @@
+"""The exporter with no config at all, watching a real vLLM load its checkpoint, cold then warm.
+
+vLLM spends its first tens of seconds importing torch (half a GB through read()) before it opens
+a weight file; the phases, progress and ETA must follow what it does with its weight files and
+what its own log says, found by the exporter itself. Every boundary is compared with the line
+vLLM stamped for it (whole seconds of local time: the moment it names lies in [stamp, stamp+1)).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from helpers.hostile import ExporterProcess
+from helpers.support import free_port
+
+from servers.vllm_server import SERVERS, START_TIMEOUT, VllmServer
+
+REPORT = SERVERS / "reports" / "exporter-on-vllm.json"
+_STAMP = re.compile(r"^\(\S+ pid=\d+\) \w+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+POLL = 0.25
+
+
+def stamp_of(log: str, marker: str) -> float:
+    """Unix time of the stamp of the first log line holding `marker`."""
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m and marker in line:
+            month, day, hour, minute, second = (int(g) for g in m.groups())
+            year = datetime.now().year
+            return datetime(year, month, day, hour, minute, second).timestamp()
+    raise AssertionError(f"no {marker!r} line in vLLM's log")
+
+
+def vllm_target(exporter: ExporterProcess, pid: int) -> dict[str, Any] | None:
+    targets = exporter.get("/api/v1/status").json()["targets"]
+    return next((t for t in targets if (t.get("discovered") or {}).get("pid") == pid), None)
+
+
+def follow_load(exporter: ExporterProcess, server: VllmServer) -> list[dict[str, Any]]:
+    """Every status of vLLM's target, POLL apart, from when it is found until its load ended."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        target = vllm_target(exporter, server.proc.pid)
+        if target is not None:
+            seen.append(target)
+            loading = any(s.get("in_progress") for s in seen)
+            if loading and target.get("phase") in ("ready", "failed"):
+                return seen
+        time.sleep(POLL)
+    raise AssertionError(f"vLLM's load did not finish in {START_TIMEOUT}s:\n{server.tail()}")
+
+
+def test_phases_progress_and_eta_follow_a_real_vllm_cold_then_warm(
+    start_vllm: Callable[..., VllmServer], tmp_path: Path
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "history_path": str(tmp_path / "history.sqlite"),
+                "discovery": {"interval": "1s"},
+            }
+        )
+    )
+    exporter = ExporterProcess([f"--config.file={config}"])
+    report: dict[str, Any] = {}
+    try:
+        exporter.wait_listening()
+        port = free_port()  # one port: the restart is the same target, with the first in history
+        for cache in ("cold", "warm"):
+            server = start_vllm(cache, wait=False, port=port)
+            states = follow_load(exporter, server)
+            log = server.log.read_text(errors="replace")
+            name = states[-1]["target"]
+            loads = exporter.get(f"/api/v1/loads?target={name}").json()["loads"]
+            record = loads[0]
+            phases = record["phase_seconds"]
+            began_log = stamp_of(log, "Starting to load model")
+            ended_log = stamp_of(log, "Loading weights took")
+            weights_began = record["started_at"] + phases["starting"]
+            weights_ended = weights_began + phases["loading_weights"]
+            starting = [s for s in states if s.get("phase") == "starting"]
+            initializing = [s for s in states if s.get("phase") == "initializing"]
+            report[cache] = {
+                "phases": phases,
+                "cache": record["cache"],
+                "duration": record["duration_seconds"],
+                "weights_began_minus_log": weights_began - began_log,
+                "weights_ended_minus_log": weights_ended - ended_log,
+                "log_weights_seconds": float(
+                    re.search(r"Loading weights took ([\d.]+)", log).group(1)  # type: ignore[union-attr]
+                ),
+                "steps_seen_live": sorted({s["step"] for s in initializing if s.get("step")}),
+                "etas_while_starting": sorted({s["eta_seconds"] for s in starting}, key=str)[:5],
+                "log": states[-1].get("log"),
+            }
+
+            assert record["outcome"] == "ready" and record["cache"] == cache, record
+            # The stamps are whole seconds: the moment a line names lies in [stamp, stamp + 1).
+            assert -1.0 < weights_began - began_log < 2.0, report[cache]
+            assert -1.0 < weights_ended - ended_log < 2.0, report[cache]
+            # Starting covers the imports: no weight file is touched before vLLM says so.
+            assert phases["starting"] > 10.0, phases
+            assert phases["initializing"] > 10.0, phases
+            assert {"compile", "warmup", "kv_cache"} <= set(phases), phases
+            assert "compile" in report[cache]["steps_seen_live"], report[cache]
+            log_state = states[-1]["log"]
+            assert str(server.log) in (log_state.get("found_by") or ""), log_state
+            # No ETA from start-up reads. History's medians of the phases ahead would be one, but
+            # the warm start has only a cold load before it: no basis for warm weights, so none.
+            assert starting and all(s["weights_eta_seconds"] is None for s in starting)
+            assert all(s["eta_seconds"] is None for s in starting)
+            # Once the weights are in, the cold load's initializing median gives the ETA.
+            if cache == "warm":
+                assert initializing and all(s["eta_seconds"] is not None for s in initializing)
+            assert server.stop() == []
+    finally:
+        exporter.stop()
+        REPORT.parent.mkdir(parents=True, exist_ok=True)
+        REPORT.write_text(json.dumps(report, indent=2) + "\n")
