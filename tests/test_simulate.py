@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 from helpers.support import free_port, wait_for
+from safetensors import safe_open
 
 from exporter.cachectl import evict, prewarm
 from exporter.sim.shards import Throttle, generate_shards, read_chunk
@@ -126,13 +127,8 @@ def request(port: int, method: str, path: str, body: Any = None) -> tuple[int, b
 
 
 def make_shards(directory: Path, count: int, size: int) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for index in range(count):
-        path = directory / f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-        path.write_bytes(os.urandom(size))
-        paths.append(path)
-    return paths
+    generate_shards(directory, count, size)
+    return sorted(directory.glob("*.safetensors"))
 
 
 class Sim:
@@ -463,9 +459,11 @@ def test_startup_log_has_the_reference_markers_in_order(
 # --- setup --------------------------------------------------------------------------------------
 
 
-def test_generate_writes_valid_incompressible_shards_once(tmp_path: Path, sim: Any) -> None:
+def test_generate_writes_valid_incompressible_shards_of_many_tensors_once(
+    tmp_path: Path, sim: Any
+) -> None:
     weights = tmp_path / "new" / "model"
-    args = ("--generate", "2", "--shard-size", "64KiB", "--init-seconds", "0", "--exit-after",
+    args = ("--generate", "2", "--shard-size", "9MiB", "--init-seconds", "0", "--exit-after",
             "50ms")  # fmt: skip
     assert sim(weights, *args, name="first").wait() == 0
     shards = sorted(weights.glob("*.safetensors"))
@@ -475,11 +473,20 @@ def test_generate_writes_valid_incompressible_shards_once(tmp_path: Path, sim: A
     ]
     for path in shards:
         data = path.read_bytes()
-        assert len(data) == 64 * 1024
+        assert len(data) == 9 * MiB
         (header_len,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + header_len])
-        tensor = header["weight"]
-        assert 8 + header_len + tensor["data_offsets"][1] == len(data)
+        header.pop("__metadata__")
+        spans = sorted(tuple(t["data_offsets"]) for t in header.values())
+        # 4 MiB tensors, contiguous, filling the file: a loader consumes it tensor by tensor.
+        assert [end - start for start, end in spans] == [4 * MiB, 4 * MiB, MiB - 8 - header_len]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert spans[0][0] == 0 and 8 + header_len + spans[-1][1] == len(data)
+        with safe_open(str(path), framework="numpy") as tensors:
+            for name, entry in header.items():
+                start, end = entry["data_offsets"]
+                body = data[8 + header_len + start : 8 + header_len + end]
+                assert tensors.get_tensor(name).tobytes() == body
         body = data[8 + header_len :]
         assert len(zlib.compress(body)) > 0.99 * len(body)
     before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in shards]
