@@ -43,10 +43,13 @@ class RankGroup:
         self._pending: dict[int, bytes] = {}  # a line not yet complete, by fd
 
     def start(self, spec: RankSpec) -> None:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter.sim.ranks"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "exporter.sim.ranks"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )  # fmt: skip
+        except OSError as exc:
+            raise Crash("weights", f"cannot start rank {spec.rank}: {exc.strerror}") from None
         assert proc.stdin is not None and proc.stdout is not None
         fd = proc.stdout.fileno()
         self._procs[spec.rank], self._open[fd], self._pending[fd] = proc, spec.rank, b""

@@ -500,23 +500,22 @@ class Simulation:
             endpoint.open("loading")
         log.banner()
         specs = [self._rank_spec(rank, shards) for rank in range(s.tensor_parallel)]
-        with imported(imports, s.startup_seconds, self.stopper), self._tensor_parallel(specs):
-            try:
-                self._load_weights(log, specs)
+        self._progress = WeightsProgress(log, len(shards), len(specs))
+        ready_at: float | None = None
+        try:
+            with imported(imports, s.startup_seconds, self.stopper), self._tensor_parallel(specs):
+                self._load_weights(specs)
                 self._initialize(log, endpoint)
-            except Crash as crash:
-                log.failure(crash.stage, crash.reason)
-                self._write_report(endpoint, total, None, "failed")
-                return 1
-            endpoint.open("ready")
-            ready_at = time.time()
-            log.ready()
-            self._write_report(endpoint, total, ready_at, "ready")
-            try:
+                endpoint.open("ready")
+                ready_at = time.time()
+                log.ready()
+                self._write_report(endpoint, total, ready_at, "ready")
                 self._wait(math.inf if s.exit_after is None else s.exit_after, "serve")
-            except Crash as crash:
-                log.failure(crash.stage, crash.reason)
-                return 1
+        except Crash as crash:
+            log.failure(crash.stage, crash.reason)
+            if ready_at is None:
+                self._write_report(endpoint, total, None, "failed")
+            return 1
         return 0
 
     def _rank_spec(self, rank: int, shards: Sequence[Shard]) -> RankSpec:
@@ -549,8 +548,9 @@ class Simulation:
             finally:
                 self._ranks = None
 
-    def _load_weights(self, log: ServerLog, specs: Sequence[RankSpec]) -> None:
-        progress = self._progress = WeightsProgress(log, len(specs[0].shards), len(specs))
+    def _load_weights(self, specs: Sequence[RankSpec]) -> None:
+        progress = self._progress
+        assert progress is not None
         if self._ranks is None:
             load_rank(specs[0], progress.handle, self.stopper)
             return
