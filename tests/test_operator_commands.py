@@ -269,12 +269,12 @@ def test_wait_url_max_wait_while_refused(tmp_path: Path) -> None:
     )
 
 
-def test_serve_does_not_import_the_client_commands_nor_rich() -> None:
+def test_serve_does_not_import_the_client_commands_nor_rich_nor_the_simulator() -> None:
     code = (
         "import sys; from exporter import cli; cli.build_parser('serve'); "
-        "print(sorted(m for m in sys.modules if m in ('rich', 'mcp') or m.startswith('exporter.') "
-        "and m.split('.')[1] in ('wait', 'status', 'prewarm', 'history_cmd', 'terminal', 'client', "
-        "'mcp_cmd', 'mcp_server')))"
+        "print(sorted(m for m in sys.modules if m in ('rich', 'mcp', 'safetensors', 'numpy') or "
+        "m.startswith('exporter.') and m.split('.')[1] in ('wait', 'status', 'prewarm', "
+        "'history_cmd', 'terminal', 'client', 'mcp_cmd', 'mcp_server', 'sim')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import itertools
 import json
 import os
 import re
@@ -19,10 +21,21 @@ from typing import Any
 
 import psutil
 import pytest
+from helpers.procview import Look, look
 from helpers.support import free_port, wait_for
+from safetensors import safe_open
 
 from exporter.cachectl import evict, prewarm
-from exporter.sim.shards import Throttle, generate_shards, read_chunk
+from exporter.sim.imports import imports_dir
+from exporter.sim.shards import (
+    CHUNK_SIZE,
+    PAGE_SIZE,
+    Layout,
+    Throttle,
+    generate_shards,
+    parse_layout,
+    read_chunk,
+)
 
 pytestmark = pytest.mark.system  # child processes, servers
 
@@ -126,13 +139,8 @@ def request(port: int, method: str, path: str, body: Any = None) -> tuple[int, b
 
 
 def make_shards(directory: Path, count: int, size: int) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for index in range(count):
-        path = directory / f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-        path.write_bytes(os.urandom(size))
-        paths.append(path)
-    return paths
+    generate_shards(directory, count, size)
+    return sorted(directory.glob("*.safetensors"))
 
 
 class Sim:
@@ -143,11 +151,13 @@ class Sim:
         self.log = tmp_path / f"{name}.log"
         self.report = tmp_path / f"{name}.report.json"
         self.pidfile = tmp_path / f"{name}.pid"
+        self.trace = tmp_path / f"{name}.trace.jsonl"
         self.started = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "exporter", "simulate", "--port", str(self.port),
              "--weights", str(weights), "--log-file", str(self.log),
-             "--report", str(self.report), "--pidfile", str(self.pidfile), *extra],
+             "--report", str(self.report), "--pidfile", str(self.pidfile),
+             "--trace", str(self.trace), *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -161,6 +171,15 @@ class Sim:
     def result(self, timeout: float = 15.0) -> dict[str, Any]:
         text = wait_for(lambda: self.report.read_text() if self.report.exists() else None, timeout)
         return dict(json.loads(text))
+
+    def events(self) -> list[dict[str, Any]]:
+        """The `--trace`: what every rank consumed, when."""
+        return [json.loads(line) for line in self.trace.read_text().splitlines()]
+
+    def consumed(self) -> int:
+        """The weights' truly consumed bytes by the end: each rank's last count, summed."""
+        last = {event["rank"]: event["consumed"] for event in self.events()}
+        return sum(last.values())
 
     def get(self, path: str) -> tuple[int, bytes] | None:
         return request(self.port, "GET", path)
@@ -263,37 +282,51 @@ def test_503_style_answers_every_path_with_the_llamacpp_body_until_ready(
 # --- page cache -------------------------------------------------------------------------------
 
 
+def tree_read_bytes(server: psutil.Process) -> int:
+    """Storage bytes read by the server and its ranks."""
+    total = 0
+    for process in (server, *server.children()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += process.io_counters().read_bytes
+    return total
+
+
 def run_to_ready(child: Sim) -> tuple[dict[str, Any], int]:
-    """The report and the most storage bytes psutil saw the child read before it was ready."""
+    """The report and the most storage bytes psutil saw the tree read before it was ready."""
     process = psutil.Process(child.proc.pid)
     most = 0
     while not child.report.exists():
         assert child.proc.poll() is None
-        most = max(most, process.io_counters().read_bytes)
+        most = max(most, tree_read_bytes(process))
         time.sleep(0.02)
     report = child.result()
-    most = max(most, process.io_counters().read_bytes)
+    most = max(most, tree_read_bytes(process))
     child.stop()
     return report, most
 
 
+LOADS = [("mmap", 1), ("read", 1), ("pread", 1), ("mmap", 4)]
+
+
+@pytest.mark.parametrize(("loader", "ranks"), LOADS)
 def test_cold_load_reads_storage_at_the_cold_rate_and_warm_load_does_not(
-    tmp_path: Path, sim: Any
+    tmp_path: Path, sim: Any, loader: str, ranks: int
 ) -> None:
     weights = tmp_path / "w"
     paths = make_shards(weights, 5, 4 * MiB)
     total = 20 * MiB
+    how = ("--loader", loader, "--tensor-parallel", str(ranks), "--read-rate", "20MB/s",
+           "--init-seconds", "0")  # fmt: skip
     for path in paths:
         evict(str(path))
-    cold, cold_read = run_to_ready(
-        sim(weights, "--read-rate", "20MB/s", "--init-seconds", "0", name="cold")
-    )
+    cold_child = sim(weights, *how, name="cold")
+    cold, cold_read = run_to_ready(cold_child)
     for path in paths:  # cached by the cold run; again, in case this VM has shed some since
         prewarm(str(path))
-    warm, warm_read = run_to_ready(
-        sim(weights, "--read-rate", "20MB/s", "--init-seconds", "0", name="warm")
-    )
+    warm_child = sim(weights, *how, name="warm")
+    warm, warm_read = run_to_ready(warm_child)
 
+    assert cold_child.consumed() == warm_child.consumed() == total
     assert cold["cache"] == "cold" and cold["cached_bytes"] < total // 10
     assert cold_read >= 0.9 * total and cold["read_bytes"] >= 0.9 * total
     cold_weights = cold["weights_done_at"] - cold["weights_started_at"]
@@ -337,6 +370,235 @@ def test_throttle_sleeps_to_the_schedule_of_each_rate() -> None:
     assert throttle.pace(started=20.0, now=20.0, cold=100, cached=0) == pytest.approx(1.0)
     unthrottled = Throttle(cold_rate=100.0, cached_rate=None)
     assert unthrottled.pace(started=0.0, now=0.0, cold=0, cached=10**9) == 0.0
+
+
+# --- loaders and ranks, seen from outside through /proc ----------------------------------------
+
+
+def watch(child: Sim, weights: Path) -> list[Look]:
+    """Look at the server and its ranks every few milliseconds until it is ready."""
+    server = psutil.Process(child.proc.pid)
+    looks = []
+    while not child.report.exists():
+        assert child.proc.poll() is None, child.proc.stderr.read()  # type: ignore[union-attr]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for pid in (server.pid, *(rank.pid for rank in server.children())):
+                if (seen := look(pid, weights, imports_dir(weights))) is not None:
+                    looks.append(seen)
+        time.sleep(0.005)
+    return looks
+
+
+def imports_came_first(child: Sim, looks: list[Look], import_bytes: int) -> None:
+    """Until the first weight file opened, nothing of the weights was open or mapped, while the
+    server read `import_bytes` with read(), spread over its start-up, and mapped its libraries;
+    its ranks started after that."""
+    first_open = min(event["time"] for event in child.events() if event["event"] == "open")
+    before = [seen for seen in looks if seen.ended < first_open]
+    assert before and not any(seen.positions or seen.mapped for seen in before)
+    server = [seen for seen in before if seen.pid == child.proc.pid]
+    rchar = [seen.rchar for seen in server]
+    assert rchar[-1] - rchar[0] >= import_bytes and len(set(rchar)) >= 8
+    assert any(seen.libraries == {"libsim-0.so", "libsim-1.so"} for seen in server)
+    ranks = [seen.began for seen in looks if seen.pid != child.proc.pid]
+    if ranks:  # the server read nothing more (but its ranks' pipes) once they had started
+        later = [seen.rchar for seen in server if seen.began > min(ranks)]
+        assert later and later[-1] - later[0] < MiB
+
+
+def loaded_in_turn(looks: list[Look], names: list[str], opened: Callable[[Look], Any]) -> None:
+    """One weight file open (or mapped) at a time, in load order, each gone once the next opens."""
+    order = [name for seen in looks for name in opened(seen)]
+    assert all(len(opened(seen)) <= 1 for seen in looks)
+    assert [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name] == names
+
+
+@pytest.mark.parametrize("loader", ["read", "mmap", "pread"])
+def test_each_loader_imports_first_then_leaves_its_own_signals_in_proc(
+    tmp_path: Path, sim: Any, loader: str
+) -> None:
+    weights = tmp_path / "w"
+    paths = make_shards(weights, 3, 8 * MiB)
+    names = [path.name for path in paths]
+    child = sim(weights, "--loader", loader, "--read-rate", "16MB/s", "--cached-read-rate",
+                "16MB/s", "--init-seconds", "0", "--startup-seconds", "1",
+                "--import-bytes", "16MiB")  # fmt: skip
+    looks = [seen for seen in watch(child, weights) if seen.pid == child.proc.pid]
+    imports_came_first(child, looks, 16 * MiB)
+    ready = look(child.proc.pid, weights, imports_dir(weights))
+    assert ready is not None and not ready.positions and not ready.mapped
+    assert child.consumed() == 24 * MiB
+    for name in names:
+        positions = [seen.positions[name] for seen in looks if name in seen.positions]
+        pages = [seen.mapped[name] for seen in looks if name in seen.mapped]
+        if loader == "read":  # the file offset moves through the file
+            assert positions == sorted(positions) and 0 < max(positions) <= 8 * MiB
+            assert len(set(positions)) >= 2 and not pages
+        elif loader == "pread":  # the offset stays 0 while rchar grows, read by two threads
+            during = [i for i, seen in enumerate(looks) if name in seen.positions]
+            assert set(positions) == {0} and not pages and during[0] > 0
+            assert looks[during[-1]].rchar - looks[during[0] - 1].rchar >= 0.9 * 8 * MiB
+            threads = [looks[i].thread_rchar.values() for i in during]
+            assert any(sum(r >= MiB for r in rchar) >= 2 for rchar in threads)
+        else:  # mapped, its pages growing as tensors are copied out; no descriptor kept open
+            assert pages == sorted(pages) and len(set(pages)) >= 2
+            assert max(pages) * PAGE_SIZE >= 0.9 * 8 * MiB
+            assert len(positions) <= 0.1 * len(pages)
+    loaded_in_turn(
+        looks, names, (lambda s: s.mapped) if loader == "mmap" else lambda s: s.positions
+    )
+
+
+def layout_of(path: Path) -> Layout:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return parse_layout(data[8 : 8 + length], len(data))
+
+
+@pytest.mark.parametrize("loader", ["read", "mmap"])
+def test_four_ranks_start_after_the_imports_and_each_consume_a_quarter_of_every_shard(
+    tmp_path: Path, sim: Any, loader: str
+) -> None:
+    weights = tmp_path / "w"
+    paths = make_shards(weights, 2, 16 * MiB)
+    child = sim(weights, "--tensor-parallel", "4", "--loader", loader, "--read-rate", "32MB/s",
+                "--cached-read-rate", "32MB/s", "--init-seconds", "0", "--startup-seconds", "1",
+                "--import-bytes", "16MiB")  # fmt: skip
+    looks = watch(child, weights)
+    imports_came_first(child, looks, 16 * MiB)
+    server = child.proc.pid
+    pids = sorted({seen.pid for seen in looks if seen.pid != server})
+    assert len(pids) == 4 and all(seen.ppid == server for seen in looks if seen.pid != server)
+    assert not any(seen.mapped or seen.positions for seen in looks if seen.pid == server)
+    events = child.events()
+    opened = {e["rank"]: e["time"] for e in reversed(events) if e["event"] == "open"}
+    for pid in pids:
+        mine = [seen for seen in looks if seen.pid == pid]
+        loaded_in_turn(mine, [p.name for p in paths], lambda s: s.mapped or s.positions)
+        loading = [seen for seen in mine if seen.mapped or seen.positions]
+        if loader == "read":
+            # Each offset seen ends a piece of this rank's quarter of a tensor: it seeks to its
+            # slice and reads it, and reads about a quarter of the weights in all.
+            rank = next(r for r in range(4) if slice_of(paths, r, loading))
+            before = [seen.rchar for seen in mine if seen.ended < opened[rank]]
+            assert 0.24 * 32 * MiB <= mine[-1].rchar - before[-1] <= 0.27 * 32 * MiB
+        else:  # its quarter of each shard at least (the kernel may map whole folios around it)
+            for path in paths:
+                most = max(seen.mapped.get(path.name, 0) for seen in mine) * PAGE_SIZE
+                assert most >= 0.24 * path.stat().st_size, (pid, path.name, most)
+    for rank in range(4):
+        for path in paths:
+            mine = [e["consumed"] for e in events if e["rank"] == rank and e["file"] == path.name]
+            assert abs(mine[-1] - mine[0] - path.stat().st_size / 4) <= 4096, (rank, path.name)
+    assert child.consumed() == 32 * MiB
+    report = child.result()
+    assert report["weights_started_at"] == min(opened.values())
+    assert report["weights_done_at"] >= max(e["time"] for e in events)
+
+
+def slice_of(paths: list[Path], rank: int, looks: list[Look]) -> bool:
+    """Whether every file offset seen is the end of one of `rank`'s pieces (or of the header)."""
+    ends = set()
+    for path in paths:
+        layout = layout_of(path)
+        ends |= {(path.name, layout.header_end)}
+        ends |= {(path.name, p.offset + p.length) for p in layout.pieces(rank, 4)}
+    seen = {(name, pos) for look in looks for name, pos in look.positions.items()}
+    return bool(seen) and seen <= ends
+
+
+def ranks_loading(child: Sim, count: int) -> list[psutil.Process]:
+    """The ranks, once each of them has opened its first shard."""
+    server = psutil.Process(child.proc.pid)
+    wait_for(lambda: child.trace.exists() and
+             len({e["rank"] for e in child.events() if e["event"] == "open"}) == count)  # fmt: skip
+    ranks = server.children()
+    assert len(ranks) == count
+    return ranks
+
+
+def gone(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_ranks_never_outlive_their_server(tmp_path: Path, sim: Any, signum: int) -> None:
+    weights = tmp_path / "w"
+    make_shards(weights, 2, 8 * MiB)
+    child = sim(weights, "--tensor-parallel", "4", "--read-rate", "1MB/s", "--cached-read-rate",
+                "1MB/s", "--import-bytes", "0")  # fmt: skip
+    ranks = ranks_loading(child, 4)
+    child.proc.send_signal(signum)
+    assert child.wait(timeout=5) == (0 if signum == signal.SIGTERM else -signal.SIGKILL)
+    if signum == signal.SIGTERM:  # stopped and reaped by the server before it exited
+        assert not any(rank.is_running() for rank in ranks)
+    else:  # the kernel tells each rank its parent died
+        wait_for(lambda: all(gone(rank) for rank in ranks), timeout=5)
+
+
+@pytest.mark.parametrize("how", ["kill", "--crash-at=0.5"])
+def test_a_rank_that_fails_fails_the_server(tmp_path: Path, sim: Any, how: str) -> None:
+    weights = tmp_path / "w"
+    make_shards(weights, 2, 8 * MiB)
+    extra = [] if how == "kill" else [how]
+    child = sim(weights, "--tensor-parallel", "2", "--read-rate", "4MB/s", "--cached-read-rate",
+                "4MB/s", "--import-bytes", "0", *extra)  # fmt: skip
+    ranks = ranks_loading(child, 2)
+    if how == "kill":
+        ranks[1].kill()
+        reason = r"rank \d was killed by SIGKILL"
+    else:
+        reason = r"simulated crash after loading 50% of weights"
+    assert child.wait(timeout=20) == 1
+    assert re.search(reason, child.text()) and re.search(SGLANG_FAILURE, child.text())
+    assert child.result(timeout=1)["outcome"] == "failed"
+    assert not any(rank.is_running() for rank in ranks)
+
+
+@pytest.mark.parametrize("loader", ["mmap", "read", "pread"])
+def test_a_shard_that_is_not_safetensors_fails_the_load(
+    tmp_path: Path, sim: Any, loader: str
+) -> None:
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "model-00001-of-00001.safetensors").write_bytes(os.urandom(MiB))
+    child = sim(weights, "--loader", loader, "--import-bytes", "0")
+    assert child.wait() == 1
+    assert "cannot load model-00001-of-00001.safetensors: " in child.text()
+    assert child.result(timeout=1)["outcome"] == "failed"
+    assert "Traceback" not in child.proc.stderr.read()  # type: ignore[union-attr]
+
+
+def test_rank_slices_partition_every_tensor() -> None:
+    big = 3 * CHUNK_SIZE + 5  # rows of one byte: more than one chunk per rank at small worlds
+    tensors = {
+        "a": {"dtype": "F32", "shape": [10, 3], "data_offsets": [0, 120]},
+        "b": {"dtype": "U8", "shape": [big], "data_offsets": [120, 120 + big]},
+        "c": {"dtype": "F16", "shape": [], "data_offsets": [120 + big, 122 + big]},
+    }
+    header = json.dumps(tensors).encode()
+    end = 8 + len(header) + 122 + big
+    layout = parse_layout(header, end)
+    for world in range(1, 6):
+        pieces = sorted(
+            (piece.offset, piece.length, rank)
+            for rank in range(world)
+            for piece in layout.pieces(rank, world)
+        )
+        # Disjoint and contiguous, every tensor byte once, in chunks; along each tensor the
+        # ranks' slices come in rank order (interleaved through the file, tensor by tensor).
+        assert pieces[0][0] == layout.header_end and sum(p[1] for p in pieces) == end - 8 - len(
+            header
+        )
+        assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(pieces))
+        assert all(length <= CHUNK_SIZE for _, length, _ in pieces)
+        for tensor in layout.tensors:
+            ranks = [r for offset, _, r in pieces if 0 <= offset - tensor.offset < tensor.length]
+            assert ranks == sorted(ranks)
+            assert len(set(ranks)) == (1 if tensor.rows == 1 else min(world, tensor.rows))
 
 
 # --- scripted trouble -------------------------------------------------------------------------
@@ -463,9 +725,11 @@ def test_startup_log_has_the_reference_markers_in_order(
 # --- setup --------------------------------------------------------------------------------------
 
 
-def test_generate_writes_valid_incompressible_shards_once(tmp_path: Path, sim: Any) -> None:
+def test_generate_writes_valid_incompressible_shards_of_many_tensors_once(
+    tmp_path: Path, sim: Any
+) -> None:
     weights = tmp_path / "new" / "model"
-    args = ("--generate", "2", "--shard-size", "64KiB", "--init-seconds", "0", "--exit-after",
+    args = ("--generate", "2", "--shard-size", "9MiB", "--init-seconds", "0", "--exit-after",
             "50ms")  # fmt: skip
     assert sim(weights, *args, name="first").wait() == 0
     shards = sorted(weights.glob("*.safetensors"))
@@ -475,11 +739,20 @@ def test_generate_writes_valid_incompressible_shards_once(tmp_path: Path, sim: A
     ]
     for path in shards:
         data = path.read_bytes()
-        assert len(data) == 64 * 1024
+        assert len(data) == 9 * MiB
         (header_len,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + header_len])
-        tensor = header["weight"]
-        assert 8 + header_len + tensor["data_offsets"][1] == len(data)
+        header.pop("__metadata__")
+        spans = sorted(tuple(t["data_offsets"]) for t in header.values())
+        # 4 MiB tensors, contiguous, filling the file: a loader consumes it tensor by tensor.
+        assert [end - start for start, end in spans] == [4 * MiB, 4 * MiB, MiB - 8 - header_len]
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        assert spans[0][0] == 0 and 8 + header_len + spans[-1][1] == len(data)
+        with safe_open(str(path), framework="numpy") as tensors:
+            for name, entry in header.items():
+                start, end = entry["data_offsets"]
+                body = data[8 + header_len + start : 8 + header_len + end]
+                assert tensors.get_tensor(name).tobytes() == body
         body = data[8 + header_len :]
         assert len(zlib.compress(body)) > 0.99 * len(body)
     before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in shards]
@@ -505,6 +778,9 @@ def test_generate_shards_replaces_a_shard_of_the_wrong_size(tmp_path: Path) -> N
         ["--log-format", "triton"],
         ["--shard-size", "12"],
         ["--port", "70000"],
+        ["--loader", "direct"],
+        ["--tensor-parallel", "0"],
+        ["--import-bytes", "lots"],
         ["--no-such-flag"],
     ],
 )

@@ -2,7 +2,9 @@
 
 A newcomer without GPUs sees the whole product in a minute: a cold load from disk (the shards are
 evicted from the page cache first), then warm restarts from memory, each measured into the
-histograms, with /metrics and /api/v1/status live on the usual port.
+histograms, with /metrics and /api/v1/status live on the usual port. Each load starts like a
+real Python server: a few seconds of imports (`starting`), then the weights through the
+safetensors library's mmap (`loading_weights`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", default="128MiB")
     p.add_argument("--read-rate", default="240MB/s", help="simulated cold-disk throughput")
     p.add_argument(
-        "--startup-seconds", type=float, default=2.0, help="imports and setup before the weights"
+        "--startup-seconds", type=float, default=3.0, help="imports and setup before the weights"
     )
+    p.add_argument("--import-bytes", default="64MiB", help="libraries read while starting")
     p.add_argument("--init-seconds", type=float, default=6.0, help="KV cache, compile, graphs")
     p.add_argument("--serve-seconds", type=float, default=10.0, help="ready time per cycle")
     p.add_argument("--cycles", type=int, default=0, help="loads to run; 0 = until Ctrl-C")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     weights = directory / "weights"
     weights.mkdir(parents=True, exist_ok=True)
     try:
+        import_bytes = parse_size(args.import_bytes)
         generate_shards(weights, args.shards, parse_size(args.shard_size))
     except (OSError, ValueError) as exc:
         print(f"model-load-exporter demo: {exc}", file=sys.stderr)
@@ -145,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                      "--port", str(args.sim_port), "--weights", str(weights),
                      "--read-rate", args.read_rate, "--init-seconds", str(args.init_seconds),
                      "--startup-seconds", str(args.startup_seconds),
+                     "--import-bytes", str(import_bytes),
                      "--exit-after", f"{args.serve_seconds}s", "--pidfile", str(pidfile),
                      "--model", "demo-model", "--log-file", str(directory / "server.log")],
                     stdout=subprocess.DEVNULL,

@@ -38,6 +38,7 @@ class LogContext:
     weights_bytes: int
     shards: int
     fs_type: str
+    tensor_parallel: int = 1
 
 
 def _interval(seconds: float) -> str:
@@ -157,7 +158,8 @@ class SGLangLog(ServerLog):
         c = self.ctx
         self.line(
             f"server_args=ServerArgs(model_path='{c.model_path}', tokenizer_path='{c.model_path}', "
-            f"host='{c.host}', port={c.port}, served_model_name='{c.model}', tp_size=1, "
+            f"host='{c.host}', port={c.port}, served_model_name='{c.model}', "
+            f"tp_size={c.tensor_parallel}, "
             "dtype='auto', mem_fraction_static=0.85, random_seed=0)"
         )
         self.line("Init torch distributed begin.")

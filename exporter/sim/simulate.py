@@ -1,11 +1,14 @@
 """A stand-in model server that loads weights and starts up like SGLang, vLLM, llama.cpp or TGI.
 
 The exporter has to be demonstrated, tested and drilled without GPUs or 500 GB checkpoints. This
-process does the parts of a real startup that the exporter can observe, for real: it reads weight
-files from disk (so page-cache residency, process `read_bytes` and disk throughput move), paced to
-a cold-disk or page-cache rate decided per chunk by asking the kernel what was cached; it writes
-the server's own startup log lines; and it keeps its port closed (or answering 503) until ready.
-Stalls, crashes and timed exits can be scripted for alert drills.
+process does the parts of a real startup that the exporter can observe, for real: it imports
+(reads and maps libraries, no weight file touched), then loads weight files the way real loaders
+do (mmap through `safetensors`, `read()` or threaded `pread`, by one process or by one child per
+tensor-parallel rank), so page-cache residency, `/proc` file offsets and mappings, read counters
+and disk throughput move, paced to a cold-disk or page-cache rate decided per chunk by asking the
+kernel what was cached; it writes the server's own startup log lines; and it keeps its port
+closed (or answering 503) until ready. `--trace` and `--report` tell the truth of it, for tests
+to compare with. Stalls, crashes and timed exits can be scripted for alert drills.
 """
 
 from __future__ import annotations
@@ -14,36 +17,36 @@ import argparse
 import json
 import math
 import os
-import select
-import signal
 import socketserver
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 import psutil
 
 from exporter.config import ConfigError, parse_duration
+from exporter.sim import ranks
+from exporter.sim.events import Kind
+from exporter.sim.imports import Imports, imported, imports_dir, prepare_imports
+from exporter.sim.loaders import LOADERS, RankSpec, load_rank
+from exporter.sim.progress import WeightsProgress
 from exporter.sim.serverlog import LOG_WRITERS, STEP_SHARES, LogContext, ServerLog, fs_type
 from exporter.sim.shards import (
-    CHUNK_SIZE,
     MIN_SHARD_SIZE,
     WEIGHTS_GLOB,
     Shard,
-    Throttle,
     cache_temperature,
     find_shards,
     generate_shards,
-    read_chunk,
 )
+from exporter.sim.stopper import Crash, Stopped, Stopper
 from exporter.sources.process import process_start_time
 from exporter.units import MiB, parse_rate, parse_size
 from exporter.vocabulary import ServerKind
@@ -60,31 +63,25 @@ LOADING_BODY = json.dumps(
 ).encode()
 
 
+DEFAULT_IMPORT_BYTES = 8 * MiB
+
+
 class SimulationError(Exception):
     """A setup problem (weights, port, files) to report as one line; the exit code is 1."""
-
-
-class _Stopped(Exception):
-    """SIGTERM or SIGINT arrived: unwind to `run` and exit cleanly."""
-
-
-class _Crash(Exception):
-    """A scripted failure (`--crash-at`, `--crash-during-init`)."""
-
-    def __init__(self, stage: str, reason: str) -> None:
-        super().__init__(reason)
-        self.stage = stage
-        self.reason = reason
 
 
 # --- flags ------------------------------------------------------------------------------------
 
 
-def _size_arg(text: str) -> int:
+def _bytes_arg(text: str) -> int:
     try:
-        size = parse_size(text)
+        return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_arg(text: str) -> int:
+    size = _bytes_arg(text)
     if size < MIN_SHARD_SIZE:
         raise argparse.ArgumentTypeError(f"must be at least {MIN_SHARD_SIZE} bytes, got {text!r}")
     return size
@@ -156,6 +153,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--read-rate", type=_rate_arg, default=240e6, help="pace of page-cache misses (240MB/s)")
     add("--cached-read-rate", type=_rate_arg, help="pace of page-cache hits (default unthrottled)")
     add("--startup-seconds", type=_seconds_arg, default=0.0, help="imports, distributed init")
+    add(
+        "--import-bytes",
+        type=_bytes_arg,
+        default=DEFAULT_IMPORT_BYTES,
+        metavar="SIZE",
+        help=f"read() during start-up, from {imports_dir(Path('DIR'))}/ (8MiB)",
+    )
+    add("--loader", choices=tuple(LOADERS), default="mmap", help="how weights are read (mmap)")
+    add("--tensor-parallel", type=_count_arg, default=1, metavar="N", help="N rank processes")
     add("--init-seconds", type=_seconds_arg, default=10.0, help="KV cache, compile, CUDA graphs")
     add("--port-style", choices=PORT_STYLES, help="closed until ready, or 503 while loading")
     add(
@@ -167,6 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-file", type=Path, metavar="PATH", help="append the log here (default stderr)")
     add("--pidfile", type=Path, metavar="PATH", help="written at start, removed at exit")
     add("--report", type=Path, metavar="PATH", help="JSON summary written when ready or failed")
+    add("--trace", type=Path, metavar="PATH", help="JSON lines: what every rank consumed, when")
     add("--stall-at", type=_fraction_arg, metavar="FRACTION", help="pause the weight load here")
     add("--stall-for", type=_duration_arg, default=30.0, metavar="DURATION", help="default 30s")
     add("--crash-at", type=_fraction_arg, metavar="FRACTION", help="exit 1 at this weight share")
@@ -187,12 +194,16 @@ class Settings:
     read_rate: float
     cached_read_rate: float | None
     startup_seconds: float
+    import_bytes: int
+    loader: str
+    tensor_parallel: int
     init_seconds: float
     port_style: str
     kind: ServerKind
     log_file: Path | None
     pidfile: Path | None
     report: Path | None
+    trace: Path | None
     stall_at: float | None
     stall_for: float
     crash_at: float | None
@@ -213,6 +224,9 @@ class Settings:
             read_rate=args.read_rate,
             cached_read_rate=args.cached_read_rate,
             startup_seconds=args.startup_seconds,
+            import_bytes=args.import_bytes,
+            loader=args.loader,
+            tensor_parallel=args.tensor_parallel,
             init_seconds=args.init_seconds,
             # llama.cpp answers 503 while loading; the others keep the port closed.
             port_style=args.port_style or ("503" if kind == ServerKind.LLAMACPP else "closed"),
@@ -220,6 +234,7 @@ class Settings:
             log_file=args.log_file,
             pidfile=args.pidfile,
             report=args.report,
+            trace=args.trace,
             stall_at=args.stall_at,
             stall_for=args.stall_for,
             crash_at=args.crash_at,
@@ -227,52 +242,6 @@ class Settings:
             exit_after=args.exit_after,
             model=args.model or weights.name,
         )
-
-
-# --- signals ----------------------------------------------------------------------------------
-
-
-class Stopper:
-    """Turns SIGTERM/SIGINT into a flag plus a wake-up pipe.
-
-    Every wait of the simulation is a `select` on that pipe, so a signal ends even a stall of days
-    within moments, and the handler does nothing that could deadlock (no locks, no exceptions
-    thrown into arbitrary code).
-    """
-
-    def __init__(self) -> None:
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        os.set_blocking(self._write_fd, False)
-        self.requested = False
-
-    def request(self, signum: int = 0, frame: FrameType | None = None) -> None:
-        self.requested = True
-        with suppress(BlockingIOError):  # a full pipe already holds a wake-up
-            os.write(self._write_fd, b"\0")
-
-    def sleep(self, seconds: float) -> None:
-        """Wait `seconds` (0 just checks); raise `_Stopped` as soon as a stop is requested."""
-        deadline = time.monotonic() + seconds
-        while not self.requested:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            select.select([self._read_fd], [], [], min(remaining, 3600.0))
-        raise _Stopped
-
-    @contextmanager
-    def installed(self) -> Iterator[Stopper]:
-        previous = {
-            sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
-        try:
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            os.close(self._read_fd)
-            os.close(self._write_fd)
 
 
 # --- HTTP -------------------------------------------------------------------------------------
@@ -453,7 +422,7 @@ class Report:
 
 
 class Simulation:
-    """One startup: weights, then the init steps, then serving until stopped."""
+    """One startup: imports, weights, then the init steps, then serving until stopped."""
 
     def __init__(self, settings: Settings, stopper: Stopper, out: TextIO) -> None:
         self.settings = settings
@@ -461,26 +430,26 @@ class Simulation:
         self._out = out
         self._process = psutil.Process()
         self._start_time = process_start_time(os.getpid()) or self._process.create_time()
-        self._weights_started_at: float | None = None
-        self._weights_done_at: float | None = None
-        self._cached = 0
-        self._known = True
+        self._progress: WeightsProgress | None = None
+        self._ranks: ranks.RankGroup | None = None  # with tensor parallelism
         self._init_spent = 0.0
 
     def run(self) -> int:
         s = self.settings
-        if s.report is not None:
-            try:
-                s.report.unlink(missing_ok=True)
-            except OSError as exc:
-                raise SimulationError(f"cannot replace report {s.report}: {exc.strerror}") from None
+        for path, what in ((s.report, "report"), (s.trace, "trace")):
+            if path is not None:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    raise SimulationError(f"cannot replace {what} {path}: {exc.strerror}") from None
         shards = self._prepare_shards()
+        imports = self._prepare_imports()
         try:
             endpoint = Endpoint(s.kind, s.model, s.host, s.port)
         except OSError as exc:
             raise SimulationError(f"cannot bind {s.host}:{s.port}: {exc.strerror}") from None
         try:
-            return self._startup(endpoint, shards)
+            return self._startup(endpoint, shards, imports)
         finally:
             endpoint.close()
 
@@ -500,7 +469,18 @@ class Simulation:
             raise SimulationError(f"no {WEIGHTS_GLOB} files in {s.weights}")
         return shards
 
-    def _startup(self, endpoint: Endpoint, shards: list[Shard]) -> int:
+    def _prepare_imports(self) -> Imports:
+        directory = imports_dir(self.settings.weights)
+        try:
+            return prepare_imports(
+                directory, self.settings.import_bytes, lambda: self.stopper.sleep(0)
+            )
+        except OSError as exc:
+            raise SimulationError(
+                f"cannot generate imports in {directory}: {exc} (--import-bytes 0 skips them)"
+            ) from None
+
+    def _startup(self, endpoint: Endpoint, shards: list[Shard], imports: Imports) -> int:
         s = self.settings
         total = sum(shard.size for shard in shards)
         ctx = LogContext(
@@ -513,82 +493,85 @@ class Simulation:
             weights_bytes=total,
             shards=len(shards),
             fs_type=fs_type(s.weights),
+            tensor_parallel=s.tensor_parallel,
         )
         log = LOG_WRITERS[s.kind](self._out, ctx)
         if s.port_style == "503":
             endpoint.open("loading")
         log.banner()
-        self.stopper.sleep(s.startup_seconds)
+        specs = [self._rank_spec(rank, shards) for rank in range(s.tensor_parallel)]
+        self._progress = WeightsProgress(log, len(shards), len(specs))
+        ready_at: float | None = None
         try:
-            self._load_weights(log, shards, total)
-            self._initialize(log, endpoint)
-        except _Crash as crash:
+            with imported(imports, s.startup_seconds, self.stopper), self._tensor_parallel(specs):
+                self._load_weights(specs)
+                self._initialize(log, endpoint)
+                endpoint.open("ready")
+                ready_at = time.time()
+                log.ready()
+                self._write_report(endpoint, total, ready_at, "ready")
+                self._wait(math.inf if s.exit_after is None else s.exit_after, "serve")
+        except Crash as crash:
             log.failure(crash.stage, crash.reason)
-            self._write_report(endpoint, total, None, "failed")
+            if ready_at is None:
+                self._write_report(endpoint, total, None, "failed")
             return 1
-        endpoint.open("ready")
-        ready_at = time.time()
-        log.ready()
-        self._write_report(endpoint, total, ready_at, "ready")
-        self.stopper.sleep(math.inf if s.exit_after is None else s.exit_after)
         return 0
 
-    def _marks(self, total: int) -> list[tuple[int, str]]:
+    def _rank_spec(self, rank: int, shards: Sequence[Shard]) -> RankSpec:
         s = self.settings
-        marks = []
-        if s.stall_at is not None:
-            marks.append((round(s.stall_at * total), "stall"))
-        if s.crash_at is not None:
-            marks.append((round(s.crash_at * total), "crash"))
-        return sorted(marks, key=lambda mark: mark[0])  # stable: a stall at the crash point first
+        return RankSpec(
+            rank=rank,
+            world=s.tensor_parallel,
+            loader=s.loader,
+            shards=tuple(shards),
+            read_rate=s.read_rate,
+            cached_read_rate=s.cached_read_rate,
+            stall_at=s.stall_at,
+            stall_for=s.stall_for,
+            crash_at=s.crash_at,
+            trace=s.trace,
+            parent=os.getpid(),
+        )
 
-    def _pass_marks(self, marks: list[tuple[int, str]], loaded: int, total: int) -> int | None:
-        """Act on the scripted marks reached at `loaded` bytes; return the next mark's byte."""
-        while marks and marks[0][0] <= loaded:
-            _, action = marks.pop(0)
-            if action == "stall":
-                self.stopper.sleep(self.settings.stall_for)
-            else:
-                share = 100 * loaded / total if total else 100
-                raise _Crash("weights", f"simulated crash after loading {share:.0f}% of weights")
-        return marks[0][0] if marks else None
-
-    def _load_weights(self, log: ServerLog, shards: Sequence[Shard], total: int) -> None:
-        s = self.settings
-        throttle = Throttle(s.read_rate, s.cached_read_rate)
-        marks = self._marks(total)
-        view = memoryview(bytearray(CHUNK_SIZE))
-        loaded = 0
-        began = time.monotonic()
-        self._weights_started_at = time.time()
-        log.weights_begin()
-        for index, shard in enumerate(shards, start=1):
-            fd = os.open(shard.path, os.O_RDONLY)
+    @contextmanager
+    def _tensor_parallel(self, specs: Sequence[RankSpec]) -> Iterator[None]:
+        """With more than one rank, each is a child process (started after the imports, as
+        vLLM's workers are); a single rank is the server process itself."""
+        if len(specs) == 1:
+            yield
+            return
+        with ranks.started(specs, self.stopper) as group:
+            self._ranks = group
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                offset = 0
-                while offset < shard.size:
-                    next_mark = self._pass_marks(marks, loaded, total)
-                    length = min(CHUNK_SIZE, shard.size - offset)
-                    if next_mark is not None:
-                        length = min(length, next_mark - loaded)
-                    started = time.monotonic()
-                    chunk = read_chunk(fd, view[:length], offset)
-                    if chunk.total == 0:
-                        break  # the file shrank under us; load what is there, like a server would
-                    offset += chunk.total
-                    loaded += chunk.total
-                    self._cached += chunk.cached
-                    self._known = self._known and chunk.known
-                    pause = throttle.pace(started, time.monotonic(), chunk.cold, chunk.cached)
-                    self.stopper.sleep(pause)
-                    log.weights_bytes(loaded, time.monotonic() - began)
+                yield
             finally:
-                os.close(fd)
-            log.shard_done(index, time.monotonic() - began)
-        self._pass_marks(marks, total, total)
-        self._weights_done_at = time.time()
-        log.weights_end(time.monotonic() - began)
+                self._ranks = None
+
+    def _load_weights(self, specs: Sequence[RankSpec]) -> None:
+        progress = self._progress
+        assert progress is not None
+        if self._ranks is None:
+            load_rank(specs[0], progress.handle, self.stopper)
+            return
+        while progress.done_at is None:
+            self._hear(self.stopper.wait(math.inf, self._ranks.fds), "weights")
+
+    def _hear(self, fds: Sequence[int], stage: str) -> None:
+        """Take what the ranks behind `fds` said; a rank's crash is the server's, in `stage`."""
+        assert self._ranks is not None and self._progress is not None
+        for event in self._ranks.read(fds):
+            if event.kind is Kind.CRASH:
+                raise Crash(stage, event.reason)
+            self._progress.handle(event)
+
+    def _wait(self, seconds: float, stage: str) -> None:
+        """Sleep `seconds`, hearing the ranks meanwhile (one dying ends the wait in a crash)."""
+        deadline = time.monotonic() + seconds
+        fds = self._ranks.fds if self._ranks is not None else []
+        while readable := self.stopper.wait(max(0.0, deadline - time.monotonic()), fds):
+            self._hear(readable, stage)
+            fds = self._ranks.fds if self._ranks is not None else []
 
     def _initialize(self, log: ServerLog, endpoint: Endpoint) -> None:
         s = self.settings
@@ -608,10 +591,20 @@ class Simulation:
         s = self.settings
         halfway = s.init_seconds / 2
         if s.crash_during_init and self._init_spent + seconds >= halfway:
-            self.stopper.sleep(halfway - self._init_spent)
-            raise _Crash(step, f"simulated crash during initialization ({step})")
-        self.stopper.sleep(seconds)
+            self._wait(halfway - self._init_spent, step)
+            raise Crash(step, f"simulated crash during initialization ({step})")
+        self._wait(seconds, step)
         self._init_spent += seconds
+
+    def _tree_read_bytes(self) -> int:
+        """Storage bytes read by the server and its ranks (reaped ones count in the server's)."""
+        total = 0
+        for process in (self._process, *self._process.children(recursive=True)):
+            try:
+                total += process.io_counters().read_bytes
+            except psutil.NoSuchProcess:
+                continue
+        return total
 
     def _write_report(
         self, endpoint: Endpoint, total: int, ready_at: float | None, outcome: str
@@ -619,19 +612,21 @@ class Simulation:
         path = self.settings.report
         if path is None:
             return
+        progress = self._progress
+        assert progress is not None
         ended = time.time() if ready_at is None else ready_at
         report = Report(
             pid=os.getpid(),
             start_time=self._start_time,
-            weights_started_at=self._weights_started_at,
-            weights_done_at=self._weights_done_at,
+            weights_started_at=progress.started_at,
+            weights_done_at=progress.done_at,
             ready_at=ready_at,
             load_seconds=ended - self._start_time,
             outcome=outcome,
-            cache=cache_temperature(self._cached, total, self._known),
+            cache=cache_temperature(progress.cached, total, progress.known),
             weights_bytes=total,
-            cached_bytes=self._cached,
-            read_bytes=self._process.io_counters().read_bytes,
+            cached_bytes=progress.cached,
+            read_bytes=self._tree_read_bytes(),
             server=self.settings.kind,
             model=self.settings.model,
             endpoint=endpoint.url,
@@ -687,7 +682,7 @@ def run(args: argparse.Namespace) -> int:
             _log_output(settings.log_file) as out,
         ):
             return Simulation(settings, stopper, out).run()
-    except _Stopped:
+    except Stopped:
         return 0
     except SimulationError as exc:
         print(f"simulate: {exc}", file=sys.stderr)
