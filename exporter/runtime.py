@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 # (the same count that starts a load without process matching).
 HUNG_AFTER_FAILED_PROBES = 3
 TRACKER_LOOP = "tracker"
+DISCOVERY_LOOP = "discovery"
 # While every target is ready and its process watched through a pidfd, nothing but an exit, a
 # failed probe or evicted weights can change a phase; the first two wake the loops at once, so
 # the rest (gauges, the tracker) are sampled every other 15-s scrape instead of every second.
@@ -192,7 +193,7 @@ class Runtime:
                 refusals=self.refusals,
                 users=config.discovery.users,
             )
-            self.sampler.add_loop("discovery", self.discover, every=self._discovery_wait)
+            self.sampler.add_loop(DISCOVERY_LOOP, self.discover, every=self._discovery_wait)
         self._refresh_expectations()
 
     # -- targets -----------------------------------------------------------------------------
@@ -528,6 +529,10 @@ class Runtime:
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
             self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
+            if runtime.discovered is not None and self.discoverer is not None:
+                # Its restart may be up before the next pass is due: look for it now.
+                self._discovery_due = self._clock()
+                self.sampler.run_soon(DISCOVERY_LOOP)
         name = runtime.config.name
         watched = root is not None and self.exits.watch(
             root, lambda: self.sampler.sample_soon(PROCESS, name)

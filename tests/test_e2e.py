@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +9,7 @@ from typing import Any
 
 import pytest
 import requests
+from helpers.simulator import Simulator
 from helpers.support import RunningExporter, free_port, metrics_when, sample_value, wait_for
 
 from exporter.cachectl import evict, prewarm
@@ -35,28 +32,6 @@ def weights(tmp_path: Path) -> Path:
 def evict_all(directory: Path) -> None:
     for shard in directory.glob("*.safetensors"):
         evict(str(shard))
-
-
-class Simulator:
-    """One run of `model-load-exporter simulate` as a child process."""
-
-    def __init__(self, tmp_path: Path, weights: Path, port: int, *extra: str) -> None:
-        self.report = tmp_path / f"report-{time.monotonic_ns()}.json"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "simulate", "--port", str(port),
-             "--weights", str(weights), "--pidfile", str(tmp_path / "server.pid"),
-             "--report", str(self.report), "--read-rate", "40MB/s", "--init-seconds", "1.5",
-             "--startup-seconds", "1", "--log-file", str(tmp_path / "server.log"), *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-
-    def result(self) -> dict[str, Any]:
-        return dict(json.loads(wait_for(lambda: self.report.exists() and self.report.read_text())))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -261,9 +236,7 @@ def test_second_load_of_another_temperature_has_a_ready_eta(scenario: Any, weigh
     watch(running, "down")
     for shard in weights.glob("*.safetensors"):
         prewarm(str(shard))
-    # read(): the tracker follows a warm load by the bytes it reads (rchar); it cannot see the
-    # pages the default mmap loader maps in yet.
-    warm = simulate("--cached-read-rate", "24MB/s", "--loader", "read")
+    warm = simulate("--cached-read-rate", "24MB/s")  # mmap: followed by the pages it maps
     seen = watch(running, "ready")
     report = warm.result()
     assert report["cache"] == "warm"

@@ -437,13 +437,13 @@ class WeightFilesSource:
         while the count stayed the same: every descriptor is looked at again.
         """
         moved = 0
-        still: list[_Fd] = []  # open since the last reading, offset unmoved: pread suspects
+        still: list[_Fd] = []  # offset unmoved since the last look (or since 0): pread suspects
         for number in proc.weights:
             fd = proc.fds[number]
-            if fd.counted_pos is not None:
-                if fd.pos == fd.counted_pos:
-                    still.append(fd)
-                moved += max(0, fd.pos - fd.counted_pos)
+            counted = fd.counted_pos or 0  # a new one was opened since the last look, at 0
+            if fd.pos == counted:
+                still.append(fd)
+            moved += max(0, fd.pos - counted)
             fd.counted_pos = fd.pos
         before, proc.rchar = proc.rchar, rchar
         if before is None or rchar is None:
