@@ -26,8 +26,8 @@ from exporter.sim.shards import generate_shards
 
 pytestmark = pytest.mark.system
 
-SHARDS, SHARD_SIZE = 4, 32 << 20
-RATE = 16e6  # bytes/s: 8 s of weights, 32 ticks of 0.25 s
+SHARDS, SHARD_SIZE = 8, 32 << 20
+RATE = 32e6  # bytes/s: 8 s of weights, 32 ticks of 0.25 s, a 4-MiB chunk every 0.13 s
 INTERVAL = 0.25
 LOOK = INTERVAL / 4  # the file view looks this often while the weights load
 
