@@ -1,0 +1,569 @@
+"""Where a target's weights live, and what can and cannot be measured there, with the reasons.
+
+Residency and the cold/warm verdict assume weights on a local filesystem whose reads go through
+the page cache. Elsewhere they must be redirected, qualified or dropped, never wrong:
+
+* overlayfs: `cachestat` through the overlay's descriptor reports 0 pages while the real file
+  below is fully cached, so residency is measured on the real file: the same relative path in the
+  upper directory, else in the lower ones in order (from the mount options), accepted only when
+  its size and modification time match and its inode number is the overlay's (identical, or
+  identical below the top 16 bits, where overlayfs's `xino` puts the layer's number);
+* FUSE: every `open()` of a file on a mount without `keep_cache` (bindfs's default) drops that
+  file's page cache, so the residency pass would evict what the server just loaded. A passthrough
+  whose source directory is named by the mount (bindfs) is measured there, on files checked by
+  inode number, size and modification time; elsewhere files are opened only where a probe showed
+  the mount keeps the cache. The probe opens one *other* file of the model (config.json, say),
+  reads a page, and asks cachestat: nothing cached after a read means the daemon opens files with
+  direct I/O (mountpoint-s3 does), so reads bypass the page cache; a cached page gone after a
+  second open means opens drop the cache. fdinfo's flags do not show either: they are the
+  daemon's per-open reply, which no file in /proc or /sys exposes;
+* ZFS: its ARC, not the page cache, serves reads, so page-cache residency says nothing of the next
+  load; residency is dropped and the load's cache label is `unknown` (the ARC counters are in
+  exporter/sources/zfs.py);
+* tmpfs, ramfs, hugetlbfs: the weights are in memory by construction; residency is truthful (the
+  pages are the file) and a load from them is never cold.
+
+`WeightStorage` answers for one target: `describe()` is its per-target source (what status shows
+and the tracker's cache label follows), `plan()` tells the residency pass and `prewarm` which
+file to open for each weight file, or why none may be opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+
+from exporter.config import WeightsConfig
+from exporter.sources.backing import (
+    MAX_DEPTH,
+    Layer,
+    describe,
+    overlay_dirs,
+    same_file,
+    source_path,
+)
+from exporter.sources.mounts import Mount, Mounts, Placed, relative_to
+from exporter.sources.pagecache import CachestatCall, WeightFile
+from exporter.vocabulary import Cache, StorageKind
+
+log = logging.getLogger(__name__)
+
+PROBE_ENTRIES = 200  # entries looked at to find a probe file on a FUSE mount
+_XINO_BITS = 16  # overlayfs xino keeps the layer number in the top bits of st_ino
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_READ_COUNTED_BY = {
+    StorageKind.NFS: "nfs",
+    StorageKind.LUSTRE: "lustre",
+    StorageKind.CEPHFS: "cephfs",
+    StorageKind.ZFS: "zfs",
+}
+
+
+@dataclass(frozen=True)
+class Fact:
+    """Whether something holds (None: cannot be known here) and why."""
+
+    value: bool | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class FuseProbe:
+    """What reading one other file of the model through a FUSE mount showed."""
+
+    file: str | None  # the probe file; None when there was none to try
+    direct: bool | None  # a read left nothing in the page cache: the daemon opens with direct I/O
+    keeps_cache: bool | None  # a second open kept the cached page (keep_cache, kernel_cache)
+    reason: str
+
+
+@dataclass(frozen=True)
+class MountStorage:
+    """One filesystem under a target's weights and what can be measured on it."""
+
+    kind: StorageKind
+    fstype: str
+    mount_point: str
+    source: str
+    summary: str  # "xfs on loop1 (buffered, backing /img/m.img) over ext4 on vda"
+    paths: tuple[str, ...]  # the weight paths (or files) on it
+    devices: tuple[str, ...]  # block devices its reads are counted on (diskstats)
+    lower_devices: tuple[str, ...]  # devices further down (under a loop device's backing file)
+    read_rate: Fact  # whether this exporter counts the bytes read from it, and where
+    residency: Fact  # whether residency here is true, and by what method
+    page_cache: Fact  # whether the page cache is the cache that serves its reads
+    bypass: Fact  # whether reads of it go around the page cache
+    in_memory: bool  # tmpfs, ramfs, hugetlbfs: the files are memory
+    passthrough: str | None  # the directory a FUSE passthrough serves (verified per file)
+    notes: tuple[str, ...]  # what else an operator should know (a loop's second page cache)
+
+
+@dataclass(frozen=True)
+class StorageDescription:
+    """What holds one target's weights, and the rules its load's cache label follows.
+
+    The label (DESIGN, "cache temperature"): `bypass` when reads of the weights go around the
+    page cache, `unknown` when page-cache residency is not the cache temperature (ZFS's ARC
+    serves the reads) or cannot be measured truthfully, never `cold` when every weight is in
+    memory by construction (tmpfs), else warm/cold/mixed from residency. `fixed_cache()` is the
+    first two, `in_memory` the third. A file opened with O_DIRECT (FileUse.direct) is `bypass`
+    too; that is the process's choice, not the storage's, so it is not in here.
+    """
+
+    mounts: tuple[MountStorage, ...]
+    unplaced: tuple[str, ...]  # "PATH: why" for weight paths that could not be looked at
+    residency_is_temperature: bool
+    in_memory: bool
+    bypass: bool
+    reason: str | None  # why the label is fixed, or why the weights are in memory
+
+    def fixed_cache(self) -> Cache | None:
+        """The load's cache label whatever residency says, or None when residency decides."""
+        if self.bypass:
+            return Cache.BYPASS
+        if not self.residency_is_temperature:
+            return Cache.UNKNOWN
+        return None
+
+    @property
+    def kinds(self) -> tuple[StorageKind, ...]:
+        return tuple(dict.fromkeys(m.kind for m in self.mounts))
+
+    @property
+    def note(self) -> str | None:
+        """What status shows beside a successful sample (the sampler's `note`)."""
+        return self.reason
+
+
+@dataclass(frozen=True)
+class MeasurePlan:
+    """What a residency pass or prewarm opens: each weight file, or the real file below it."""
+
+    files: tuple[WeightFile, ...]  # to open (names kept; path, dev, ino of the file opened)
+    unmeasurable: tuple[WeightFile, ...]  # must not, or cannot truthfully, be opened
+    reason: str | None  # why the first unmeasurable one is
+    redirected: int  # files measured below their mount (overlay layer, FUSE source)
+    where: str | None  # "on the real files below the overlay", for status
+
+
+# A mount as one namespace's table lists it: ids are reused after an unmount, whole lines not.
+_Key = tuple[str, Mount]
+
+
+@dataclass(frozen=True)
+class _MountFacts:
+    """What is known of one mount, kept for its life (keyed by mount id)."""
+
+    layer: Layer
+    placed: Placed
+    probe: FuseProbe | None
+    passthrough: str | None
+
+
+class WeightStorage:
+    """The storage of one target's weights. Thread-safe: its per-mount knowledge is locked."""
+
+    def __init__(
+        self, weights: WeightsConfig, proc_root: str = "/proc", sys_root: str = "/sys"
+    ) -> None:
+        self._weights = weights
+        self._proc_root = proc_root
+        self._sys_root = sys_root
+        self._lock = threading.Lock()
+        self._facts: dict[_Key, _MountFacts] = {}
+        self._by_dev: dict[int, _MountFacts | None] = {}
+        self._extra: dict[_Key, str] = {}  # mounts the passes found, with a file on each
+
+    # -- the description -------------------------------------------------------------------
+
+    def describe(self) -> StorageDescription:
+        """The storage under every weight path, and under every mount a residency pass met
+        (a symlinked blob on another filesystem, a mount inside the weights directory)."""
+        mounts = Mounts(self._proc_root)
+        named: dict[_Key, list[str]] = {}
+        unplaced: list[str] = []
+        with self._lock:
+            self._by_dev = {}  # mounts may have changed: passes place their files afresh
+            for path, is_root in (
+                *((p, True) for p in self._weights.paths),
+                *((p, False) for p in self._extra.values()),
+            ):
+                try:
+                    facts = self._facts_of(path, mounts)
+                except OSError as exc:
+                    unplaced.append(f"{path}: {exc.strerror}")
+                    continue
+                if facts is None:
+                    unplaced.append(f"{path}: no mount table holds it")
+                elif is_root or _key(facts) not in named:
+                    named.setdefault(_key(facts), []).append(path)
+            described = tuple(
+                self._mount_storage(self._facts[key], tuple(paths)) for key, paths in named.items()
+            )
+        return _verdicts(described, tuple(unplaced))
+
+    def _facts_of(self, path: str, mounts: Mounts) -> _MountFacts | None:
+        placed = mounts.place(path)
+        if placed is None:
+            return None
+        key = (placed.table.prefix, placed.mount)
+        if key not in self._facts:
+            layer = describe(placed, mounts, self._sys_root)
+            probe = None
+            if layer.kind is StorageKind.FUSE and layer.passthrough is None:
+                probe = probe_fuse(self._probe_candidates(placed), self._weights.include)
+            self._facts[key] = _MountFacts(layer, placed, probe, layer.passthrough)
+        return self._facts[key]
+
+    def _probe_candidates(self, placed: Placed) -> list[str]:
+        """Weight roots on this mount, whose other files may serve as the FUSE probe."""
+        point = placed.table.outside(placed.mount.mount_point)
+        roots = [p for p in self._weights.paths if relative_to(p, point) is not None]
+        return roots or [placed.table.outside(placed.path)]
+
+    def _mount_storage(self, facts: _MountFacts, paths: tuple[str, ...]) -> MountStorage:
+        layer = facts.layer
+        kind = layer.kind
+        devices = layer.read_devices()
+        lower = tuple(d for d in layer.all_devices() if d not in devices)
+        notes = [
+            f"{loop.device} reads through the page cache of its backing file "
+            f"{loop.backing_file}: a load may be served from there while the disk below reads "
+            "nothing and the weights' own residency says cold"
+            for loop in layer.all_loops()
+            if not loop.direct_io
+        ]
+        if layer.problem:
+            notes.append(layer.problem)
+        return MountStorage(
+            kind=kind,
+            fstype=layer.fstype,
+            mount_point=facts.placed.mount.mount_point,
+            source=facts.placed.mount.source,
+            summary=layer.summary(),
+            paths=paths,
+            devices=devices,
+            lower_devices=lower,
+            read_rate=_read_rate(layer, devices, lower, facts.passthrough),
+            residency=_residency(kind, facts),
+            page_cache=_page_cache(kind),
+            bypass=_bypass(kind, facts),
+            in_memory=kind is StorageKind.MEMORY,
+            passthrough=facts.passthrough,
+            notes=tuple(notes),
+        )
+
+    # -- what a pass opens -----------------------------------------------------------------
+
+    def plan(self, files: Sequence[WeightFile]) -> MeasurePlan:
+        """For each weight file, the file to open to measure it truthfully and harmlessly."""
+        mounts = Mounts(self._proc_root)
+        out: list[WeightFile] = []
+        unmeasurable: list[WeightFile] = []
+        reason: str | None = None
+        redirected = 0
+        where: str | None = None
+        with self._lock:
+            for wf in files:
+                try:
+                    facts = self._facts_by_dev(wf, mounts)
+                except OSError:
+                    out.append(wf)  # vanished since discovery: the pass notices and rediscovers
+                    continue
+                try:
+                    real, why = self._real_file(wf, facts, mounts)
+                except OSError as exc:
+                    real, why = None, f"cannot follow {wf.path} below its mount: {exc.strerror}"
+                if real is None:
+                    unmeasurable.append(wf)
+                    reason = reason or why
+                    continue
+                if real is not wf:
+                    redirected += 1
+                    where = where or why
+                out.append(real)
+        return MeasurePlan(tuple(out), tuple(unmeasurable), reason, redirected, where)
+
+    def _facts_by_dev(self, wf: WeightFile, mounts: Mounts) -> _MountFacts | None:
+        """One placement per device number: every file of a plain filesystem is measured as
+        it is, so a pass over 10,000 shards pays for one lookup, not 10,000."""
+        if wf.dev not in self._by_dev:
+            facts = self._facts_of(wf.path, mounts)
+            self._by_dev[wf.dev] = facts
+            if facts is not None:
+                self._extra.setdefault(_key(facts), wf.path)
+        return self._by_dev[wf.dev]
+
+    def _real_file(
+        self, wf: WeightFile, facts: _MountFacts | None, mounts: Mounts, depth: int = 0
+    ) -> tuple[WeightFile | None, str | None]:
+        """(the file to open, how it was found) or (None, why none may be opened). A real file
+        found below may itself be on an overlay (a container in a container): followed too."""
+        if facts is None:
+            return wf, None
+        kind = facts.layer.kind
+        if kind is StorageKind.ZFS:
+            return None, _ZFS_RESIDENCY
+        if kind is StorageKind.FUSE and facts.passthrough is None:
+            verdict = _residency(kind, facts)
+            return (wf, None) if verdict.value else (None, verdict.reason)
+        if kind not in (StorageKind.OVERLAY, StorageKind.FUSE):
+            return wf, None
+        placed = mounts.place(wf.path)
+        if placed is None:
+            return None, f"cannot place {wf.path} on its {facts.layer.fstype} mount"
+        if kind is StorageKind.OVERLAY:
+            real, how = _overlay_real(wf, placed)
+        else:
+            real, how = _passthrough_real(wf, placed, facts.passthrough or "")
+        if real is None or depth >= MAX_DEPTH:
+            return real, how
+        deeper, deeper_how = self._real_file(
+            real, self._facts_of(real.path, mounts), mounts, depth + 1
+        )
+        return deeper, deeper_how if deeper is None or deeper is not real else how
+
+
+def _key(facts: _MountFacts) -> _Key:
+    return (facts.placed.table.prefix, facts.placed.mount)
+
+
+_ZFS_RESIDENCY = (
+    "ZFS serves reads from its ARC, not the page cache: page-cache residency says nothing of "
+    "the next load (the ARC's hit share is in model_load_zfs_arc_*)"
+)
+_MEMORY_REASON = "the weights are on a memory filesystem: in memory by construction"
+
+
+def _verdicts(mounts: tuple[MountStorage, ...], unplaced: tuple[str, ...]) -> StorageDescription:
+    bypassed = [m for m in mounts if m.bypass.value]
+    unknown = [m for m in mounts if not m.page_cache.value or m.residency.value is False]
+    in_memory = bool(mounts) and all(m.in_memory for m in mounts)
+    if bypassed:
+        reason: str | None = f"{bypassed[0].mount_point}: {bypassed[0].bypass.reason}"
+    elif unknown:
+        m = unknown[0]
+        reason = f"{m.mount_point}: {(m.residency if m.page_cache.value else m.page_cache).reason}"
+    else:
+        reason = _MEMORY_REASON if in_memory else None
+    return StorageDescription(
+        mounts=mounts,
+        unplaced=unplaced,
+        residency_is_temperature=not unknown,
+        in_memory=in_memory,
+        bypass=bool(bypassed),
+        reason=reason,
+    )
+
+
+def _read_rate(
+    layer: Layer, devices: tuple[str, ...], lower: tuple[str, ...], passthrough: str | None
+) -> Fact:
+    if devices:
+        below = f" (and {', '.join(lower)} under the loop device's backing file)" if lower else ""
+        return Fact(True, f"disk: {', '.join(devices)}{below}")
+    counted = _READ_COUNTED_BY.get(layer.kind)
+    if counted is not None:
+        return Fact(True, f"{counted}: {layer.mount.source}")
+    if layer.kind is StorageKind.MEMORY:
+        return Fact(False, "a memory filesystem reads no device")
+    if layer.kind is StorageKind.FUSE:
+        return Fact(False, "FUSE has no per-mount byte counter")
+    return Fact(False, f"no device or counter is known for {layer.fstype}")
+
+
+def _residency(kind: StorageKind, facts: _MountFacts) -> Fact:
+    if kind is StorageKind.ZFS:
+        return Fact(False, _ZFS_RESIDENCY)
+    if kind is StorageKind.OVERLAY:
+        return Fact(
+            True, "cachestat on the real files below the overlay (its upper or lower layer)"
+        )
+    if kind is StorageKind.FUSE:
+        if facts.passthrough is not None:
+            return Fact(True, f"cachestat on the passthrough's source files in {facts.passthrough}")
+        probe = facts.probe
+        if probe is not None and probe.direct:
+            return Fact(False, f"reads bypass the page cache: {probe.reason}")
+        if probe is None or probe.keeps_cache is None:
+            why = probe.reason if probe is not None else "not probed"
+            return Fact(False, f"opening a file on this FUSE mount may drop its page cache: {why}")
+        if not probe.keeps_cache:
+            return Fact(
+                False,
+                "every open of a file on this FUSE mount drops its page cache (no keep_cache), "
+                f"so measuring would evict what the server loaded: {probe.reason}",
+            )
+        return Fact(True, f"cachestat through the mount, which keeps the cache: {probe.reason}")
+    if kind is StorageKind.MEMORY:
+        return Fact(True, "cachestat: the files' pages are the files")
+    return Fact(True, "cachestat on the files")
+
+
+def _page_cache(kind: StorageKind) -> Fact:
+    if kind is StorageKind.ZFS:
+        return Fact(False, "ZFS caches in its ARC; the page cache holds only mmap'ed pages")
+    return Fact(True, "reads go through the page cache")
+
+
+def _bypass(kind: StorageKind, facts: _MountFacts) -> Fact:
+    if kind is not StorageKind.FUSE:
+        return Fact(False, "buffered reads go through the page cache (a loader may still open "
+                    "files with O_DIRECT: see the weight files' direct flag)")  # fmt: skip
+    probe = facts.probe
+    if facts.passthrough is not None:
+        return Fact(False, f"the passthrough reads {facts.passthrough} through its page cache")
+    if probe is None or probe.direct is None:
+        return Fact(None, probe.reason if probe is not None else "not probed")
+    return Fact(probe.direct, probe.reason)
+
+
+# -- FUSE ----------------------------------------------------------------------------------
+
+
+def _passthrough_real(
+    wf: WeightFile, placed: Placed, source: str
+) -> tuple[WeightFile | None, str | None]:
+    candidate = source_path(placed, source)
+    if candidate is None:
+        return None, f"{wf.path} is outside its FUSE mount {placed.mount.mount_point}"
+    try:
+        seen, real = os.stat(wf.path), os.stat(candidate)
+    except OSError as exc:
+        return None, f"the passthrough's source {candidate} of {wf.path}: {exc.strerror}"
+    if not same_file(seen, real):
+        return None, (
+            f"{candidate} is not the file {wf.path} shows (inode, size or modification time "
+            "differ): the FUSE mount is not a plain passthrough there"
+        )
+    return _moved(wf, candidate, real), f"on the passthrough's source files in {source}"
+
+
+def probe_fuse(roots: Iterable[str], include: Sequence[str]) -> FuseProbe:
+    """Read one page of a file of the model that is no weight file through the mount, and ask
+    the page cache what that left: nothing means direct I/O; a page that a second open took
+    away means opens drop the cache. Only that file's cache is touched."""
+    probe = _probe_file(roots, include)
+    if probe is None:
+        return FuseProbe(None, None, None, "no file other than the weights to try the mount on")
+    call = CachestatCall()
+    try:
+        first = os.open(probe, _OPEN_FLAGS)
+    except OSError as exc:
+        return FuseProbe(probe, None, None, f"cannot open {probe}: {exc.strerror}")
+    try:
+        os.pread(first, 4096, 0)
+        cached = call(first).nr_cache
+        if cached == 0:
+            return FuseProbe(
+                probe, True, None, f"reading {probe} left nothing in the page cache: direct I/O"
+            )
+        second = os.open(probe, _OPEN_FLAGS)
+        try:
+            kept = call(first).nr_cache > 0
+        finally:
+            os.close(second)
+    except OSError as exc:
+        return FuseProbe(probe, None, None, f"cannot probe {probe}: {exc.strerror}")
+    finally:
+        os.close(first)
+    what = "kept" if kept else "dropped"
+    return FuseProbe(probe, False, kept, f"a second open of {probe} {what} its cached page")
+
+
+def _probe_file(roots: Iterable[str], include: Sequence[str]) -> str | None:
+    """A non-empty regular file near the weights that no include pattern matches."""
+    looked = 0
+    for root in roots:
+        directory = root if os.path.isdir(root) else os.path.dirname(root)
+        stack = [directory]
+        while stack and looked < PROBE_ENTRIES:
+            current = stack.pop(0)
+            try:
+                with os.scandir(current) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                looked += 1
+                if looked > PROBE_ENTRIES:
+                    break
+                try:
+                    if entry.is_dir():
+                        stack.append(entry.path)
+                    elif (
+                        entry.is_file()
+                        and entry.stat().st_size > 0
+                        and not any(fnmatchcase(entry.name, p) for p in include)
+                    ):
+                        return entry.path
+                except OSError:
+                    continue
+    return None
+
+
+# -- overlayfs -----------------------------------------------------------------------------
+
+
+def _overlay_real(wf: WeightFile, placed: Placed) -> tuple[WeightFile | None, str | None]:
+    """The upper or lower file the overlay shows as `wf`, checked, or why there is none."""
+    mount = placed.mount
+    rel = relative_to(placed.path, mount.mount_point)
+    if rel is None:
+        return None, f"{wf.path} is outside its overlay {mount.mount_point}"
+    inside = os.path.join(mount.root.lstrip("/"), rel)
+    try:
+        seen = os.stat(wf.path)
+    except OSError as exc:
+        return None, f"{wf.path}: {exc.strerror}"
+    for directory in overlay_dirs(mount):
+        for base in dict.fromkeys((directory, placed.table.outside(directory))):
+            candidate = os.path.join(base, inside)
+            try:
+                real = os.stat(candidate)
+            except OSError:
+                continue
+            if _overlay_shows(seen, real):
+                if mount.option("metacopy") == "on" and _metacopy(candidate):
+                    return None, (
+                        f"{candidate} holds only the metadata of {wf.path} (metacopy): its data "
+                        "lies in a lower layer the overlay redirects to"
+                    )
+                return _moved(wf, candidate, real), "on the real files below the overlay"
+            return None, (
+                f"{candidate} is not the file {wf.path} shows (size, modification time or inode "
+                "differ: a redirected or opaque directory?)"
+            )
+    return None, f"no layer of the overlay at {mount.mount_point} holds {inside}"
+
+
+def _overlay_shows(seen: os.stat_result, real: os.stat_result) -> bool:
+    """An overlay file shows its real file's size and mtime, and its inode number whole (one
+    filesystem, or xino off) or with the layer's number in the top bits (xino)."""
+    differ = seen.st_ino ^ real.st_ino
+    return (
+        seen.st_size == real.st_size
+        and seen.st_mtime_ns == real.st_mtime_ns
+        and stat.S_ISREG(real.st_mode)
+        and differ & ((1 << (64 - _XINO_BITS)) - 1) == 0
+    )
+
+
+def _metacopy(path: str) -> bool:
+    for name in ("trusted.overlay.metacopy", "user.overlay.metacopy"):
+        try:
+            os.getxattr(path, name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _moved(wf: WeightFile, path: str, st: os.stat_result) -> WeightFile:
+    directory, entry = os.path.split(path)
+    return replace(wf, path=path, directory=directory, entry=entry, dev=st.st_dev, ino=st.st_ino)
