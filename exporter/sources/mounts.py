@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 _OCTAL = re.compile(r"\\([0-7]{3})")
@@ -179,10 +178,7 @@ class Mounts:
     def place(self, path: str) -> Placed | None:
         """The mount `path` is on (OSError when the path cannot be reached), or None when no
         mount table says (a path of a namespace whose table cannot be read)."""
-        inner, pid = path, "self"
-        match = _IN_PROCESS_ROOT.match(path)
-        if match is not None:
-            pid, inner = match.group(2), path[match.end(1) :] or "/"
+        pid, inner = namespace_of(path)
         mount_id, resolved = mount_id_of(path)
         table = self.table(pid)
         mount = table.by_id(mount_id) if mount_id is not None else None
@@ -197,6 +193,15 @@ class Mounts:
         return Placed(mount, os.path.normpath(inner), table)
 
 
+def namespace_of(path: str) -> tuple[str, str]:
+    """("self", path), or (PID, the path inside) for a path seen through /proc/PID/root: that
+    process's mount namespace holds it, and its /proc/PID files (mountinfo, mountstats) say."""
+    match = _IN_PROCESS_ROOT.match(path)
+    if match is None:
+        return "self", path
+    return match.group(2), path[match.end(1) :] or "/"
+
+
 def relative_to(path: str, mount_point: str) -> str | None:
     """`path` relative to `mount_point`, or None when it is not below it."""
     point = mount_point.rstrip("/")
@@ -205,14 +210,3 @@ def relative_to(path: str, mount_point: str) -> str | None:
     if path.startswith(point + "/"):
         return path[len(point) + 1 :]
     return None
-
-
-def all_options(mount: Mount, names: Iterable[str]) -> tuple[str, ...]:
-    """Values of several option names, in the order the kernel lists them."""
-    wanted = set(names)
-    found = []
-    for item in split_options(mount.super_options):
-        key, sep, value = item.partition("=")
-        if key in wanted and sep:
-            found.append(value)
-    return tuple(found)
