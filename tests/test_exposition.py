@@ -115,14 +115,15 @@ def golden_snapshot() -> Snapshot:
         unbacked_by_target={"kimi-k2": (), "qwen": ()},
     )
     # Weights elsewhere on the same host: an NFS export, a Lustre and a CephFS mount, a ZFS pool.
+    nfs = MountReads(StorageKind.NFS, "10.0.0.5:/models", "/mnt/models", 80 * GIB, 1.1e9,
+                     buffered_read_bytes_total=79 * GIB, direct_read_bytes_total=GIB)  # fmt: skip
+    ceph = "admin@6f0d2d5e-1b7c-4b0e-9c51-3f1f0e3a1b2c.cephfs=/"
     netfs = NetFsSample(
         mounts=(
-            MountReads(StorageKind.NFS, "10.0.0.5:/models", "/mnt/models", 80 * GIB, 1.1e9,
-                       buffered_read_bytes_total=79 * GIB, direct_read_bytes_total=GIB),
+            nfs,
             MountReads(StorageKind.LUSTRE, "10.0.0.9@o2ib:/lustre", "/lustre", 12 * GIB, 3.2e9),
-            MountReads(StorageKind.CEPHFS, "admin@6f0d2d5e-1b7c-4b0e-9c51-3f1f0e3a1b2c.cephfs=/",
-                       "/mnt/ceph", 5 * GIB, 0.0),
-        ),  # fmt: skip
+            MountReads(StorageKind.CEPHFS, ceph, "/mnt/ceph", 5 * GIB, 0.0),
+        ),
         mounts_by_target={},
         unmeasured=(),
     )
