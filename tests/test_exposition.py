@@ -287,6 +287,23 @@ def golden_snapshot() -> Snapshot:
     )
 
 
+def host_snapshot(key: SourceKey[T], value: T) -> Snapshot:
+    """A snapshot of one host-wide source's sample and nothing else: its families alone."""
+    return Snapshot(
+        time=NOW,
+        build={"version": "0.1.0", "python_version": "3.11.7"},
+        host={key.name: reading(key, value)},
+        targets=(),
+        load_durations={},
+        phase_durations={},
+        expected_durations={},
+        last_durations={},
+        history_enabled=False,
+        history_problem=None,
+        config_reload_successful=True,
+    )
+
+
 def exposition(snapshot: Snapshot) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ExporterCollector(lambda: snapshot))

@@ -72,11 +72,11 @@ class NetFsSample:
         return "; ".join(self.unmeasured) or None
 
     def read_bytes_of(self, target: str) -> int | None:
-        """Bytes read so far from the network mounts under one target's weights, or None."""
+        """Bytes read so far from the network mounts under one target's weights; None without
+        any, or while one of them is not counted (a part would read as the whole)."""
         keys = set(self.mounts_by_target.get(target, ()))
-        if not keys:
-            return None
-        return sum(m.read_bytes_total for m in self.mounts if m.key in keys)
+        counted = [m.read_bytes_total for m in self.mounts if m.key in keys]
+        return sum(counted) if keys and len(counted) == len(keys) else None
 
 
 @dataclass(frozen=True)

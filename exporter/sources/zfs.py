@@ -61,10 +61,11 @@ class ZfsSample:
         return "; ".join(self.unmeasured) or None
 
     def read_bytes_of(self, target: str) -> int | None:
+        """Bytes the pools under one target's weights read; None without any, or while one of
+        them is not counted."""
         names = set(self.pools_by_target.get(target, ()))
-        if not names:
-            return None
-        return sum(p.read_bytes_total for p in self.pools if p.pool in names)
+        counted = [p.read_bytes_total for p in self.pools if p.pool in names]
+        return sum(counted) if names and len(counted) == len(names) else None
 
 
 def parse_kstat_named(text: str) -> dict[str, int]:
