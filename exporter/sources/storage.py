@@ -521,6 +521,7 @@ def _overlay_real(wf: WeightFile, placed: Placed) -> tuple[WeightFile | None, st
         seen = os.stat(wf.path)
     except OSError as exc:
         return None, f"{wf.path}: {exc.strerror}"
+    upper = mount.option("upperdir")
     for directory in overlay_dirs(mount):
         for base in dict.fromkeys((directory, placed.table.outside(directory))):
             candidate = os.path.join(base, inside)
@@ -528,7 +529,7 @@ def _overlay_real(wf: WeightFile, placed: Placed) -> tuple[WeightFile | None, st
                 real = os.stat(candidate)
             except OSError:
                 continue
-            if _overlay_shows(seen, real):
+            if _overlay_shows(seen, real, copied_up=directory == upper):
                 if mount.option("metacopy") == "on" and _metacopy(candidate):
                     return None, (
                         f"{candidate} holds only the metadata of {wf.path} (metacopy): its data "
@@ -542,15 +543,17 @@ def _overlay_real(wf: WeightFile, placed: Placed) -> tuple[WeightFile | None, st
     return None, f"no layer of the overlay at {mount.mount_point} holds {inside}"
 
 
-def _overlay_shows(seen: os.stat_result, real: os.stat_result) -> bool:
-    """An overlay file shows its real file's size and mtime, and its inode number whole (one
-    filesystem, or xino off) or with the layer's number in the top bits (xino)."""
+def _overlay_shows(seen: os.stat_result, real: os.stat_result, copied_up: bool) -> bool:
+    """An overlay file shows its real file's size and mtime, and a lower file's inode number
+    whole (one filesystem, or xino off) or with the layer's number in the top bits (xino). A
+    file in the upper layer keeps the inode number of the lower file it was copied up from, so
+    there the number is no evidence (the upper layer always wins where it holds the name)."""
     differ = seen.st_ino ^ real.st_ino
     return (
         seen.st_size == real.st_size
         and seen.st_mtime_ns == real.st_mtime_ns
         and stat.S_ISREG(real.st_mode)
-        and differ & ((1 << (64 - _XINO_BITS)) - 1) == 0
+        and (copied_up or differ & ((1 << (64 - _XINO_BITS)) - 1) == 0)
     )
 
 

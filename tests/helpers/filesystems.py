@@ -65,6 +65,7 @@ class Scratch:
     """Filesystems and throttles for one test, all undone by close()."""
 
     def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self._undo = contextlib.ExitStack()
 
@@ -120,11 +121,22 @@ class Scratch:
             f"lowerdir={lower},upperdir={upper},workdir={work}",
         )  # fmt: skip
 
-    def bindfs(self, source: Path, *options: str) -> Path:
+    def bindfs(self, source: Path, *options: str) -> tuple[Path, int]:
+        """bindfs in the foreground, so its daemon's pid is known (to throttle its reads):
+        (mount point, daemon pid). Unmounting ends the daemon."""
         point = self.path("fuse")
-        run("bindfs", *options, str(source), str(point))
+        daemon = subprocess.Popen(
+            ["bindfs", "-f", *options, str(source), str(point)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self._undo.callback(_reap, daemon)
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(point):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bindfs did not mount {point} (exit {daemon.returncode})")
+            time.sleep(0.02)
         self._undo.callback(_unmount, point)
-        return point
+        return point, daemon.pid
 
     def hide(self, directory: Path) -> None:
         """Mount an empty tmpfs over `directory`: what was there can no longer be reached."""
@@ -167,6 +179,14 @@ def _unmount(point: Path) -> None:
             return
         time.sleep(0.1)  # a FUSE daemon or the sampler may still hold it for a moment
     subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
+
+
+def _reap(daemon: subprocess.Popen[bytes]) -> None:
+    try:
+        daemon.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait()
 
 
 def _detach(device: str) -> None:
