@@ -194,7 +194,8 @@ def assert_residency_is_fincore(weights: Weights, expected: int) -> ResidencySam
             break
     assert sample.resident_bytes is not None, sample.reason
     assert abs(sample.resident_bytes - truth) <= SLACK_PAGES * PAGE, (sample, truth)
-    assert abs(sample.resident_bytes - expected) <= SLACK_PAGES * PAGE, (sample, expected)
+    # Against what the load should have left: DAMON takes more in the time since (1 % here).
+    assert abs(sample.resident_bytes - expected) <= TOTAL // 100, (sample, expected)
     assert sample.total_bytes == TOTAL
     return sample
 
