@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from exporter.asprocess import OnBehalf
 from exporter.sources.backing import Layer
-from exporter.sources.rates import Rates
-from exporter.sources.watched import WatchedPaths
+from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
-
-log = logging.getLogger(__name__)
 
 SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's block size
 # Filesystems whose reads another source counts (exporter/sources/netfs.py, zfs.py).
@@ -57,27 +52,8 @@ class DiskSample:
         return sum(d.read_bytes_total for d in self.devices if d.device in names)
 
 
-class DiskSource:
+class DiskSource(CounterSource):
     """Maps weight paths to block devices once per filesystem and samples /proc/diskstats."""
-
-    def __init__(
-        self,
-        paths_by_target: Mapping[str, Sequence[str]],
-        proc_root: str = "/proc",
-        sys_root: str = "/sys",
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._watched = WatchedPaths(paths_by_target, proc_root, sys_root, log)
-        self._proc_root = proc_root
-        self._clock = clock
-        self._rates = Rates()
-
-    def watch(
-        self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None
-    ) -> None:
-        """Watch another target's weight paths, or none; a discovered target's are looked at
-        `on_behalf` of its process (thread-safe)."""
-        self._watched.watch(target, paths, on_behalf)
 
     def sample(self) -> DiskSample:
         devices_by_target: dict[str, tuple[str, ...]] = {}

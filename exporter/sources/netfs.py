@@ -23,20 +23,14 @@ point, and its rate comes in the disk pair's shape (exporter/sources/rates.py).
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import re
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
-from exporter.asprocess import OnBehalf
 from exporter.sources.mounts import Mount, namespace_of, unescape
-from exporter.sources.rates import Rates
-from exporter.sources.watched import WatchedPaths
+from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
-
-log = logging.getLogger(__name__)
 
 LUSTRE_DIRS = ("fs/lustre/llite", "kernel/debug/lustre/llite")  # under /proc, under /sys
 CEPH_DIR = "kernel/debug/ceph"  # under /sys
@@ -133,27 +127,8 @@ def lustre_fsname(source: str) -> str | None:
     return path.split("/", 1)[0] or None if sep else None
 
 
-class NetFsSource:
+class NetFsSource(CounterSource):
     """Counts the reads of every NFS, Lustre and CephFS mount under some target's weights."""
-
-    def __init__(
-        self,
-        paths_by_target: Mapping[str, Sequence[str]],
-        proc_root: str = "/proc",
-        sys_root: str = "/sys",
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._watched = WatchedPaths(paths_by_target, proc_root, sys_root, log)
-        self._proc_root = proc_root
-        self._sys_root = sys_root
-        self._clock = clock
-        self._rates = Rates()
-
-    def watch(
-        self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None
-    ) -> None:
-        """As DiskSource.watch: a discovered target's paths are placed with its rights."""
-        self._watched.watch(target, paths, on_behalf)
 
     def sample(self) -> NetFsSample:
         """Reads nothing at all while no target's weights are on such a mount."""
@@ -204,12 +179,8 @@ class NetFsSource:
         if counters is None:
             raise _Unmeasured("not in mountstats")
         reads = self._counted(StorageKind.NFS, mount, counters.server_read, now)
-        return MountReads(
-            kind=reads.kind,
-            mount=reads.mount,
-            mountpoint=reads.mountpoint,
-            read_bytes_total=reads.read_bytes_total,
-            read_bytes_per_second=reads.read_bytes_per_second,
+        return replace(
+            reads,
             buffered_read_bytes_total=counters.normal_read,
             direct_read_bytes_total=counters.direct_read,
         )

@@ -15,19 +15,13 @@ Files are read only while some target's weights are on ZFS.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from exporter.asprocess import OnBehalf
-from exporter.sources.rates import Rates
-from exporter.sources.watched import WatchedPaths
+from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
-
-log = logging.getLogger(__name__)
 
 KSTAT_DIR = "spl/kstat/zfs"  # under /proc
 T = TypeVar("T")
@@ -95,27 +89,10 @@ def pool_of(source: str) -> str:
     return source.split("/", 1)[0]
 
 
-class ZfsSource:
+class ZfsSource(CounterSource):
     """Pool reads and ARC hit share while some target's weights are on ZFS."""
 
-    def __init__(
-        self,
-        paths_by_target: Mapping[str, Sequence[str]],
-        proc_root: str = "/proc",
-        sys_root: str = "/sys",
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._watched = WatchedPaths(paths_by_target, proc_root, sys_root, log)
-        self._kstats = os.path.join(proc_root, KSTAT_DIR)
-        self._clock = clock
-        self._rates = Rates()
-        self._arc_before: tuple[int, int] | None = None
-
-    def watch(
-        self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None
-    ) -> None:
-        """As DiskSource.watch: a discovered target's paths are placed with its rights."""
-        self._watched.watch(target, paths, on_behalf)
+    _arc_before: tuple[int, int] | None = None  # the ARC's counters at the last sample
 
     def sample(self) -> ZfsSample:
         by_target: dict[str, tuple[str, ...]] = {}
@@ -131,11 +108,12 @@ class ZfsSource:
         unmeasured: list[str] = []
         pools: list[PoolReads] = []
         for pool in wanted:
-            path = os.path.join(self._kstats, pool, "io")
+            path = os.path.join(self._proc_root, KSTAT_DIR, pool, "io")
             total = _read(path, parse_kstat_io, unmeasured)
             if total is not None:
                 pools.append(PoolReads(pool, total, self._rates.rate(pool, total, now)))
-        stats = _read(os.path.join(self._kstats, "arcstats"), parse_kstat_named, unmeasured)
+        arcstats = os.path.join(self._proc_root, KSTAT_DIR, "arcstats")
+        stats = _read(arcstats, parse_kstat_named, unmeasured)
         return ZfsSample(tuple(pools), self._arc(stats, unmeasured), by_target, tuple(unmeasured))
 
     def _arc(self, stats: Mapping[str, int] | None, unmeasured: list[str]) -> ArcReads | None:
