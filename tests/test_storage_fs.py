@@ -32,8 +32,10 @@ from helpers.filesystems import (
     require_filesystem,
     scratch,
 )
-from helpers.processes import cli
+from helpers.processes import Simulator, cli
+from helpers.support import RunningExporter, free_port, sample_value, wait_for
 from test_disk import lsblk_whole_disk
+from test_e2e import finished
 
 from exporter.cachectl import evict
 from exporter.config import WeightsConfig
@@ -376,3 +378,43 @@ def test_overlay_copied_up_file_is_measured_in_the_upper_layer(tmp_path: Path) -
         assert sample.resident_bytes is not None
         assert abs(sample.resident_bytes - truth) <= SLACK_PAGES * PAGE
         assert abs(truth - SHARD) <= SLACK_PAGES * PAGE
+
+
+@pytest.mark.requires("root", "cachestat")
+def test_a_warm_restart_from_an_overlay_is_labelled_warm(
+    tmp_path: Path, start_exporter: Callable[..., RunningExporter]
+) -> None:
+    """The exporter watching a server whose weights are in a container image's overlay: its
+    cold load is cold and its restart warm (through the overlay's own descriptor every load would
+    be cold: cachestat says 0 pages there)."""
+    for need in ("overlay", "squashfs", "tmpfs"):
+        require_filesystem(need)
+    with scratch(tmp_path / "fs") as s:
+        weights = on_overlay(s)
+        for path in (*weights.real, *weights.images):
+            evict(str(path))
+        port = free_port()
+        running = start_exporter(
+            {
+                "sample_interval": "250ms",
+                "targets": [
+                    {
+                        "name": "sim",
+                        "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+                        "weights": {"paths": [str(weights.path)]},
+                        "process": {"pidfile": str(tmp_path / "server.pid")},
+                    }
+                ],
+            }
+        )
+        for cache in ("cold", "warm"):
+            sim = Simulator(tmp_path, weights.path, port, "--read-rate", "40MB/s")
+            try:
+                text, _ = finished(running, cache=cache, outcome="ready")
+            finally:
+                sim.stop()
+            wait_for(lambda: running.status()["targets"][0].get("phase") == "down")
+        entry = running.status()["targets"][0]
+    assert sample_value(text, "model_load_duration_seconds_count", target="sim", cache="cold") == 1
+    assert entry["storage"]["kinds"] == ["overlay"]
+    assert entry["residency"]["measured_on"] == "on the real files below the overlay"
