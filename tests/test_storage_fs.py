@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -418,3 +420,28 @@ def test_a_warm_restart_from_an_overlay_is_labelled_warm(
     assert sample_value(text, "model_load_duration_seconds_count", target="sim", cache="cold") == 1
     assert entry["storage"]["kinds"] == ["overlay"]
     assert entry["residency"]["measured_on"] == "on the real files below the overlay"
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
+def test_a_shard_symlinked_from_another_filesystem_is_described_once_a_pass_met_it(
+    tmp_path: Path,
+) -> None:
+    """Hugging Face caches link snapshots to blobs: a blob elsewhere adds its mount."""
+    model = with_shards(tmp_path / "model")
+    blob = Path(tempfile.mkdtemp(prefix="mle-blob-", dir="/dev/shm")) / "blob.safetensors"
+    try:
+        blob.write_bytes(os.urandom(64 << 10))
+        (model / "extra.safetensors").symlink_to(blob)
+        config = WeightsConfig(paths=(str(model),))
+        storage = WeightStorage(config)
+        assert [m.kind for m in storage.describe().mounts] == [KIND["ext4"]]
+        sample = ResidencySource(config, storage=storage).sample()
+        assert sample.files == SHARDS + 1 and sample.resident_bytes is not None
+        described = storage.describe()
+        assert [m.fstype for m in described.mounts][1:] == ["tmpfs"]
+        assert described.mounts[1].paths == (str(model / "extra.safetensors"),)
+        assert not described.in_memory  # only part of the weights is
+        blob.unlink()
+        assert len(storage.describe().mounts) == 1  # gone: its mount is no longer described
+    finally:
+        shutil.rmtree(blob.parent)

@@ -162,7 +162,10 @@ class _MountFacts:
     layer: Layer
     placed: Placed
     probe: FuseProbe | None
-    passthrough: str | None
+
+    @property
+    def passthrough(self) -> str | None:
+        return self.layer.passthrough
 
 
 class WeightStorage:
@@ -189,10 +192,7 @@ class WeightStorage:
         unplaced: list[str] = []
         with self._lock:
             self._by_dev = {}  # mounts may have changed: passes place their files afresh
-            for path, is_root in (
-                *((p, True) for p in self._weights.paths),
-                *((p, False) for p in self._extra.values()),
-            ):
+            for path in self._weights.paths:
                 try:
                     facts = self._facts_of(path, mounts)
                 except OSError as exc:
@@ -200,8 +200,17 @@ class WeightStorage:
                     continue
                 if facts is None:
                     unplaced.append(f"{path}: no mount table holds it")
-                elif is_root or _key(facts) not in named:
+                else:
                     named.setdefault(_key(facts), []).append(path)
+            for key, path in list(self._extra.items()):
+                try:
+                    facts = self._facts_of(path, mounts)
+                except OSError:
+                    facts = None
+                if facts is None:  # gone since the pass met it: its mount may be too
+                    del self._extra[key]
+                elif _key(facts) not in named:
+                    named[_key(facts)] = [path]
             described = tuple(
                 self._mount_storage(self._facts[key], tuple(paths)) for key, paths in named.items()
             )
@@ -217,7 +226,7 @@ class WeightStorage:
             probe = None
             if layer.kind is StorageKind.FUSE and layer.passthrough is None:
                 probe = probe_fuse(self._probe_candidates(placed), self._weights.include)
-            self._facts[key] = _MountFacts(layer, placed, probe, layer.passthrough)
+            self._facts[key] = _MountFacts(layer, placed, probe)
         return self._facts[key]
 
     def _probe_candidates(self, placed: Placed) -> list[str]:
@@ -249,7 +258,7 @@ class WeightStorage:
             paths=paths,
             devices=devices,
             lower_devices=lower,
-            read_rate=_read_rate(layer, devices, lower, facts.passthrough),
+            read_rate=_read_rate(layer, devices, lower),
             residency=_residency(kind, facts),
             page_cache=_page_cache(kind),
             bypass=_bypass(kind, facts),
@@ -361,9 +370,7 @@ def _verdicts(mounts: tuple[MountStorage, ...], unplaced: tuple[str, ...]) -> St
     )
 
 
-def _read_rate(
-    layer: Layer, devices: tuple[str, ...], lower: tuple[str, ...], passthrough: str | None
-) -> Fact:
+def _read_rate(layer: Layer, devices: tuple[str, ...], lower: tuple[str, ...]) -> Fact:
     if devices:
         below = f" (and {', '.join(lower)} under the loop device's backing file)" if lower else ""
         return Fact(True, f"disk: {', '.join(devices)}{below}")
