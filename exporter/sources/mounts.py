@@ -11,6 +11,7 @@ looked up in `/proc/PID/mountinfo`.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -38,22 +39,23 @@ class Mount:
     options: str  # per mount (ro, nosuid, ...)
     super_options: str  # per superblock (overlay's lowerdir, NFS's addr, ...)
 
+    @functools.cached_property
+    def _options(self) -> dict[str, list[str]]:
+        """Superblock options by name, in the kernel's order ("" for a flag), parsed once."""
+        parsed: dict[str, list[str]] = {}
+        for item in split_options(self.super_options):
+            key, _, value = item.partition("=")
+            parsed.setdefault(key, []).append(value)
+        return parsed
+
     def option(self, name: str) -> str | None:
         """The value of a superblock option (`lowerdir`), "" for a flag, None when absent."""
-        for item in split_options(self.super_options):
-            key, sep, value = item.partition("=")
-            if key == name:
-                return value if sep else ""
-        return None
+        values = self._options.get(name)
+        return values[0] if values else None
 
     def options_named(self, name: str) -> tuple[str, ...]:
         """Every value of an option that may repeat (overlay's `lowerdir+`)."""
-        found = []
-        for item in split_options(self.super_options):
-            key, sep, value = item.partition("=")
-            if key == name and sep:
-                found.append(value)
-        return tuple(found)
+        return tuple(v for v in self._options.get(name, ()) if v)
 
     @property
     def base_type(self) -> str:

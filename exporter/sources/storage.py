@@ -34,9 +34,10 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
+from functools import partial
 
 from exporter.config import WeightsConfig
 from exporter.sources.backing import (
@@ -151,6 +152,15 @@ class MeasurePlan:
     where: str | None  # "on the real files below the overlay", for status
 
 
+@dataclass(frozen=True)
+class _Below:
+    """Where a weight file's data really lies, and the check that keeps it so."""
+
+    path: str
+    how: str  # "on the real files below the overlay", for status
+    matches: Callable[[os.stat_result, os.stat_result], bool]  # (the file seen, the real one)
+
+
 # A mount as one namespace's table lists it: ids are reused after an unmount, whole lines not.
 _Key = tuple[str, Mount]
 
@@ -180,7 +190,12 @@ class WeightStorage:
         self._lock = threading.Lock()
         self._facts: dict[_Key, _MountFacts] = {}
         self._by_dev: dict[int, _MountFacts | None] = {}
+        self._below_by_dev: dict[int, _MountFacts | None] = {}  # the real files' mounts
         self._extra: dict[_Key, str] = {}  # mounts the passes found, with a file on each
+        # Each redirected file's real file, found by the last pass: the next one checks it with
+        # two stats instead of placing the file again (measured over 2,000 overlay files here:
+        # 13 us a file on top of the pass's own 10, instead of 110).
+        self._below: dict[tuple[int, int], _Below] = {}
 
     # -- the description -------------------------------------------------------------------
 
@@ -191,7 +206,8 @@ class WeightStorage:
         named: dict[_Key, list[str]] = {}
         unplaced: list[str] = []
         with self._lock:
-            self._by_dev = {}  # mounts may have changed: passes place their files afresh
+            # Mounts may have changed: passes place their files afresh.
+            self._by_dev, self._below_by_dev = {}, {}
             for path in self._weights.paths:
                 try:
                     facts = self._facts_of(path, mounts)
@@ -278,6 +294,7 @@ class WeightStorage:
         redirected = 0
         where: str | None = None
         with self._lock:
+            known, self._below = self._below, {}
             for wf in files:
                 try:
                     facts = self._facts_by_dev(wf, mounts)
@@ -285,7 +302,7 @@ class WeightStorage:
                     out.append(wf)  # vanished since discovery: the pass notices and rediscovers
                     continue
                 try:
-                    real, why = self._real_file(wf, facts, mounts)
+                    real, why = self._real_file(wf, facts, mounts, known)
                 except OSError as exc:
                     real, why = None, f"cannot follow {wf.path} below its mount: {exc.strerror}"
                 if real is None:
@@ -298,18 +315,28 @@ class WeightStorage:
                 out.append(real)
         return MeasurePlan(tuple(out), tuple(unmeasurable), reason, redirected, where)
 
-    def _facts_by_dev(self, wf: WeightFile, mounts: Mounts) -> _MountFacts | None:
+    def _facts_by_dev(
+        self, wf: WeightFile, mounts: Mounts, below: bool = False
+    ) -> _MountFacts | None:
         """One placement per device number: every file of a plain filesystem is measured as
-        it is, so a pass over 10,000 shards pays for one lookup, not 10,000."""
-        if wf.dev not in self._by_dev:
+        it is, so a pass over 10,000 shards pays for one lookup, not 10,000. The mounts of the
+        weights themselves are added to the description; those of real files below are not
+        (the overlay's or passthrough's summary names them)."""
+        cache = self._below_by_dev if below else self._by_dev
+        if wf.dev not in cache:
             facts = self._facts_of(wf.path, mounts)
-            self._by_dev[wf.dev] = facts
-            if facts is not None:
+            cache[wf.dev] = facts
+            if facts is not None and not below:
                 self._extra.setdefault(_key(facts), wf.path)
-        return self._by_dev[wf.dev]
+        return cache[wf.dev]
 
     def _real_file(
-        self, wf: WeightFile, facts: _MountFacts | None, mounts: Mounts, depth: int = 0
+        self,
+        wf: WeightFile,
+        facts: _MountFacts | None,
+        mounts: Mounts,
+        known: Mapping[tuple[int, int], _Below],
+        depth: int = 0,
     ) -> tuple[WeightFile | None, str | None]:
         """(the file to open, how it was found) or (None, why none may be opened). A real file
         found below may itself be on an overlay (a container in a container): followed too."""
@@ -323,19 +350,28 @@ class WeightStorage:
             return (wf, None) if verdict.value else (None, verdict.reason)
         if kind not in (StorageKind.OVERLAY, StorageKind.FUSE):
             return wf, None
-        placed = mounts.place(wf.path)
-        if placed is None:
-            return None, f"cannot place {wf.path} on its {facts.layer.fstype} mount"
-        if kind is StorageKind.OVERLAY:
-            real, how = _overlay_real(wf, placed)
-        else:
-            real, how = _passthrough_real(wf, placed, facts.passthrough or "")
-        if real is None or depth >= MAX_DEPTH:
-            return real, how
+        seen = os.stat(wf.path)
+        below = known.get((wf.dev, wf.ino))
+        real_st = _stat_if(below.path) if below is not None else None
+        if below is None or real_st is None or not below.matches(seen, real_st):
+            placed = mounts.place(wf.path)
+            if placed is None:
+                return None, f"cannot place {wf.path} on its {facts.layer.fstype} mount"
+            if kind is StorageKind.OVERLAY:
+                found = _overlay_below(wf, seen, placed)
+            else:
+                found = _passthrough_below(wf, seen, placed, facts.passthrough or "")
+            if isinstance(found, str):
+                return None, found
+            below, real_st = found
+        self._below[(wf.dev, wf.ino)] = below
+        real = _moved(wf, below.path, real_st)
+        if depth >= MAX_DEPTH:
+            return real, below.how
         deeper, deeper_how = self._real_file(
-            real, self._facts_of(real.path, mounts), mounts, depth + 1
+            real, self._facts_by_dev(real, mounts, below=True), mounts, known, depth + 1
         )
-        return deeper, deeper_how if deeper is None or deeper is not real else how
+        return deeper, deeper_how if deeper is None or deeper is not real else below.how
 
 
 def _key(facts: _MountFacts) -> _Key:
@@ -433,22 +469,23 @@ def _bypass(kind: StorageKind, facts: _MountFacts) -> Fact:
 # -- FUSE ----------------------------------------------------------------------------------
 
 
-def _passthrough_real(
-    wf: WeightFile, placed: Placed, source: str
-) -> tuple[WeightFile | None, str | None]:
+def _passthrough_below(
+    wf: WeightFile, seen: os.stat_result, placed: Placed, source: str
+) -> tuple[_Below, os.stat_result] | str:
+    """The source file a FUSE passthrough shows as `wf`, checked, or why there is none."""
     candidate = source_path(placed, source)
     if candidate is None:
-        return None, f"{wf.path} is outside its FUSE mount {placed.mount.mount_point}"
+        return f"{wf.path} is outside its FUSE mount {placed.mount.mount_point}"
     try:
-        seen, real = os.stat(wf.path), os.stat(candidate)
+        real = os.stat(candidate)
     except OSError as exc:
-        return None, f"the passthrough's source {candidate} of {wf.path}: {exc.strerror}"
+        return f"the passthrough's source {candidate} of {wf.path}: {exc.strerror}"
     if not same_file(seen, real):
-        return None, (
+        return (
             f"{candidate} is not the file {wf.path} shows (inode, size or modification time "
             "differ): the FUSE mount is not a plain passthrough there"
         )
-    return _moved(wf, candidate, real), f"on the passthrough's source files in {source}"
+    return _Below(candidate, f"on the passthrough's source files in {source}", same_file), real
 
 
 def probe_fuse(roots: Iterable[str], include: Sequence[str]) -> FuseProbe:
@@ -517,37 +554,42 @@ def _probe_file(roots: Iterable[str], include: Sequence[str]) -> str | None:
 # -- overlayfs -----------------------------------------------------------------------------
 
 
-def _overlay_real(wf: WeightFile, placed: Placed) -> tuple[WeightFile | None, str | None]:
+def _overlay_below(
+    wf: WeightFile, seen: os.stat_result, placed: Placed
+) -> tuple[_Below, os.stat_result] | str:
     """The upper or lower file the overlay shows as `wf`, checked, or why there is none."""
     mount = placed.mount
     rel = relative_to(placed.path, mount.mount_point)
     if rel is None:
-        return None, f"{wf.path} is outside its overlay {mount.mount_point}"
+        return f"{wf.path} is outside its overlay {mount.mount_point}"
     inside = os.path.join(mount.root.lstrip("/"), rel)
-    try:
-        seen = os.stat(wf.path)
-    except OSError as exc:
-        return None, f"{wf.path}: {exc.strerror}"
     upper = mount.option("upperdir")
     for directory in overlay_dirs(mount):
         for base in dict.fromkeys((directory, placed.table.outside(directory))):
             candidate = os.path.join(base, inside)
-            try:
-                real = os.stat(candidate)
-            except OSError:
+            real = _stat_if(candidate)
+            if real is None:
                 continue
-            if _overlay_shows(seen, real, copied_up=directory == upper):
-                if mount.option("metacopy") == "on" and _metacopy(candidate):
-                    return None, (
-                        f"{candidate} holds only the metadata of {wf.path} (metacopy): its data "
-                        "lies in a lower layer the overlay redirects to"
-                    )
-                return _moved(wf, candidate, real), "on the real files below the overlay"
-            return None, (
-                f"{candidate} is not the file {wf.path} shows (size, modification time or inode "
-                "differ: a redirected or opaque directory?)"
-            )
-    return None, f"no layer of the overlay at {mount.mount_point} holds {inside}"
+            matches = partial(_overlay_shows, copied_up=directory == upper)
+            if not matches(seen, real):
+                return (
+                    f"{candidate} is not the file {wf.path} shows (size, modification time or "
+                    "inode differ: a redirected or opaque directory?)"
+                )
+            if mount.option("metacopy") == "on" and _metacopy(candidate):
+                return (
+                    f"{candidate} holds only the metadata of {wf.path} (metacopy): its data "
+                    "lies in a lower layer the overlay redirects to"
+                )
+            return _Below(candidate, "on the real files below the overlay", matches), real
+    return f"no layer of the overlay at {mount.mount_point} holds {inside}"
+
+
+def _stat_if(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
 
 
 def _overlay_shows(seen: os.stat_result, real: os.stat_result, copied_up: bool) -> bool:
