@@ -143,8 +143,15 @@ class Load:
     rate: float  # the median of the rates the disk source reported for the device while it read
 
 
-def run_load(tmp_path: Path, weights: Weights, procs: Path | None) -> Load:
-    """One load of the simulator in the throttled cgroup, the disk source sampling meanwhile."""
+def run_load(
+    tmp_path: Path,
+    weights: Weights,
+    procs: Path | None,
+    *extra: str,
+    during: Callable[[], None] | None = None,
+) -> Load:
+    """One load of the simulator in the throttled cgroup, the disk source sampling meanwhile
+    (and `during` called each time it does)."""
     disk = DiskSource({"m": [str(weights.path)]})
     device = weights.device
 
@@ -157,7 +164,7 @@ def run_load(tmp_path: Path, weights: Weights, procs: Path | None) -> Load:
         [sys.executable, "-m", "exporter", "simulate", "--weights", str(weights.path),
          "--port", "0", "--read-rate", "100GB/s", "--startup-seconds", "0",
          "--init-seconds", "0.05", "--exit-after", "0.01s", "--report", str(report),
-         "--log-file", str(tmp_path / "server.log")],
+         "--log-file", str(tmp_path / "server.log"), *extra],
         preexec_fn=into_cgroup(procs) if procs is not None else None,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -166,6 +173,8 @@ def run_load(tmp_path: Path, weights: Weights, procs: Path | None) -> Load:
 
     def watch() -> None:
         while not stop.wait(0.2):
+            if during is not None:
+                during()
             for reads in disk.sample().devices:
                 if reads.device == device and reads.read_bytes_per_second:
                     rates.append(reads.read_bytes_per_second)
