@@ -40,11 +40,13 @@ from test_disk import lsblk_whole_disk
 from test_e2e import finished
 
 from exporter.cachectl import evict
-from exporter.config import WeightsConfig
+from exporter.config import ProcessConfig, WeightsConfig
 from exporter.sim.shards import generate_shards
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.pagecache import CachestatCall, ResidencySample, ResidencySource
+from exporter.sources.process import ProcessFinder
 from exporter.sources.storage import StorageDescription, WeightStorage
+from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.tracker import temperature
 from exporter.vocabulary import Cache, StorageKind
 
@@ -162,7 +164,7 @@ def run_load(
     report = tmp_path / f"report-{time.monotonic_ns()}.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "exporter", "simulate", "--weights", str(weights.path),
-         "--port", "0", "--read-rate", "100GB/s", "--startup-seconds", "0",
+         "--port", "0", "--read-rate", "100GB/s", "--startup-seconds", "0", "--import-bytes", "0",
          "--init-seconds", "0.05", "--exit-after", "0.01s", "--report", str(report),
          "--log-file", str(tmp_path / "server.log"), *extra],
         preexec_fn=into_cgroup(procs) if procs is not None else None,
@@ -454,3 +456,37 @@ def test_a_shard_symlinked_from_another_filesystem_is_described_once_a_pass_met_
         assert len(storage.describe().mounts) == 1  # gone: its mount is no longer described
     finally:
         shutil.rmtree(blob.parent)
+
+
+@pytest.mark.requires("root", "cachestat", "fincore")
+def test_a_direct_io_loader_bypasses_the_page_cache(tmp_path: Path) -> None:
+    """`simulate --loader read --direct` opens its shards with O_DIRECT (Run:ai's streamer
+    with RUNAI_STREAMER_DIRECTIO=1 does): the weight files show it, every load reads its bytes
+    from the device at the throttle's pace, progress reaches the whole, and nothing lands in the
+    page cache, so residency (0, as fincore says) would call the next restart cold again."""
+    require_filesystem("ext4")
+    with scratch(tmp_path / "fs") as s:
+        weights = on_block_image("ext4")(s)
+        procs = s.throttle(weights.device or "", LIMIT)
+        for path in (*weights.real, *weights.images):
+            evict(str(path))
+        pidfile = tmp_path / "server.pid"
+        config = WeightsConfig(paths=(str(weights.path),))
+        finder = ProcessFinder(ProcessConfig(pidfile=str(pidfile)))
+        files = WeightFilesSource(config, finder.sample)
+        seen: list[WeightFilesSample] = []
+
+        def look() -> None:
+            finder.sample()
+            seen.append(files.sample())
+
+        flags = ("--loader", "read", "--direct", "--pidfile", str(pidfile))
+        loads = [run_load(tmp_path, weights, procs, *flags, during=look) for _ in range(2)]
+        after, truth = residency(weights)
+    for load in loads:  # both read everything from the device: the cache never warms
+        assert TOTAL <= load.device_bytes <= TOTAL + 2 * MIB, load
+        assert 0.5 * LIMIT <= load.rate <= 1.5 * LIMIT, load
+    held = [use for sample in seen for use in sample.files if use.held]
+    assert held and all(use.direct for use in held), held
+    assert max(sample.consumed_bytes for sample in seen if sample.visible) == TOTAL
+    assert after.resident_bytes == truth == 0
