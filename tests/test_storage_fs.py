@@ -68,6 +68,12 @@ class Weights:
     readers: tuple[int, ...] = ()  # processes that read for the loader (a FUSE daemon)
 
 
+def make_cold(weights: Weights) -> None:
+    """Drop the weights from the page cache, and the loop images under them from theirs."""
+    for path in (*weights.real, *weights.images):
+        evict(str(path))
+
+
 def shards_in(directory: Path) -> tuple[Path, ...]:
     return tuple(sorted(directory.glob("*.safetensors")))
 
@@ -226,8 +232,7 @@ def label(described: StorageDescription, sample: ResidencySample) -> Cache:
 
 @pytest.mark.parametrize("name", list(BUILD))
 def test_a_cold_then_a_warm_load(name: str, tmp_path: Path) -> None:
-    for need in NEEDS.get(name, (name,)):
-        require_filesystem(need)
+    require_filesystem(*NEEDS.get(name, (name,)))
     with scratch(tmp_path / "fs") as s:
         weights = BUILD[name](s)
         described = WeightStorage(WeightsConfig(paths=(str(weights.path),))).describe()
@@ -252,8 +257,7 @@ def test_a_cold_then_a_warm_load(name: str, tmp_path: Path) -> None:
             assert procs is not None
             procs.write_text(f"{pid}\n")
 
-        for path in (*weights.real, *weights.images):
-            evict(str(path))
+        make_cold(weights)
         cold_start = assert_residency_is_fincore(weights, TOTAL if name == "tmpfs" else 0)
         cold = run_load(tmp_path, weights, procs)
         after_cold = assert_residency_is_fincore(weights, TOTAL)
@@ -351,12 +355,10 @@ def test_fuse_that_keeps_its_cache_is_measured_through_the_mount(tmp_path: Path)
 
 @pytest.mark.requires("root", "fincore")
 def test_prewarm_through_an_overlay_warms_the_real_file(tmp_path: Path) -> None:
-    for need in ("overlay", "squashfs", "tmpfs"):
-        require_filesystem(need)
+    require_filesystem("overlay", "squashfs", "tmpfs")
     with scratch(tmp_path / "fs") as s:
         weights = on_overlay(s)
-        for path in (*weights.real, *weights.images):
-            evict(str(path))
+        make_cold(weights)
         done = cli("prewarm", str(weights.path))
         assert done.returncode == 0, done.stderr
         # Measured on the squashfs files below: 0 before, all of it after (to 0.1 MiB: DAMON).
@@ -369,8 +371,7 @@ def test_prewarm_through_an_overlay_warms_the_real_file(tmp_path: Path) -> None:
 
 @pytest.mark.requires("root", "fincore")
 def test_overlay_copied_up_file_is_measured_in_the_upper_layer(tmp_path: Path) -> None:
-    for need in ("overlay", "ext4", "tmpfs"):
-        require_filesystem(need)
+    require_filesystem("overlay", "ext4", "tmpfs")
     with scratch(tmp_path / "fs") as s:
         point, _, _ = s.block_image("ext4")
         lower = with_shards(point / "model")
@@ -400,12 +401,10 @@ def test_a_warm_restart_from_an_overlay_is_labelled_warm(
     """The exporter watching a server whose weights are in a container image's overlay: its
     cold load is cold and its restart warm (through the overlay's own descriptor every load would
     be cold: cachestat says 0 pages there)."""
-    for need in ("overlay", "squashfs", "tmpfs"):
-        require_filesystem(need)
+    require_filesystem("overlay", "squashfs", "tmpfs")
     with scratch(tmp_path / "fs") as s:
         weights = on_overlay(s)
-        for path in (*weights.real, *weights.images):
-            evict(str(path))
+        make_cold(weights)
         port = free_port()
         running = start_exporter(
             {
@@ -468,8 +467,7 @@ def test_a_direct_io_loader_bypasses_the_page_cache(tmp_path: Path) -> None:
     with scratch(tmp_path / "fs") as s:
         weights = on_block_image("ext4")(s)
         procs = s.throttle(weights.device or "", LIMIT)
-        for path in (*weights.real, *weights.images):
-            evict(str(path))
+        make_cold(weights)
         pidfile = tmp_path / "server.pid"
         config = WeightsConfig(paths=(str(weights.path),))
         finder = ProcessFinder(ProcessConfig(pidfile=str(pidfile)))

@@ -46,15 +46,16 @@ def kernel_filesystems() -> set[str]:
         return {line.split()[-1] for line in f if line.strip()}
 
 
-def require_filesystem(name: str) -> None:
-    """Skip (fail under MLE_STRICT) where this kernel or this machine cannot make `name`."""
+def require_filesystem(*names: str) -> None:
+    """Skip (fail under MLE_STRICT) where this kernel or this machine cannot make them."""
     require(os.geteuid() == 0, "needs root (mounts, loop devices)")
-    kernel, tool = NEEDS[name]
-    require(kernel in kernel_filesystems(), f"this kernel has no {kernel} filesystem")
-    if tool is not None:
-        require(shutil.which(tool) is not None, f"needs {tool}")
-    if name != "tmpfs" and name != "overlay" and name != "fuse":
-        require(shutil.which("losetup") is not None, "needs losetup (util-linux)")
+    for name in names:
+        kernel, tool = NEEDS[name]
+        require(kernel in kernel_filesystems(), f"this kernel has no {kernel} filesystem")
+        if tool is not None:
+            require(shutil.which(tool) is not None, f"needs {tool}")
+        if name not in ("tmpfs", "overlay", "fuse"):
+            require(shutil.which("losetup") is not None, "needs losetup (util-linux)")
 
 
 def run(*args: str) -> str:
