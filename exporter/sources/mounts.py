@@ -178,8 +178,8 @@ class Mounts:
         return self._tables[pid]
 
     def place(self, path: str) -> Placed | None:
-        """The mount `path` is on (OSError when the path cannot be reached), or None when no
-        mount table says (a path of a namespace whose table cannot be read)."""
+        """The mount `path` is on, or None when no mount of its table holds it; OSError when
+        the path or its namespace's mount table cannot be read."""
         pid, inner = namespace_of(path)
         mount_id, resolved = mount_id_of(path)
         table = self.table(pid)

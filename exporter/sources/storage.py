@@ -4,19 +4,14 @@ Residency and the cold/warm verdict assume weights on a local filesystem whose r
 the page cache. Elsewhere they must be redirected, qualified or dropped, never wrong:
 
 * overlayfs: `cachestat` through the overlay's descriptor reports 0 pages while the real file
-  below is fully cached, so residency is measured on the real file: the same relative path in the
-  upper directory, else in the lower ones in order (from the mount options), accepted only when
-  its size and modification time match and its inode number is the overlay's (identical, or
-  identical below the top 16 bits, where overlayfs's `xino` puts the layer's number);
+  below is fully cached, so residency is measured on the real file (exporter/sources/below.py
+  finds it and checks it is the one);
 * FUSE: every `open()` of a file on a mount without `keep_cache` (bindfs's default) drops that
   file's page cache, so the residency pass would evict what the server just loaded. A passthrough
-  whose source directory is named by the mount (bindfs) is measured there, on files checked by
-  inode number, size and modification time; elsewhere files are opened only where a probe showed
-  the mount keeps the cache. The probe opens one *other* file of the model (config.json, say),
-  reads a page, and asks cachestat: nothing cached after a read means the daemon opens files with
-  direct I/O (mountpoint-s3 does), so reads bypass the page cache; a cached page gone after a
-  second open means opens drop the cache. fdinfo's flags do not show either: they are the
-  daemon's per-open reply, which no file in /proc or /sys exposes;
+  whose source directory is named by the mount (bindfs) is measured there; elsewhere files are
+  opened only where a probe on another file of the model showed the mount keeps the cache, and
+  a probe that found nothing cached after a read shows direct I/O (mountpoint-s3): reads bypass
+  the page cache;
 * ZFS: its ARC, not the page cache, serves reads, so page-cache residency says nothing of the next
   load; residency is dropped and the load's cache label is `unknown` (the ARC counters are in
   exporter/sources/zfs.py);
@@ -30,33 +25,26 @@ file to open for each weight file, or why none may be opened.
 
 from __future__ import annotations
 
-import logging
 import os
-import stat
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from fnmatch import fnmatchcase
-from functools import partial
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from exporter.config import WeightsConfig
-from exporter.sources.backing import (
-    MAX_DEPTH,
-    Layer,
-    describe,
-    overlay_dirs,
-    same_file,
-    source_path,
+from exporter.sources.backing import MAX_DEPTH, Layer, describe
+from exporter.sources.below import (
+    Below,
+    FuseProbe,
+    moved,
+    overlay_below,
+    passthrough_below,
+    probe_fuse,
+    stat_if,
 )
 from exporter.sources.mounts import Mount, Mounts, Placed, relative_to
-from exporter.sources.pagecache import CachestatCall, WeightFile
+from exporter.sources.pagecache import WeightFile
 from exporter.vocabulary import Cache, StorageKind
 
-log = logging.getLogger(__name__)
-
-PROBE_ENTRIES = 200  # entries looked at to find a probe file on a FUSE mount
-_XINO_BITS = 16  # overlayfs xino keeps the layer number in the top bits of st_ino
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _READ_COUNTED_BY = {
     StorageKind.NFS: "nfs",
     StorageKind.LUSTRE: "lustre",
@@ -70,16 +58,6 @@ class Fact:
     """Whether something holds (None: cannot be known here) and why."""
 
     value: bool | None
-    reason: str
-
-
-@dataclass(frozen=True)
-class FuseProbe:
-    """What reading one other file of the model through a FUSE mount showed."""
-
-    file: str | None  # the probe file; None when there was none to try
-    direct: bool | None  # a read left nothing in the page cache: the daemon opens with direct I/O
-    keeps_cache: bool | None  # a second open kept the cached page (keep_cache, kernel_cache)
     reason: str
 
 
@@ -152,15 +130,6 @@ class MeasurePlan:
     where: str | None  # "on the real files below the overlay", for status
 
 
-@dataclass(frozen=True)
-class _Below:
-    """Where a weight file's data really lies, and the check that keeps it so."""
-
-    path: str
-    how: str  # "on the real files below the overlay", for status
-    matches: Callable[[os.stat_result, os.stat_result], bool]  # (the file seen, the real one)
-
-
 # A mount as one namespace's table lists it: ids are reused after an unmount, whole lines not.
 _Key = tuple[str, Mount]
 
@@ -195,7 +164,7 @@ class WeightStorage:
         # Each redirected file's real file, found by the last pass: the next one checks it with
         # two stats instead of placing the file again (measured over 2,000 overlay files here:
         # 13 us a file on top of the pass's own 10, instead of 110).
-        self._below: dict[tuple[int, int], _Below] = {}
+        self._below: dict[tuple[int, int], Below] = {}
 
     # -- the description -------------------------------------------------------------------
 
@@ -335,7 +304,7 @@ class WeightStorage:
         wf: WeightFile,
         facts: _MountFacts | None,
         mounts: Mounts,
-        known: Mapping[tuple[int, int], _Below],
+        known: Mapping[tuple[int, int], Below],
         depth: int = 0,
     ) -> tuple[WeightFile | None, str | None]:
         """(the file to open, how it was found) or (None, why none may be opened). A real file
@@ -352,20 +321,20 @@ class WeightStorage:
             return wf, None
         seen = os.stat(wf.path)
         below = known.get((wf.dev, wf.ino))
-        real_st = _stat_if(below.path) if below is not None else None
+        real_st = stat_if(below.path) if below is not None else None
         if below is None or real_st is None or not below.matches(seen, real_st):
             placed = mounts.place(wf.path)
             if placed is None:
                 return None, f"cannot place {wf.path} on its {facts.layer.fstype} mount"
             if kind is StorageKind.OVERLAY:
-                found = _overlay_below(wf, seen, placed)
+                found = overlay_below(wf, seen, placed)
             else:
-                found = _passthrough_below(wf, seen, placed, facts.passthrough or "")
+                found = passthrough_below(wf, seen, placed, facts.passthrough or "")
             if isinstance(found, str):
                 return None, found
             below, real_st = found
         self._below[(wf.dev, wf.ino)] = below
-        real = _moved(wf, below.path, real_st)
+        real = moved(wf, below.path, real_st)
         if depth >= MAX_DEPTH:
             return real, below.how
         deeper, deeper_how = self._real_file(
@@ -467,155 +436,3 @@ def _bypass(kind: StorageKind, facts: _MountFacts) -> Fact:
 
 
 # -- FUSE ----------------------------------------------------------------------------------
-
-
-def _passthrough_below(
-    wf: WeightFile, seen: os.stat_result, placed: Placed, source: str
-) -> tuple[_Below, os.stat_result] | str:
-    """The source file a FUSE passthrough shows as `wf`, checked, or why there is none."""
-    candidate = source_path(placed, source)
-    if candidate is None:
-        return f"{wf.path} is outside its FUSE mount {placed.mount.mount_point}"
-    try:
-        real = os.stat(candidate)
-    except OSError as exc:
-        return f"the passthrough's source {candidate} of {wf.path}: {exc.strerror}"
-    if not same_file(seen, real):
-        return (
-            f"{candidate} is not the file {wf.path} shows (inode, size or modification time "
-            "differ): the FUSE mount is not a plain passthrough there"
-        )
-    return _Below(candidate, f"on the passthrough's source files in {source}", same_file), real
-
-
-def probe_fuse(roots: Iterable[str], include: Sequence[str]) -> FuseProbe:
-    """Read one page of a file of the model that is no weight file through the mount, and ask
-    the page cache what that left: nothing means direct I/O; a page that a second open took
-    away means opens drop the cache. Only that file's cache is touched."""
-    probe = _probe_file(roots, include)
-    if probe is None:
-        return FuseProbe(None, None, None, "no file other than the weights to try the mount on")
-    call = CachestatCall()
-    try:
-        first = os.open(probe, _OPEN_FLAGS)
-    except OSError as exc:
-        return FuseProbe(probe, None, None, f"cannot open {probe}: {exc.strerror}")
-    try:
-        os.pread(first, 4096, 0)
-        cached = call(first).nr_cache
-        if cached == 0:
-            return FuseProbe(
-                probe, True, None, f"reading {probe} left nothing in the page cache: direct I/O"
-            )
-        second = os.open(probe, _OPEN_FLAGS)
-        try:
-            kept = call(first).nr_cache > 0
-        finally:
-            os.close(second)
-    except OSError as exc:
-        return FuseProbe(probe, None, None, f"cannot probe {probe}: {exc.strerror}")
-    finally:
-        os.close(first)
-    what = "kept" if kept else "dropped"
-    return FuseProbe(probe, False, kept, f"a second open of {probe} {what} its cached page")
-
-
-def _probe_file(roots: Iterable[str], include: Sequence[str]) -> str | None:
-    """A non-empty regular file near the weights that no include pattern matches."""
-    looked = 0
-    for root in roots:
-        directory = root if os.path.isdir(root) else os.path.dirname(root)
-        stack = [directory]
-        while stack and looked < PROBE_ENTRIES:
-            current = stack.pop(0)
-            try:
-                with os.scandir(current) as it:
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError:
-                continue
-            for entry in entries:
-                looked += 1
-                if looked > PROBE_ENTRIES:
-                    break
-                try:
-                    if entry.is_dir():
-                        stack.append(entry.path)
-                    elif (
-                        entry.is_file()
-                        and entry.stat().st_size > 0
-                        and not any(fnmatchcase(entry.name, p) for p in include)
-                    ):
-                        return entry.path
-                except OSError:
-                    continue
-    return None
-
-
-# -- overlayfs -----------------------------------------------------------------------------
-
-
-def _overlay_below(
-    wf: WeightFile, seen: os.stat_result, placed: Placed
-) -> tuple[_Below, os.stat_result] | str:
-    """The upper or lower file the overlay shows as `wf`, checked, or why there is none."""
-    mount = placed.mount
-    rel = relative_to(placed.path, mount.mount_point)
-    if rel is None:
-        return f"{wf.path} is outside its overlay {mount.mount_point}"
-    inside = os.path.join(mount.root.lstrip("/"), rel)
-    upper = mount.option("upperdir")
-    for directory in overlay_dirs(mount):
-        for base in dict.fromkeys((directory, placed.table.outside(directory))):
-            candidate = os.path.join(base, inside)
-            real = _stat_if(candidate)
-            if real is None:
-                continue
-            matches = partial(_overlay_shows, copied_up=directory == upper)
-            if not matches(seen, real):
-                return (
-                    f"{candidate} is not the file {wf.path} shows (size, modification time or "
-                    "inode differ: a redirected or opaque directory?)"
-                )
-            if mount.option("metacopy") == "on" and _metacopy(candidate):
-                return (
-                    f"{candidate} holds only the metadata of {wf.path} (metacopy): its data "
-                    "lies in a lower layer the overlay redirects to"
-                )
-            return _Below(candidate, "on the real files below the overlay", matches), real
-    return f"no layer of the overlay at {mount.mount_point} holds {inside}"
-
-
-def _stat_if(path: str) -> os.stat_result | None:
-    try:
-        return os.stat(path)
-    except OSError:
-        return None
-
-
-def _overlay_shows(seen: os.stat_result, real: os.stat_result, copied_up: bool) -> bool:
-    """An overlay file shows its real file's size and mtime, and a lower file's inode number
-    whole (one filesystem, or xino off) or with the layer's number in the top bits (xino). A
-    file in the upper layer keeps the inode number of the lower file it was copied up from, so
-    there the number is no evidence (the upper layer always wins where it holds the name)."""
-    differ = seen.st_ino ^ real.st_ino
-    return (
-        seen.st_size == real.st_size
-        and seen.st_mtime_ns == real.st_mtime_ns
-        and stat.S_ISREG(real.st_mode)
-        and (copied_up or differ & ((1 << (64 - _XINO_BITS)) - 1) == 0)
-    )
-
-
-def _metacopy(path: str) -> bool:
-    for name in ("trusted.overlay.metacopy", "user.overlay.metacopy"):
-        try:
-            os.getxattr(path, name)
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def _moved(wf: WeightFile, path: str, st: os.stat_result) -> WeightFile:
-    directory, entry = os.path.split(path)
-    return replace(wf, path=path, directory=directory, entry=entry, dev=st.st_dev, ino=st.st_ino)
