@@ -115,8 +115,9 @@ class StorageDescription:
 
     @property
     def note(self) -> str | None:
-        """What status shows beside a successful sample (the sampler's `note`)."""
-        return self.reason
+        """What status shows beside a successful sample: the weight paths that could not be
+        looked at, else why the cache label is fixed (the sampler's `note`)."""
+        return "; ".join(self.unplaced) or self.reason
 
 
 @dataclass(frozen=True)
