@@ -31,11 +31,16 @@ def evict(path: str) -> int:
     """Drop a file's pages from the page cache; returns its size.
 
     Dirty pages cannot be dropped, so flush first: a freshly written shard would otherwise stay
-    cached and the "cold" load would read from memory.
+    cached and the "cold" load would read from memory. A read-only filesystem (squashfs, erofs)
+    has nothing to flush and refuses fsync with EINVAL or EROFS.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EROFS):
+                raise
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return os.fstat(fd).st_size
     finally:

@@ -208,6 +208,63 @@ class GpuUse:
     total_bytes: int | None
 
 
+FACTS = (("reads", "read_rate"), ("residency", "residency"), ("page cache", "page_cache"),
+         ("bypass", "bypass"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MountView:
+    """One filesystem under a target's weights, as `status` prints it."""
+
+    summary: str
+    facts: tuple[tuple[str, bool | None, str], ...]  # (what, holds, why), in FACTS order
+    notes: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MountView:
+        facts = []
+        for name, key in FACTS:
+            fact = _mapping(data, key)
+            value = fact.get("value")
+            facts.append((name, value if isinstance(value, bool) else None,
+                          _text(fact, "reason") or ""))  # fmt: skip
+        notes = data.get("notes")
+        return cls(
+            summary=_text(data, "summary") or "?",
+            facts=tuple(facts),
+            notes=tuple(n for n in notes if isinstance(n, str)) if isinstance(notes, list) else (),
+        )
+
+
+@dataclass(frozen=True)
+class StorageView:
+    """What holds a target's weights and the rule its cache label follows."""
+
+    mounts: tuple[MountView, ...]
+    label: str  # "bypass", "unknown", "never cold" or "from residency"
+    reason: str | None
+    unplaced: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StorageView:
+        rule = _mapping(data, "cache_label")
+        label = _text(rule, "fixed") or ("never cold" if rule.get("never_cold") is True else "")
+        mounts = data.get("mounts")
+        unplaced = data.get("unplaced")
+        return cls(
+            mounts=tuple(
+                MountView.from_json(m)
+                for m in (mounts if isinstance(mounts, list) else ())
+                if isinstance(m, dict)
+            ),
+            label=label or "from residency",
+            reason=_text(rule, "reason"),
+            unplaced=tuple(u for u in unplaced if isinstance(u, str))
+            if isinstance(unplaced, list)
+            else (),
+        )
+
+
 @dataclass(frozen=True)
 class TargetView:
     """What the commands show of one target: an entry of /api/v1/status, or an endpoint probe."""
@@ -234,6 +291,7 @@ class TargetView:
     # None when the exporter publishes no forecast at all (one older than the forecast).
     restart_forecast: RestartForecast | None = None
     detail: str | None = None  # e.g. the probe's answer, or why the exporter is not answering
+    storage: StorageView | None = None
 
     @property
     def resident_ratio(self) -> float | None:
@@ -259,6 +317,7 @@ class TargetView:
         expected = entry.get("expected_duration_seconds")
         gpus = entry.get("gpu_memory")
         forecast = entry.get("restart_forecast")
+        storage = entry.get("storage")
         return cls(
             target=str(entry.get("target", "")),
             phase=str(entry.get("phase") or "unknown"),
@@ -292,6 +351,7 @@ class TargetView:
             restart_forecast=(
                 RestartForecast.from_json(forecast) if isinstance(forecast, dict) else None
             ),
+            storage=StorageView.from_json(storage) if isinstance(storage, dict) else None,
         )
 
 

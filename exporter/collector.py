@@ -23,15 +23,27 @@ from prometheus_client.registry import Collector
 
 from exporter.loadstats import LOAD_BUCKETS, HistogramCounts
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, ENDPOINT, MEMORY, NVML, PAGECACHE, PROCESS, SourceKey
+from exporter.sources import (
+    DISK,
+    ENDPOINT,
+    MEMORY,
+    NETFS,
+    NVML,
+    PAGECACHE,
+    PROCESS,
+    ZFS,
+    SourceKey,
+)
 from exporter.sources.disk import DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
+from exporter.sources.netfs import NetFsSample
 from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.zfs import ZfsSample
 from exporter.untrusted import clean
-from exporter.vocabulary import Cache, Phase, ProbeResult, Step
+from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
 
 NS = "model_load"
 T = TypeVar("T")
@@ -83,6 +95,58 @@ DISCOVERY_REFUSED = _counter(
     "discovery_refused",
     "Processes, files and addresses discovery declined, by reason.",
     "reason",
+)
+NFS_READ = _counter(
+    "nfs_read_bytes_total", "Bytes read from the NFS server, per mount.", "mount", "mountpoint"
+)
+NFS_RATE = _gauge(
+    "nfs_read_bytes_per_second",
+    "Bytes per second read from the NFS server over the last sample interval.",
+    "mount",
+    "mountpoint",
+)
+NFS_APPLICATION_READ = _counter(
+    "nfs_application_read_bytes_total",
+    "Bytes applications read from the NFS mount: buffered (page-cache hits included) or direct.",
+    "mount",
+    "mountpoint",
+    "io",
+)
+LUSTRE_READ = _counter(
+    "lustre_read_bytes_total",
+    "Bytes read through the Lustre client (llite read_bytes, cache hits included), per mount.",
+    "mount",
+    "mountpoint",
+)
+LUSTRE_RATE = _gauge(
+    "lustre_read_bytes_per_second",
+    "Lustre client read throughput over the last sample interval.",
+    "mount",
+    "mountpoint",
+)
+CEPHFS_READ = _counter(
+    "cephfs_read_bytes_total",
+    "Bytes the CephFS kernel client read from the OSDs, per mount.",
+    "mount",
+    "mountpoint",
+)
+CEPHFS_RATE = _gauge(
+    "cephfs_read_bytes_per_second",
+    "CephFS client read throughput over the last sample interval.",
+    "mount",
+    "mountpoint",
+)
+ZFS_READ = _counter("zfs_read_bytes_total", "Bytes the ZFS pool read from its vdevs.", "pool")
+ZFS_RATE = _gauge(
+    "zfs_read_bytes_per_second", "ZFS pool read throughput over the last sample interval.", "pool"
+)
+ZFS_ARC_READS = _counter(
+    "zfs_arc_demand_data_reads_total",
+    "File-data reads the ZFS ARC served (hit) or not (miss), host-wide.",
+    "result",
+)
+ZFS_ARC_HIT = _gauge(
+    "zfs_arc_hit_ratio", "Share of the ARC's demand data reads it served over the last interval."
 )
 MEMORY_TOTAL = _gauge("host_memory_total_bytes", "MemTotal from /proc/meminfo.")
 MEMORY_AVAILABLE = _gauge("host_memory_available_bytes", "MemAvailable from /proc/meminfo.")
@@ -163,8 +227,10 @@ PHASE_DURATION = _histogram(
 
 CATALOG: tuple[MetricSpec, ...] = (
     BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK, HISTORY_UP,
-    DISK_READ, DISK_RATE, DISCOVERY_REFUSED,
-    MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL, GPU_PCIE_RX,
+    DISK_READ, DISK_RATE, DISCOVERY_REFUSED, NFS_READ, NFS_RATE, NFS_APPLICATION_READ,
+    LUSTRE_READ, LUSTRE_RATE, CEPHFS_READ, CEPHFS_RATE, ZFS_READ, ZFS_RATE, ZFS_ARC_READS,
+    ZFS_ARC_HIT, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
+    GPU_PCIE_RX,
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
@@ -221,6 +287,33 @@ def _disk(out: Scrape, disk: DiskSample) -> None:
     for dev in disk.devices:
         out.add(DISK_READ, [dev.device], dev.read_bytes_total)
         out.add(DISK_RATE, [dev.device], dev.read_bytes_per_second)
+
+
+_NETFS_FAMILIES = {
+    StorageKind.NFS: (NFS_READ, NFS_RATE),
+    StorageKind.LUSTRE: (LUSTRE_READ, LUSTRE_RATE),
+    StorageKind.CEPHFS: (CEPHFS_READ, CEPHFS_RATE),
+}
+
+
+def _netfs(out: Scrape, netfs: NetFsSample) -> None:
+    for mount in netfs.mounts:
+        total, rate = _NETFS_FAMILIES[mount.kind]
+        labels = [mount.mount, mount.mountpoint]
+        out.add(total, labels, mount.read_bytes_total)
+        out.add(rate, labels, mount.read_bytes_per_second)
+        out.add(NFS_APPLICATION_READ, [*labels, "buffered"], mount.buffered_read_bytes_total)
+        out.add(NFS_APPLICATION_READ, [*labels, "direct"], mount.direct_read_bytes_total)
+
+
+def _zfs(out: Scrape, zfs: ZfsSample) -> None:
+    for pool in zfs.pools:
+        out.add(ZFS_READ, [pool.pool], pool.read_bytes_total)
+        out.add(ZFS_RATE, [pool.pool], pool.read_bytes_per_second)
+    if zfs.arc is not None:
+        out.add(ZFS_ARC_READS, ["hit"], zfs.arc.hits_total)
+        out.add(ZFS_ARC_READS, ["miss"], zfs.arc.misses_total)
+        out.add(ZFS_ARC_HIT, [], zfs.arc.hit_ratio)
 
 
 def _memory(out: Scrape, memory: MemorySample) -> None:
@@ -346,7 +439,13 @@ def _history(out: Scrape, snap: Snapshot) -> None:
         out.histogram(PHASE_DURATION, labels, counts)
 
 
-HOST: tuple[HostFn, ...] = (_host(DISK, _disk), _host(MEMORY, _memory), _host(NVML, _nvml))
+HOST: tuple[HostFn, ...] = (
+    _host(DISK, _disk),
+    _host(NETFS, _netfs),
+    _host(ZFS, _zfs),
+    _host(MEMORY, _memory),
+    _host(NVML, _nvml),
+)
 TARGET: tuple[TargetFn, ...] = (
     _target_info,
     _per_target(PAGECACHE, _pagecache),

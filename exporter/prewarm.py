@@ -6,6 +6,12 @@ first and everything else the host had cached. So the command measures before it
 exporter's own residency code), refuses with the numbers when the bytes still to read exceed
 MemAvailable (exit 1; `--force` reads anyway), and measures again after, so its last line says
 what is resident now rather than what was attempted. `--evict` does the opposite, for drills.
+
+Where the page cache is not what the next load reads from, prewarming would claim a warm restart
+it cannot give, so it refuses with the reason (exit 1, whatever `--force`): reads that bypass the
+page cache (a FUSE mount in direct-I/O mode), a cache that is not the page cache (ZFS's ARC), a
+FUSE mount whose every open drops the cache. Through an overlay or a FUSE passthrough it reads
+and measures the real file below (exporter/sources/storage.py).
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from contextlib import contextmanager
 from exporter import cachectl, terminal
 from exporter.config import DEFAULT_INCLUDE, WeightsConfig
 from exporter.sources.memory import read_meminfo
-from exporter.sources.pagecache import PassResult, WeightFile, discover, measure
+from exporter.sources.pagecache import PassResult, WeightFile, discover, measure_planned
+from exporter.sources.storage import StorageDescription, WeightStorage
+from exporter.vocabulary import StorageKind
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
 DEFAULT_JOBS = 4
@@ -76,8 +84,20 @@ def find_files(paths: Sequence[str], include: Sequence[str]) -> tuple[WeightFile
     return files
 
 
-def _residency(files: Sequence[WeightFile]) -> PassResult:
-    return measure(files, per_file=True)
+def refusal(description: StorageDescription) -> str | None:
+    """Why prewarming these weights would not make the next load warm, or None."""
+    for mount in description.mounts:
+        if mount.bypass.value:
+            return f"reads of {mount.mount_point} bypass the page cache: {mount.bypass.reason}"
+        if not mount.page_cache.value:
+            return f"{mount.mount_point} is not served by the page cache: {mount.page_cache.reason}"
+        if mount.kind is StorageKind.FUSE and not mount.residency.value:
+            return f"{mount.mount_point}: {mount.residency.reason}"
+    return None
+
+
+def _residency(files: Sequence[WeightFile], storage: WeightStorage) -> PassResult:
+    return measure_planned(files, storage, per_file=True)
 
 
 def _share(result: PassResult) -> str:
@@ -89,26 +109,41 @@ def _share(result: PassResult) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("exporter").addHandler(logging.NullHandler())  # reasons arrive as values
+    include = tuple(args.include or DEFAULT_INCLUDE)
     try:
-        files = find_files(args.paths, args.include or DEFAULT_INCLUDE)
+        files = find_files(args.paths, include)
     except UsageError as exc:
         terminal.fail("prewarm", str(exc))
         return EXIT_USAGE
-    before = _residency(files)
+    storage = WeightStorage(
+        WeightsConfig(paths=tuple(os.path.abspath(p) for p in args.paths), include=include)
+    )
+    refused = refusal(storage.describe())
+    if refused is not None:
+        terminal.fail("prewarm", f"refusing: {refused}")
+        return EXIT_REFUSED
+    plan = storage.plan(files)
+    real = (*plan.files, *plan.unmeasurable)  # the files below, or the files themselves
+    before = _residency(files, storage)
     try:
         if args.evict:
-            return _evict(files, before)
-        return _prewarm(files, before, args.jobs, args.force)
+            return _evict(files, real, before, storage)
+        return _prewarm(files, real, before, storage, args.jobs, args.force)
     except OSError as exc:
         terminal.fail("prewarm", f"{exc.filename or 'read'}: {exc.strerror}")
         return EXIT_REFUSED
 
 
-def _evict(files: Sequence[WeightFile], before: PassResult) -> int:
+def _evict(
+    files: Sequence[WeightFile],
+    real: Sequence[WeightFile],
+    before: PassResult,
+    storage: WeightStorage,
+) -> int:
     started = time.monotonic()
-    for wf in files:
+    for wf in real:
         cachectl.evict(wf.path)
-    after = _residency(files)
+    after = _residency(files, storage)
     print(
         f"evicted {len(files)} files, {terminal.size(before.total_bytes)} in "
         f"{terminal.duration(time.monotonic() - started)}; resident before {_share(before)}, "
@@ -117,11 +152,18 @@ def _evict(files: Sequence[WeightFile], before: PassResult) -> int:
     return EXIT_OK
 
 
-def _prewarm(files: Sequence[WeightFile], before: PassResult, jobs: int, force: bool) -> int:
+def _prewarm(
+    files: Sequence[WeightFile],
+    real: Sequence[WeightFile],
+    before: PassResult,
+    storage: WeightStorage,
+    jobs: int,
+    force: bool,
+) -> int:
     # Files already wholly resident are skipped; the others are read whole (cached parts of them
     # cost no I/O).
     resident = {row.path: row.resident_bytes for row in before.per_file}
-    sizes = [(wf.path, os.stat(wf.path).st_size, resident.get(wf.name, 0)) for wf in files]
+    sizes = [(wf.path, os.stat(wf.path).st_size, resident.get(wf.name, 0)) for wf in real]
     todo = [(path, size) for path, size, cached in sizes if cached < size]
     missing = before.total_bytes - (before.resident_bytes or 0)
     available = read_meminfo().available_bytes
@@ -139,7 +181,7 @@ def _prewarm(files: Sequence[WeightFile], before: PassResult, jobs: int, force: 
     with _progress(todo_bytes) as advance:
         read = cachectl.prewarm_files(todo, jobs, advance)
     seconds = time.monotonic() - started
-    after = _residency(files)
+    after = _residency(files, storage)
     speed = terminal.rate(read / seconds if seconds else None)
     print(
         f"prewarmed {len(files)} files, {terminal.size(before.total_bytes)}: read "

@@ -51,10 +51,13 @@ from exporter.sources import (
     ENDPOINT,
     LOGS,
     MEMORY,
+    NETFS,
     NVML,
     PAGECACHE,
     PROCESS,
+    STORAGE,
     WEIGHT_FILES,
+    ZFS,
     SourceKey,
 )
 from exporter.sources.disk import DiskSample, DiskSource
@@ -68,6 +71,7 @@ from exporter.sources.gpu import (
 )
 from exporter.sources.logs import LogSource, new_events
 from exporter.sources.memory import MemorySource
+from exporter.sources.netfs import NetFsSource
 from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.pagecache import (
     QUIET_REFRESH_SECONDS,
@@ -75,7 +79,9 @@ from exporter.sources.pagecache import (
     ResidencySource,
 )
 from exporter.sources.process import ProcessFinder, ProcessSample
+from exporter.sources.storage import WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
+from exporter.sources.zfs import ZfsSource
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
@@ -96,6 +102,8 @@ LOG_OPEN_TIMEOUT = 5.0  # seconds opening a discovered server's log may take (a 
 FILE_LOOKS_PER_INTERVAL = 4
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
+# What holds a target's weights changes with a mount, not with a load: looked at this seldom.
+STORAGE_REFRESH_SECONDS = 30.0
 
 # Every temperature, unknown too: where residency cannot be measured all loads are unknown.
 EXPECTED_CACHES = tuple(Cache)
@@ -111,6 +119,7 @@ class TargetRuntime:
     cadence: ProbeCadence
     finder: ProcessFinder | None
     residency: ResidencySource | None
+    storage: WeightStorage | None = None  # what holds the weights; residency asks it too
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
     gone_since: float | None = None  # a discovered server's process went away at this time
     logs: LogSource | None = None  # made once the process's start is known (a journal's start)
@@ -170,12 +179,17 @@ class Runtime:
         self._ticked = threading.Event()
         self._last_tick: float | None = None
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
+        self._sys_root = sys_root
         self.disk = DiskSource(weights, proc_root=proc_root, sys_root=sys_root)
+        self.netfs = NetFsSource(weights, proc_root=proc_root, sys_root=sys_root)
+        self.zfs = ZfsSource(weights, proc_root=proc_root, sys_root=sys_root)
         self.targets: dict[str, TargetRuntime] = {}
         for target in config.targets:
             self._add_target(target)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
         self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK))
+        self.sampler.add(NETFS, "", self.netfs.sample, every=self._pace_of(NETFS))
+        self.sampler.add(ZFS, "", self.zfs.sample, every=self._pace_of(ZFS))
         memory = MemorySource(proc_root).sample
         self.sampler.add(MEMORY, "", memory, every=self._pace_of(MEMORY))
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
@@ -223,6 +237,11 @@ class Runtime:
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
         behalf = self._on_behalf(runtime.discovered)
+        runtime.storage = (
+            WeightStorage(target.weights, proc_root=self._proc_root, sys_root=self._sys_root)
+            if target.weights
+            else None
+        )
         runtime.residency = (
             ResidencySource(
                 target.weights,
@@ -233,6 +252,7 @@ class Runtime:
                 on_behalf=behalf,
                 max_entries=self.config.discovery.max_files if behalf else None,
                 on_refused=lambda exc: self._refused_tree(target.name, exc),
+                storage=runtime.storage,
             )
             if target.weights
             else None
@@ -269,6 +289,16 @@ class Runtime:
             )
         else:
             self.sampler.discard(PAGECACHE, target.name)
+        if runtime.storage is not None:
+            describe = runtime.storage.describe
+            self.sampler.add(
+                STORAGE,
+                target.name,
+                (lambda: behalf.run(describe)) if behalf is not None else describe,
+                every=self._storage_pace(target.name),
+            )
+        else:
+            self.sampler.discard(STORAGE, target.name)
         if runtime.finder is not None and target.weights is not None:
             name = target.name
             files = WeightFilesSource(
@@ -282,7 +312,8 @@ class Runtime:
             self.sampler.add(WEIGHT_FILES, name, files.sample, every=self._files_pace(runtime))
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
-        self.disk.watch(target.name, target.weights.paths if target.weights else None, behalf)
+        for watcher in (self.disk, self.netfs, self.zfs):
+            watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.quiet:  # a new target, or a new process of one: not quiet until it settles
             self.quiet = False
             self.sampler.wake_all()
@@ -301,7 +332,8 @@ class Runtime:
             runtime = self.targets.pop(name)
         runtime.prober.close()
         self.sampler.remove(name)
-        self.disk.watch(name, None)
+        for watcher in (self.disk, self.netfs, self.zfs):
+            watcher.watch(name, None)
         self.load_durations.forget(name)
         self.phase_durations.forget(name)
         if runtime.watched_pid is not None:
@@ -453,7 +485,7 @@ class Runtime:
             self._open_log(runtime, now)
             observation, gpu_memory = self._observe(runtime, now, disk)
             if runtime.residency is not None:
-                runtime.residency.note_device_reads(observation.disk_read_bytes)
+                runtime.residency.note_device_reads(self._storage_reads(runtime, disk))
             record = runtime.tracker.observe(observation)
             if record is not None:
                 self._finish(record)
@@ -511,6 +543,31 @@ class Runtime:
             return pace()
 
         return files_pace
+
+    def _storage_pace(self, target: str) -> Callable[[], float]:
+        """The storage description's pace: STORAGE_REFRESH_SECONDS, a failing one every sample
+        interval (a weights path that appears is described at once)."""
+
+        def pace() -> float:
+            reading = self.sampler.latest(STORAGE, target)
+            failing = (
+                reading is None or not reading.ok or bool(reading.good and reading.good.unplaced)
+            )
+            return self.config.sample_interval if failing else STORAGE_REFRESH_SECONDS
+
+        return pace
+
+    def _storage_reads(self, runtime: TargetRuntime, disk: DiskSample | None) -> int | None:
+        """Bytes read so far under a target's weights, from every counter that sees them
+        (block devices, network mounts, ZFS pools); None where none does (tmpfs, FUSE)."""
+        name = runtime.config.name
+        counts = [
+            sample.read_bytes_of(name)
+            for sample in (disk, self.sampler.value(NETFS), self.sampler.value(ZFS))
+            if sample is not None
+        ]
+        known = [count for count in counts if count is not None]
+        return sum(known) if known else None
 
     def _note_quiet(self, runtimes: list[TargetRuntime], moved: bool) -> None:
         """Every loop re-asks its pace when a phase moved (the probe's cadence follows it) or

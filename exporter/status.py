@@ -32,4 +32,8 @@ def run(args: argparse.Namespace) -> int:
     now = float(status.get("time") or 0.0)
     rows = terminal.status_rows(views, now)
     terminal.show(terminal.table(terminal.STATUS_COLUMNS, rows, phase_column=1))
+    storage = [line for view in views for line in terminal.storage_lines(view)]
+    if storage:
+        print()
+        print("\n".join(storage))
     return EXIT_OK

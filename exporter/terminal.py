@@ -259,6 +259,25 @@ def status_rows(views: Iterable[TargetView], now: float) -> list[list[str]]:
     return rows
 
 
+def storage_lines(view: TargetView) -> list[str]:
+    """What holds a target's weights and what can be measured there, each with its reason:
+    `sim storage: overlay over erofs on loop4 ...`, then one indented line per fact."""
+    storage = view.storage
+    if storage is None:
+        return []
+    lines = []
+    for mount in storage.mounts:
+        lines.append(f"{view.target} storage: {mount.summary}")
+        for name, holds, why in mount.facts:
+            verdict = "unknown" if holds is None else "yes" if holds else "no"
+            lines.append(f"  {name}: {verdict}" + (f": {why}" if why else ""))
+        lines.extend(f"  note: {note}" for note in mount.notes)
+    lines.extend(f"{view.target} storage: cannot look at {u}" for u in storage.unplaced)
+    reason = f": {storage.reason}" if storage.reason else ""
+    lines.append(f"  cache label: {storage.label}{reason}")
+    return lines
+
+
 def table(columns: Sequence[str], rows: Sequence[Sequence[str]], phase_column: int | None) -> Table:
     """A borderless table: aligned columns that read the same in a pipe and on a terminal."""
     out = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")

@@ -41,6 +41,23 @@ class Cache(StrEnum):
     WARM = "warm"
     MIXED = "mixed"
     UNKNOWN = "unknown"
+    BYPASS = "bypass"  # the loader read around the page cache: residency says nothing of it
+
+
+class StorageKind(StrEnum):
+    """What holds a target's weights (`/api/v1/status` `storage`): what can be measured differs."""
+
+    BLOCK = "block"  # a filesystem on block devices (ext4, xfs, ...): diskstats, page cache
+    BTRFS = "btrfs"  # its devices under /sys/fs/btrfs/FSID/devices, not its anonymous st_dev
+    IMAGE = "image"  # a read-only image filesystem (squashfs, erofs), on a device or a file
+    OVERLAY = "overlay"  # layers over other filesystems; the page cache is the real file's
+    MEMORY = "memory"  # tmpfs, ramfs, hugetlbfs: in memory by construction, no device
+    FUSE = "fuse"  # a userspace daemon: no byte counter, its own cache rules
+    NFS = "nfs"  # counted per mount in mountstats
+    LUSTRE = "lustre"  # counted per filesystem in llite stats
+    CEPHFS = "cephfs"  # counted per client in the ceph debugfs metrics
+    ZFS = "zfs"  # its ARC serves reads, not the page cache
+    OTHER = "other"  # none of these: nothing known to count its reads
 
 
 class ServerKind(StrEnum):

@@ -24,8 +24,9 @@ from exporter.httpserver import Limits, Server, somaxconn
 from exporter.runtime import Runtime
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, LOGS, NVML, PAGECACHE, WEIGHT_FILES
+from exporter.sources import DISK, LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
 from exporter.sources.gpu import pcie_rx_since
+from exporter.sources.storage import StorageDescription
 from exporter.sources.weightfiles import WeightFilesSample
 from exporter.tracker import LoadRecord
 from exporter.untrusted import clean
@@ -142,6 +143,24 @@ def _log_json(view: TargetView) -> dict[str, Any]:
     return {"source": None, "found_by": finding.why}
 
 
+def storage_json(description: StorageDescription) -> dict[str, Any]:
+    """What holds the weights, what can be measured there (each fact with its reason), and the
+    rule the load's cache label follows."""
+    fixed = description.fixed_cache()
+    return {
+        "kinds": list(description.kinds),
+        "cache_label": {
+            "fixed": str(fixed) if fixed is not None else None,
+            "never_cold": description.in_memory,
+            "residency_is_temperature": description.residency_is_temperature,
+            "bypass": description.bypass,
+            "reason": description.reason,
+        },
+        "mounts": [dataclasses.asdict(m) for m in description.mounts],
+        "unplaced": list(description.unplaced),
+    }
+
+
 def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
     """The JSON of /api/v1/status: one entry per target with its state and the evidence."""
     disk = snap.host_value(DISK)
@@ -177,7 +196,11 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
                 "last_full_pass_age_seconds": round(snap.time - value.measured_at, 3),
                 "last_full_pass_cpu_seconds": value.pass_cpu_seconds,
                 "reason": value.reason,
+                "measured_on": value.where,
             }
+        storage = view.value(STORAGE)
+        if storage is not None:
+            entry["storage"] = storage_json(storage)
         entry.update(_operator_view(snap, view))
         files = view.reading(WEIGHT_FILES)
         if files is not None and files.value is not None:
@@ -211,6 +234,9 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
             }
         if disk is not None:
             entry["block_devices"] = list(disk.devices_by_target.get(name, ()))
+            lower = list(disk.lower_devices_by_target.get(name, ()))
+            if lower:
+                entry["lower_block_devices"] = lower
             unbacked = list(disk.unbacked_by_target.get(name, ()))
             if unbacked:
                 entry["unbacked_weight_paths"] = unbacked

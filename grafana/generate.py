@@ -78,6 +78,7 @@ CACHE_COLORS: dict[str, str] = {
     Cache.WARM: "orange",
     Cache.MIXED: "yellow",
     Cache.UNKNOWN: "text",
+    Cache.BYPASS: "purple",
 }
 READY_COLORS = {"not ready": "orange", "ready": "green"}
 STALL_COLORS = {"moving": "green", "STALLED": "red"}

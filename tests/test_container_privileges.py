@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from exporter.cachectl import evict
-from exporter.sources.disk import resolve_block_device
+from exporter.sources.backing import block_device_of
 from exporter.sources.pagecache import file_residency
 
 pytestmark = pytest.mark.system  # child processes with fewer privileges
@@ -122,12 +122,13 @@ def test_another_users_proc_io_needs_sys_ptrace_and_dac_read_search() -> None:
 @pytest.mark.requires("root", "unshare")
 def test_block_device_found_when_sys_dev_block_is_masked_as_podman_does() -> None:
     st_dev = os.stat("/var/tmp").st_dev
-    expected = resolve_block_device(st_dev)
+    expected = block_device_of(f"{os.major(st_dev)}:{os.minor(st_dev)}")
     if expected is None:
         pytest.skip("/var/tmp is on no block device here")
     probe = (
-        "import os, sys; from exporter.sources.disk import resolve_block_device as r; "
-        "print(len(os.listdir('/sys/dev/block')), r(os.stat('/var/tmp').st_dev))"
+        "import os, sys; from exporter.sources.backing import block_device_of as b; "
+        "d = os.stat('/var/tmp').st_dev; "
+        "print(len(os.listdir('/sys/dev/block')), b(f'{os.major(d)}:{os.minor(d)}'))"
     )
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c",

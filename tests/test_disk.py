@@ -43,13 +43,18 @@ def fake_sys(tmp_path: Path, st_dev: int, device_path: str, partition: bool) -> 
 
 
 def fake_proc(tmp_path: Path, sectors: dict[str, int]) -> str:
+    """diskstats with these sectors, and a mount table whose root is the tmp files' device."""
     proc_root = tmp_path / "proc"
-    proc_root.mkdir(exist_ok=True)
+    (proc_root / "self").mkdir(parents=True, exist_ok=True)
     text = "".join(
         DISKSTATS_LINE.format(major=8, minor=i * 16, name=name, sectors=count)
         for i, (name, count) in enumerate(sectors.items())
     )
     (proc_root / "diskstats").write_text(text)
+    st_dev = os.stat(tmp_path).st_dev
+    (proc_root / "self" / "mountinfo").write_text(
+        f"90001 1 {os.major(st_dev)}:{os.minor(st_dev)} / / rw - ext4 /dev/vdz rw\n"
+    )
     return str(proc_root)
 
 
@@ -160,8 +165,7 @@ def test_malformed_diskstats_raises(tmp_path: Path) -> None:
     weights = tmp_path / "w.bin"
     weights.write_bytes(b"x")
     sys_root = fake_sys(tmp_path, os.stat(weights).st_dev, "virtual/block/vdz", False)
-    proc_root = tmp_path / "proc"
-    proc_root.mkdir()
-    (proc_root / "diskstats").write_text(" 254 0 vdz 1 2 many 4\n")
+    proc_root = fake_proc(tmp_path, {})
+    (Path(proc_root) / "diskstats").write_text(" 254 0 vdz 1 2 many 4\n")
     with pytest.raises(ValueError):
-        DiskSource({"m": [str(weights)]}, proc_root=str(proc_root), sys_root=sys_root).sample()
+        DiskSource({"m": [str(weights)]}, proc_root=proc_root, sys_root=sys_root).sample()

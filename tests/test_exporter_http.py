@@ -344,12 +344,27 @@ def test_weights_without_a_block_device_are_reported_in_status(
         running = start_exporter(
             {"targets": [{**target("m", model_server.url), "weights": {"paths": [str(directory)]}}]}
         )
-        entry = wait_for(lambda: "block_devices" in (s := running.status()["targets"][0]) and s)
+
+        def described() -> dict[str, Any] | None:
+            entry = running.status()["targets"][0]
+            return entry if "block_devices" in entry and "storage" in entry else None
+
+        entry = wait_for(described)
     finally:
         shutil.rmtree(directory)
     assert entry["block_devices"] == []
     assert entry["unbacked_weight_paths"] == [str(directory)]
     assert "no block device" in entry["unbacked_note"]
+    # What holds them, and what that means for the load's label: in memory, never cold.
+    storage = entry["storage"]
+    assert storage["kinds"] == ["memory"]
+    assert storage["cache_label"] == {
+        "fixed": None, "never_cold": True, "residency_is_temperature": True, "bypass": False,
+        "reason": "the weights are on a memory filesystem: in memory by construction",
+    }  # fmt: skip
+    (mount,) = storage["mounts"]
+    assert (mount["fstype"], mount["paths"]) == ("tmpfs", [str(directory)])
+    assert mount["read_rate"] == {"value": False, "reason": "a memory filesystem reads no device"}
 
 
 @pytest.mark.system

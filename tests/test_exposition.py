@@ -23,14 +23,27 @@ from exporter.loadstats import Histograms
 from exporter.refusals import REASONS
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, ENDPOINT, LOGS, MEMORY, NVML, PAGECACHE, PROCESS, SourceKey
+from exporter.sources import (
+    DISK,
+    ENDPOINT,
+    LOGS,
+    MEMORY,
+    NETFS,
+    NVML,
+    PAGECACHE,
+    PROCESS,
+    ZFS,
+    SourceKey,
+)
 from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample
+from exporter.sources.netfs import MountReads, NetFsSample
 from exporter.sources.pagecache import FileResidency, ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
 from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
     Cache,
@@ -41,6 +54,7 @@ from exporter.vocabulary import (
     ProbeResult,
     ServerKind,
     Step,
+    StorageKind,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +113,25 @@ def golden_snapshot() -> Snapshot:
         devices=(DeviceReads("nvme0n1", 412 * GIB, 240e6), DeviceReads("vda", 3 * GIB, None)),
         devices_by_target={"kimi-k2": ("nvme0n1",), "qwen": ("vda",)},
         unbacked_by_target={"kimi-k2": (), "qwen": ()},
+    )
+    # Weights elsewhere on the same host: an NFS export, a Lustre and a CephFS mount, a ZFS pool.
+    nfs = MountReads(StorageKind.NFS, "10.0.0.5:/models", "/mnt/models", 80 * GIB, 1.1e9,
+                     buffered_read_bytes_total=79 * GIB, direct_read_bytes_total=GIB)  # fmt: skip
+    ceph = "admin@6f0d2d5e-1b7c-4b0e-9c51-3f1f0e3a1b2c.cephfs=/"
+    netfs = NetFsSample(
+        mounts=(
+            nfs,
+            MountReads(StorageKind.LUSTRE, "10.0.0.9@o2ib:/lustre", "/lustre", 12 * GIB, 3.2e9),
+            MountReads(StorageKind.CEPHFS, ceph, "/mnt/ceph", 5 * GIB, 0.0),
+        ),
+        mounts_by_target={},
+        unmeasured=(),
+    )
+    zfs = ZfsSample(
+        pools=(PoolReads("tank", 7 * GIB, 2.5e8),),
+        arc=ArcReads(hits_total=7_221_032, misses_total=73_300, hit_ratio=0.25),
+        pools_by_target={},
+        unmeasured=(),
     )
     gpus = GpuSample(
         driver_version="570.133.20",
@@ -236,6 +269,8 @@ def golden_snapshot() -> Snapshot:
         build={"version": "0.1.0", "python_version": "3.11.7"},
         host={
             "disk": reading(DISK, disk),
+            "netfs": reading(NETFS, netfs),
+            "zfs": reading(ZFS, zfs),
             "memory": reading(MEMORY, MemorySample(2048 * GIB, 1500 * GIB, 400 * GIB)),
             "nvml": reading(NVML, gpus),
         },
@@ -249,6 +284,23 @@ def golden_snapshot() -> Snapshot:
         config_reload_successful=True,
         history_up=True,
         discovery_refused={**dict.fromkeys(REASONS, 0), "max_targets": 468, "unreadable": 3},
+    )
+
+
+def host_snapshot(key: SourceKey[T], value: T) -> Snapshot:
+    """A snapshot of one host-wide source's sample and nothing else: its families alone."""
+    return Snapshot(
+        time=NOW,
+        build={"version": "0.1.0", "python_version": "3.11.7"},
+        host={key.name: reading(key, value)},
+        targets=(),
+        load_durations={},
+        phase_durations={},
+        expected_durations={},
+        last_durations={},
+        history_enabled=False,
+        history_problem=None,
+        config_reload_successful=True,
     )
 
 

@@ -85,7 +85,8 @@ def test_wait_in_a_pipe_prints_one_stable_line_per_phase(finished_load: dict[str
 def test_status_shows_every_target_in_a_table(host: Host, finished_load: dict[str, Any]) -> None:
     result = cli("status", "--exporter", host.exporter.url)
     assert result.returncode == 0, result.stderr
-    header, row = result.stdout.splitlines()
+    table, storage = result.stdout.split("\n\n")
+    header, row = table.splitlines()
     assert header.split() == [
         "TARGET", "PHASE", "PROGRESS", "ETA", "ELAPSED", "CACHE", "ENDPOINT", "RESIDENT",
         "GPU", "MEMORY", "LAST", "LOAD",
@@ -95,9 +96,16 @@ def test_status_shows_every_target_in_a_table(host: Host, finished_load: dict[st
         r" +- +ready after \d+\.\ds, cold cache, \d+\.\ds ago$",
         row,
     ), row
+    # Under the table, what holds the weights (a local filesystem here) and what it allows.
+    lines = storage.splitlines()
+    assert re.fullmatch(r"sim storage: \w+ on \w+.*", lines[0]), lines
+    assert lines[1].startswith("  reads: yes: disk: "), lines
+    assert lines[2] == "  residency: yes: cachestat on the files", lines
+    assert lines[-1] == "  cache label: from residency", lines
     document = json.loads(cli("status", "--exporter", host.exporter.url, "--json").stdout)
     assert [t["target"] for t in document["targets"]] == ["sim"]
     assert document["sample_interval_seconds"] == 0.25
+    assert document["targets"][0]["storage"]["cache_label"]["fixed"] is None
 
 
 def test_history_from_the_exporter_and_from_its_file_agree(

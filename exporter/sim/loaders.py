@@ -7,15 +7,21 @@
 * `pread`: `pread` at offsets from two threads (Run:ai streamer, fastsafetensors); the file
   offset stays 0 while the read() byte counter (rchar) grows.
 
+With `--direct`, `read` and `pread` open each shard with O_DIRECT (Run:ai's streamer with
+RUNAI_STREAMER_DIRECTIO=1, GPUDirect Storage): aligned reads around each chunk into an aligned
+buffer, every byte from the device, nothing left in the page cache.
+
 Each shard is opened at its turn and closed (or unmapped) when done. With tensor parallelism each
 rank reads only its slice of every tensor (the r-th of N equal row ranges), seeking to it with
 `read`, touching only its pages with `mmap`. Whatever the loader, every chunk is paced to the
-cold rate or the page-cache rate from what `cachestat` says of it before it is touched.
+cold rate or the page-cache rate from what `cachestat` says of it before it is touched (with
+`--direct`, to the cold rate: the page cache serves none of it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
@@ -44,6 +50,7 @@ from exporter.sim.shards import (
     Throttle,
     cached_share,
     read_chunk,
+    read_direct,
     read_layout,
 )
 from exporter.sim.stopper import Crash, Stopper
@@ -69,6 +76,7 @@ class RankSpec:
     crash_at: float | None
     trace: Path | None
     parent: int  # the server's pid: a rank never outlives it
+    direct: bool = False  # the read and pread loaders open shards with O_DIRECT
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str)
@@ -107,6 +115,10 @@ class Meter:
         self._cached = 0
         self._known = True
         self._last = 0.0
+
+    @property
+    def direct(self) -> bool:
+        return self._spec.direct
 
     def pieces(self, layout: Layout) -> list[Piece]:
         """This rank's slice of every tensor of a shard."""
@@ -191,28 +203,38 @@ def _timed(read: Callable[[Piece], ChunkRead], piece: Piece) -> tuple[ChunkRead,
     return read(piece), time.time()
 
 
-def _open(shard: Shard) -> int:
+def _open(shard: Shard, direct: bool = False) -> int:
     """Open a weight file with readahead off, so a chunk's cached share is what it was before
-    this rank touched it (read ahead, the next chunk would look cached)."""
-    fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
+    this rank touched it (read ahead, the next chunk would look cached); with `direct`, with
+    O_DIRECT, as Run:ai's streamer (RUNAI_STREAMER_DIRECTIO=1) and GPUDirect Storage do."""
+    if not direct:
+        fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
+    try:
+        return os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # the filesystem has no direct I/O
+            raise ShardError(f"its filesystem does not take O_DIRECT ({exc.strerror})") from None
+        raise
 
 
 def _load_fd(shard: Shard, index: int, meter: Meter, sequential: bool, threads: int) -> None:
     """The `read` (sequential, one thread) and `pread` (at offsets, two threads) loaders."""
-    fd = _open(shard)
+    direct = meter.direct
+    chunk_reader = read_direct if direct else read_chunk
+    fd = _open(shard, direct)
     meter.event(Kind.OPEN, index)
     try:
         started = time.monotonic()
-        layout, header = read_layout(fd, shard.size, sequential)
+        layout, header = read_layout(fd, shard.size, sequential, chunk_reader)
         meter.header(header, started, index)
 
         def read(piece: Piece) -> ChunkRead:
-            if sequential:
+            if sequential and not direct:
                 os.lseek(fd, piece.offset, os.SEEK_SET)  # to this rank's slice
             view = memoryview(bytearray(piece.length))
-            return read_chunk(fd, view, piece.offset, sequential)
+            return chunk_reader(fd, view, piece.offset, sequential)
 
         meter.consume(meter.pieces(layout), read, index, threads)
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -263,6 +264,38 @@ def _read_chunk_nowait(fd: int, view: memoryview, at: int) -> ChunkRead:
     return ChunkRead(cached=cached, cold=cold, known=True)
 
 
+DIRECT_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the block size
+ChunkReader = Callable[[int, memoryview, int, bool], "ChunkRead"]
+
+
+def read_direct(fd: int, view: memoryview, offset: int, sequential: bool = False) -> ChunkRead:
+    """Read `len(view)` bytes at `offset` from a descriptor opened with O_DIRECT.
+
+    O_DIRECT transfers whole blocks into an aligned buffer, so the aligned range around the
+    chunk is read into a page-aligned anonymous mapping and the chunk copied out of it; with
+    `sequential` the file position ends past that range, as a direct `read()` loader's does.
+    Every byte comes from the device, whatever the page cache holds: all of it is cold.
+    """
+    start = offset - offset % DIRECT_ALIGN
+    end = -(-(offset + len(view)) // DIRECT_ALIGN) * DIRECT_ALIGN
+    with mmap.mmap(-1, end - start) as buffer:
+        aligned = memoryview(buffer)
+        try:
+            if sequential:
+                os.lseek(fd, start, os.SEEK_SET)
+            got = 0
+            while got < len(aligned):  # whole blocks until the end; a short block is the last
+                count = os.preadv(fd, [aligned[got:]], -1 if sequential else start + got)
+                got += count
+                if count == 0 or got % DIRECT_ALIGN:
+                    break
+            done = max(0, min(len(view), got - (offset - start)))
+            view[:done] = aligned[offset - start : offset - start + done]
+        finally:
+            aligned.release()
+    return ChunkRead(cached=0, cold=done, known=True)
+
+
 def cached_share(fd: int, offset: int, length: int) -> ChunkRead:
     """How `length` bytes at `offset` would read now, without reading them (mmap loaders).
 
@@ -276,17 +309,21 @@ def cached_share(fd: int, offset: int, length: int) -> ChunkRead:
     return ChunkRead(cached=cached, cold=length - cached, known=True)
 
 
-def read_layout(fd: int, size: int, sequential: bool) -> tuple[Layout, ChunkRead]:
-    """Read a shard's header like a loader does (`sequential`: with `read()`), and parse it."""
+def read_layout(
+    fd: int, size: int, sequential: bool, read: ChunkReader | None = None
+) -> tuple[Layout, ChunkRead]:
+    """Read a shard's header like a loader does (`sequential`: with `read()`; `read`:
+    read_direct for a descriptor opened with O_DIRECT), and parse it."""
+    read = read or read_chunk
     prefix = bytearray(_PREFIX)
-    first = read_chunk(fd, memoryview(prefix), 0, sequential)
+    first = read(fd, memoryview(prefix), 0, sequential)
     if first.total < _PREFIX:
         raise ShardError("too short for a safetensors header")
     (length,) = struct.unpack("<Q", prefix)
     if length > min(_MAX_HEADER, size - _PREFIX):
         raise ShardError(f"header length {length} does not fit the file")
     header = bytearray(length)
-    rest = read_chunk(fd, memoryview(header), _PREFIX, sequential)
+    rest = read(fd, memoryview(header), _PREFIX, sequential)
     return parse_layout(bytes(header[: rest.total]), size), first + rest
 
 

@@ -161,6 +161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"read() during start-up, from {imports_dir(Path('DIR'))}/ (8MiB)",
     )
     add("--loader", choices=tuple(LOADERS), default="mmap", help="how weights are read (mmap)")
+    add(
+        "--direct",
+        action="store_true",
+        help="the read and pread loaders open shards with O_DIRECT: reads bypass the page cache",
+    )
     add("--tensor-parallel", type=_count_arg, default=1, metavar="N", help="N rank processes")
     add("--init-seconds", type=_seconds_arg, default=10.0, help="KV cache, compile, CUDA graphs")
     add("--port-style", choices=PORT_STYLES, help="closed until ready, or 503 while loading")
@@ -196,6 +201,7 @@ class Settings:
     startup_seconds: float
     import_bytes: int
     loader: str
+    direct: bool
     tensor_parallel: int
     init_seconds: float
     port_style: str
@@ -226,6 +232,7 @@ class Settings:
             startup_seconds=args.startup_seconds,
             import_bytes=args.import_bytes,
             loader=args.loader,
+            direct=args.direct,
             tensor_parallel=args.tensor_parallel,
             init_seconds=args.init_seconds,
             # llama.cpp answers 503 while loading; the others keep the port closed.
@@ -532,6 +539,7 @@ class Simulation:
             crash_at=s.crash_at,
             trace=s.trace,
             parent=os.getpid(),
+            direct=s.direct,
         )
 
     @contextmanager
@@ -674,6 +682,10 @@ def _log_output(path: Path | None) -> Iterator[TextIO]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulated server until SIGTERM/SIGINT, a scripted exit or failure; the exit code."""
+    if args.direct and args.loader == "mmap":
+        print("simulate: error: --direct needs --loader read or pread (a mapping is cached)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     settings = Settings.from_args(args)
     try:
         with (

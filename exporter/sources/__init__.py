@@ -17,9 +17,12 @@ if TYPE_CHECKING:
     from exporter.sources.gpu import GpuSample
     from exporter.sources.logs import LogSample
     from exporter.sources.memory import MemorySample
+    from exporter.sources.netfs import NetFsSample
     from exporter.sources.pagecache import ResidencySample
     from exporter.sources.process import ProcessSample
+    from exporter.sources.storage import StorageDescription
     from exporter.sources.weightfiles import WeightFilesSample
+    from exporter.sources.zfs import ZfsSample
 
 T = TypeVar("T")
 
@@ -35,8 +38,11 @@ class SourceKey(Generic[T]):
 DISK: SourceKey[DiskSample] = SourceKey("disk", per_target=False)
 MEMORY: SourceKey[MemorySample] = SourceKey("memory", per_target=False)
 NVML: SourceKey[GpuSample] = SourceKey("nvml", per_target=False)
+NETFS: SourceKey[NetFsSample] = SourceKey("netfs", per_target=False)
+ZFS: SourceKey[ZfsSample] = SourceKey("zfs", per_target=False)
 ENDPOINT: SourceKey[ProbeSample] = SourceKey("endpoint", per_target=True)
 PROCESS: SourceKey[ProcessSample] = SourceKey("process", per_target=True)
 PAGECACHE: SourceKey[ResidencySample] = SourceKey("pagecache", per_target=True)
 LOGS: SourceKey[LogSample] = SourceKey("logs", per_target=True)
 WEIGHT_FILES: SourceKey[WeightFilesSample] = SourceKey("weight_files", per_target=True)
+STORAGE: SourceKey[StorageDescription] = SourceKey("storage", per_target=True)

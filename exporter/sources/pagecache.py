@@ -26,13 +26,16 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from exporter.asprocess import OnBehalf
 from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
 from exporter.safeio import PSEUDO_MAGIC, Refused, path_magic
+
+if TYPE_CHECKING:
+    from exporter.sources.storage import WeightStorage
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,7 @@ class ResidencySample:
     pass_cpu_seconds: float
     next_pass_due: float
     reason: str | None
+    where: str | None = None  # where residency was measured when not on the files themselves
 
     @property
     def up(self) -> bool:
@@ -173,6 +177,7 @@ class PassResult:
     method: str | None
     reason: str | None
     stale: bool  # a file vanished or was replaced since discovery
+    where: str | None = None  # measured below the files' own mount (overlay layer, FUSE source)
 
 
 class CachestatCall:
@@ -507,6 +512,45 @@ def measure(
     return PassResult(len(seen), total, resident, tuple(rows), method, None, stale)
 
 
+def sizes_only(files: Sequence[WeightFile], reason: str) -> PassResult:
+    """Count and size without opening a file (stat only): where an open would disturb the page
+    cache (FUSE without keep_cache) or residency would not be the truth (ZFS)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stale = False
+    for wf in files:
+        try:
+            st = os.stat(wf.path)
+        except OSError as exc:
+            stale = stale or exc.errno in (errno.ENOENT, errno.ENOTDIR)  # vanished: rediscover
+            continue
+        if (st.st_dev, st.st_ino) != (wf.dev, wf.ino):
+            stale = True
+        if (st.st_dev, st.st_ino) in seen or not stat.S_ISREG(st.st_mode):
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        total += st.st_size
+    return PassResult(len(seen), total, None, (), None, reason, stale)
+
+
+def measure_planned(
+    files: Sequence[WeightFile],
+    storage: WeightStorage | None,
+    per_file: bool = False,
+    methods: Sequence[str] = METHODS,
+    count_unreadable: bool = True,
+) -> PassResult:
+    """A pass that opens each file where `storage` says it may be measured truthfully and
+    harmlessly: the real file below an overlay or a FUSE passthrough, or none at all."""
+    if storage is None:
+        return measure(files, per_file, methods, count_unreadable)
+    plan = storage.plan(files)
+    if plan.unmeasurable:
+        return sizes_only(files, plan.reason or "residency cannot be measured here")
+    result = measure(plan.files, per_file, methods, count_unreadable)
+    return replace(result, where=plan.where) if plan.redirected else result
+
+
 class ResidencySource:
     """Residency of one target's weights, with full passes spaced to stay within a CPU budget."""
 
@@ -521,11 +565,13 @@ class ResidencySource:
         on_behalf: OnBehalf | None = None,
         max_entries: int | None = None,
         on_refused: Callable[[Refused], None] | None = None,
+        storage: WeightStorage | None = None,
     ) -> None:
         """`refresh_after`: how old a pass may get without reads before the next is worth it.
 
         A discovered target's passes run `on_behalf` of its process (with its rights), walk at
-        most `max_entries` entries, and report a refused tree to `on_refused`.
+        most `max_entries` entries, and report a refused tree to `on_refused`; `storage` says
+        where each file may be measured (exporter/sources/storage.py).
         """
         if not 0 < cpu_budget <= 1:
             raise ValueError(f"cpu_budget must be in (0, 1], got {cpu_budget}")
@@ -539,6 +585,7 @@ class ResidencySource:
         self._max_entries = max_entries
         self._on_refused = on_refused
         self._refused: tuple[Refused, float] | None = None  # a refused tree, and until when
+        self._storage = storage
         self._lock = threading.Lock()
         self._forced = threading.Event()
         self._reads = threading.Event()
@@ -603,8 +650,9 @@ class ResidencySource:
         cpu_start = self._cpu_clock()
         if self._tree is None or self._tree.changed():
             self._tree = discover(self._weights, self._max_entries)
-        result = measure(
+        result = measure_planned(
             self._tree.files,
+            self._storage,
             self._weights.per_file,
             self._methods,
             count_unreadable=self._on_behalf is None,
@@ -652,4 +700,5 @@ class ResidencySource:
             pass_cpu_seconds=cost,
             next_pass_due=now + cost / self._budget,
             reason=reason,
+            where=result.where,
         )
