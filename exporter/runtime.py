@@ -79,7 +79,7 @@ from exporter.sources.pagecache import (
     ResidencySource,
 )
 from exporter.sources.process import ProcessFinder, ProcessSample
-from exporter.sources.storage import WeightStorage
+from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
@@ -770,6 +770,7 @@ class Runtime:
             log_lines=log_sample.lines_total if log_sample is not None else None,
             files=_file_view(files, process),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
+            storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
         )
         return observation, gpu_memory
 
@@ -849,6 +850,14 @@ class Runtime:
         return self.history.loads(target, limit)
 
 
+def _storage_cache(storage: StorageDescription | None) -> Cache | None:
+    """The cache label the storage decides, if it does (in memory by construction: warm)."""
+    if storage is None:
+        return None
+    fixed = storage.fixed_cache()
+    return fixed if fixed is not None else Cache.WARM if storage.in_memory else None
+
+
 def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
     """PCIe bytes received so far by the GPUs the tree uses, summed; None unless every one of
     them has the counter (a part would read as the whole)."""
@@ -875,6 +884,7 @@ def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -
         consumed_bytes=files.consumed_bytes,
         seen_bytes=files.seen_bytes,
         total_bytes=files.total_bytes,
+        direct=any(f.direct for f in files.files),
     )
 
 

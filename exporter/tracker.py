@@ -142,6 +142,7 @@ class FileView:
     consumed_bytes: int  # of the weight files, file by file, whatever the loader
     seen_bytes: int  # sizes of the files held so far: the most the tree can have consumed
     total_bytes: int
+    direct: bool = False  # a weight file was opened with O_DIRECT: reads around the page cache
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,10 @@ class Observation:
     log_lines: int | None = None  # lines the server's log has written; None without a log
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
+    # What the storage under the weights says of the label (sources/storage.py): bypass (reads
+    # go around the page cache), unknown (the page cache is not what serves them), warm (in
+    # memory by construction, tmpfs), or None: residency decides.
+    storage_cache: Cache | None = None
 
 
 @dataclass(frozen=True)
@@ -592,6 +597,7 @@ class Tracker:
             load.gpu_base = obs.process_gpu_bytes
         self._note_files(load, obs)
         self._note_residency(load, obs)
+        self._note_storage(load, obs)
         self._follow_log(load, obs)
         load.evidence = self._evidence(load, obs)
         self._advance_progress(load, obs)
@@ -653,6 +659,17 @@ class Tracker:
             load.rx_at_open = obs.gpu_rx_bytes
         if files.first_open_seen:
             load.phases_unknown = False
+
+    def _note_storage(self, load: _Load, obs: Observation) -> None:
+        """Where residency is not the cache temperature, the label says what is instead: a load
+        whose weights are read with O_DIRECT or through a direct-I/O mount bypassed the cache
+        (whatever was resident), one on ZFS is unknown (its ARC served it), one from tmpfs was
+        in memory all along."""
+        files = obs.files
+        if files is not None and files.direct:
+            load.cache = Cache.BYPASS
+        elif obs.storage_cache is not None and load.cache is not Cache.BYPASS:
+            load.cache = obs.storage_cache
 
     def _note_residency(self, load: _Load, obs: Observation) -> None:
         """Cache temperature and the storage baseline come from the first pass after the start.

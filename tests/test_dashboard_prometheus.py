@@ -22,9 +22,10 @@ import pytest
 import requests
 import yaml
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
+from helpers.processes import Simulator
 from helpers.support import RunningExporter, free_port, wait_for
 from test_dashboard import REPO, RULES, committed, load_generator, panel_queries
-from test_e2e import Simulator, evict_all
+from test_e2e import PACE, evict_all
 
 from exporter.sim.shards import generate_shards
 
@@ -196,7 +197,7 @@ def stack(
     sims: list[Simulator] = []
 
     def simulate(*extra: str) -> Simulator:
-        sim = Simulator(tmp_path, weights, port, *SIM, *extra)
+        sim = Simulator(tmp_path, weights, port, *SIM, *extra, pace=PACE)
         sims.append(sim)
         return sim
 

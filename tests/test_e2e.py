@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import requests
-from helpers.simulator import Simulator
+from helpers.processes import Simulator
 from helpers.support import RunningExporter, free_port, metrics_when, sample_value, wait_for
 
 from exporter.cachectl import evict, prewarm
@@ -19,6 +19,8 @@ pytestmark = pytest.mark.system  # child processes, servers
 
 SHARDS, SHARD_SIZE = 4, 16 << 20
 INTERVAL = 0.25
+# Cold at 40 MB/s, cached pages unthrottled, a second of start-up and 1.5 s of init.
+PACE = ("--read-rate", "40MB/s", "--init-seconds", "1.5", "--startup-seconds", "1")
 
 
 @pytest.fixture
@@ -62,7 +64,7 @@ def scenario(tmp_path: Path, weights: Path, start_exporter: Any) -> Iterator[Any
         return running
 
     def simulate(*extra: str) -> Simulator:
-        sim = Simulator(tmp_path, weights, port, *extra)
+        sim = Simulator(tmp_path, weights, port, *extra, pace=PACE)
         sims.append(sim)
         return sim
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.simulator import Simulator
+from helpers.processes import Simulator
 from helpers.support import RunningExporter, free_port
 
 from exporter.cachectl import evict
@@ -99,7 +99,7 @@ def test_progress_follows_the_bytes_consumed_whatever_the_loader(
     )
     sim = Simulator(
         tmp_path, weights, port, "--read-rate", f"{RATE / 1e6:g}MB/s", "--startup-seconds", "2",
-        "--import-bytes", "64MiB", "--trace", str(trace), *loader,
+        "--init-seconds", "1.5", "--import-bytes", "64MiB", "--trace", str(trace), *loader,
     )  # fmt: skip
     try:
         states = follow(running, lambda: sim.report.exists())

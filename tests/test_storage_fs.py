@@ -432,6 +432,57 @@ def test_a_warm_restart_from_an_overlay_is_labelled_warm(
     assert entry["residency"]["measured_on"] == "on the real files below the overlay"
 
 
+@pytest.mark.parametrize(
+    ("where", "flags", "label"),
+    [("ext4", ("--loader", "read", "--direct"), "bypass"), ("tmpfs", (), "warm")],
+    ids=["o_direct-is-bypass", "tmpfs-is-warm"],
+)
+def test_the_exporter_labels_a_load_by_what_served_it(
+    tmp_path: Path,
+    start_exporter: Callable[..., RunningExporter],
+    where: str,
+    flags: tuple[str, ...],
+    label: str,
+) -> None:
+    """A load whose weights were read with O_DIRECT bypassed the page cache whatever residency
+    said (0 here: it would call it cold); one from tmpfs was in memory all along (never cold)."""
+    require_filesystem(where)
+    with scratch(tmp_path / "fs") as s:
+        weights = BUILD[where](s)
+        make_cold(weights)
+        port = free_port()
+        running = start_exporter(
+            {
+                "sample_interval": "250ms",
+                "targets": [
+                    {
+                        "name": "sim",
+                        "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+                        "weights": {"paths": [str(weights.path)]},
+                        "process": {"pidfile": str(tmp_path / "server.pid")},
+                    }
+                ],
+            }
+        )
+        sim = Simulator(tmp_path, weights.path, port, "--read-rate", "40MB/s", *flags)
+        try:
+            text, _ = finished(running, outcome="ready")
+        finally:
+            sim.stop()
+    labels = {k: v for k, v in _labels(text, "model_load_duration_seconds_count").items()}
+    assert labels == {label: 1.0}, labels
+
+
+def _labels(text: str, metric: str) -> dict[str, float]:
+    """The cache label of each `metric` sample of target sim, with its value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(metric + "{") and 'target="sim"' in line:
+            cache = line.split('cache="', 1)[1].split('"', 1)[0]
+            out[cache] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
 def test_a_shard_symlinked_from_another_filesystem_is_described_once_a_pass_met_it(
     tmp_path: Path,

@@ -52,17 +52,24 @@ class ExitClock:
         return self.exited_at
 
 
-class Simulator:
-    """One run of `model-load-exporter simulate` on `port`, reading the shards in `weights`."""
+# What the operator commands' tests load at: a cold and a warm load of the same few seconds.
+PACE = ("--read-rate", "40MB/s", "--cached-read-rate", "40MB/s", "--startup-seconds", "0.5",
+        "--init-seconds", "1")  # fmt: skip
 
-    def __init__(self, tmp_path: Path, weights: Path, port: int, *extra: str) -> None:
+
+class Simulator:
+    """One run of `model-load-exporter simulate` on `port`, reading the shards in `weights`;
+    `pace` is its speed flags (`extra` may override any of them: the last one wins)."""
+
+    def __init__(
+        self, tmp_path: Path, weights: Path, port: int, *extra: str, pace: tuple[str, ...] = PACE
+    ) -> None:
         self.report = tmp_path / f"report-{time.monotonic_ns()}.json"
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [*CLI, "simulate", "--port", str(port), "--weights", str(weights),
-             "--pidfile", str(tmp_path / "server.pid"), "--report", str(self.report),
-             "--read-rate", "40MB/s", "--cached-read-rate", "40MB/s", "--startup-seconds", "0.5",
-             "--init-seconds", "1", "--log-file", str(tmp_path / "server.log"), *extra],
+             "--pidfile", str(tmp_path / "server.pid"), "--report", str(self.report), *pace,
+             "--log-file", str(tmp_path / "server.log"), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         self.exit = ExitClock(self.proc)
