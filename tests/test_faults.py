@@ -14,6 +14,7 @@ clients. Item-by-item reproductions of issue 9 live in tests/test_hardening.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -338,7 +339,9 @@ def test_every_fault_at_once_is_seen_and_recovered_from(drill: dict[str, Any]) -
 
         # Nothing died, nothing was left behind, memory stayed bounded, scrapes never failed.
         assert all(loop.alive for loop in runtime.sampler._loops.values())
-        wait_for(lambda: thread_names() == threads, timeout=10)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: thread_names() == threads, timeout=10)
+        assert thread_names() == threads  # which thread was left behind, if one was
         assert len([t for t in threading.enumerate() if t.name.startswith("http-")]) <= 5
         assert rss_bytes() - rss < 64 << 20
         assert runtime.sampler.latest(ENDPOINT, "reset") is not None
