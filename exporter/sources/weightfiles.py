@@ -53,6 +53,7 @@ _O_DIRECT = os.O_DIRECT if hasattr(os, "O_DIRECT") else 0o40000
 _NODE_PAGES_RE = re.compile(rb" N\d+=(\d+)")
 _KPAGE_RE = re.compile(rb" kernelpagesize_kB=(\d+)")
 _RCHAR_RE = re.compile(rb"^rchar: (\d+)", re.MULTILINE)
+_READ_SIZE = 1 << 16
 
 FileKey = tuple[int, int]  # (st_dev, st_ino)
 
@@ -577,8 +578,10 @@ def _read(path: str, blind: bool = False) -> bytes | None:
         return None
     try:
         chunks = []
-        while chunk := os.read(fd, 1 << 16):
+        while chunk := os.read(fd, _READ_SIZE):
             chunks.append(chunk)
+            if len(chunk) < _READ_SIZE:
+                break  # a short read of a seq_file is its end: spare the empty read
         return b"".join(chunks)
     except OSError as exc:
         if exc.errno in (errno.ESRCH, errno.ENOENT):
