@@ -115,6 +115,7 @@ _OTHER_FILE = _Fd(None)  # a regular file that is no weight file, or one closed 
 class _Vma:
     key: FileKey
     suffix: bytes  # b"/" + the file's name: what its line in numa_maps or smaps ends with
+    end: int  # its end address (the start is its key)
 
 
 @dataclass
@@ -278,11 +279,14 @@ class WeightFilesSource:
         rchar = int(found.group(1)) if found else None
         # Offsets move only by reads: without any, the weight files' fdinfo can wait.
         self._descriptors(base, proc, read=rchar is None or rchar != proc.rchar)
-        if size_shared != proc.statm:
-            # A new mapping changes the size; only pages arriving change the file-backed pages.
-            resized = proc.statm is None or size_shared is None or size_shared[0] != proc.statm[0]
-            proc.statm = size_shared  # type: ignore[assignment]
-            self._mappings(base, proc, remap=resized)
+        before, proc.statm = proc.statm, size_shared  # type: ignore[assignment]
+        if size_shared != before:
+            # A new mapping changes the size; pages arriving grow the file-backed pages. Pages
+            # leaving (reclaim, DAMON) take nothing from what was consumed: no look for them.
+            resized = before is None or size_shared is None or size_shared[0] != before[0]
+            arrived = resized or int(size_shared[1]) > int(before[1])  # type: ignore[index]
+            if arrived or not self._still_mapped(base, proc):
+                self._mappings(base, proc, remap=resized)
         self._reads(base, proc, rchar)
 
     def _descriptors(self, base: str, proc: _Proc, read: bool) -> None:
@@ -385,6 +389,20 @@ class WeightFilesSource:
             if complete or attempt:
                 return
 
+    @staticmethod
+    def _still_mapped(base: str, proc: _Proc) -> bool:
+        """Whether each weight mapping still maps its file (/proc/PID/map_files, one readlink
+        each): pages left, but no shard was unmapped and another as large mapped in its place.
+        False where map_files may not be read (it needs CAP_SYS_ADMIN): then look properly."""
+        for start, vma in proc.vmas.items():
+            try:
+                target = os.readlink(f"{base}/map_files/{start:x}-{vma.end:x}")
+            except OSError:
+                return False
+            if not os.fsencode(target).endswith(vma.suffix):
+                return False
+        return True
+
     def _weight_vmas(self, text: bytes) -> dict[int, _Vma]:
         vmas: dict[int, _Vma] = {}
         by_ino = self._by_ino
@@ -394,8 +412,9 @@ class WeightFilesSource:
                 continue
             wf = _match(by_ino[parts[4]], parts[3], parts[5])
             if wf is not None:
-                start = int(parts[0].partition(b"-")[0], 16)
-                vmas[start] = _Vma((wf.dev, wf.ino), b"/" + os.fsencode(wf.entry))
+                start, _, end = parts[0].partition(b"-")
+                entry = b"/" + os.fsencode(wf.entry)
+                vmas[int(start, 16)] = _Vma((wf.dev, wf.ino), entry, int(end, 16))
         return vmas
 
     def _mapped_bytes(self, base: str, vmas: Mapping[int, _Vma]) -> tuple[dict[FileKey, int], bool]:
