@@ -87,9 +87,6 @@ from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
 log = logging.getLogger(__name__)
 
-# Failed probes in a row before a ready server whose process keeps running is called hung
-# (the same count that starts a load without process matching).
-HUNG_AFTER_FAILED_PROBES = 3
 TRACKER_LOOP = "tracker"
 DISCOVERY_LOOP = "discovery"
 # While every target is ready and its process watched through a pidfd, nothing but an exit, a
@@ -130,8 +127,6 @@ class TargetRuntime:
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
     pcie_at_start: PcieMarks = field(default_factory=dict)  # each GPU's counter as the load began
-    probe_seen: float | None = None  # finish time of the last probe the tick looked at
-    failed_probes: int = 0  # failed probes in a row
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
     last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
@@ -633,35 +628,26 @@ class Runtime:
         return probe.result if probe is not None else None
 
     def _note_hung(self, runtime: TargetRuntime, state: TargetState) -> None:
-        """Log once when a ready server's endpoint stops answering while its process runs on.
-
-        The phase stays `ready` (the process is there and no load began), `endpoint_up` is 0 and
-        `process_up` 1: exactly what the ModelServerHung alert looks for. Without process
-        matching the tracker starts a load after the same number of failed probes instead.
-        """
-        name = runtime.config.name
-        probe = self.sampler.latest(ENDPOINT, name)
-        if probe is None or probe.finished_at == runtime.probe_seen:
+        """Log once when the tracker calls a ready server hung (its process runs on, its
+        endpoint stopped answering), and once when it answers again."""
+        if state.hung == runtime.hung:
             return
-        runtime.probe_seen = probe.finished_at
-        value = probe.good
-        ready = value is not None and value.result is ProbeResult.READY
-        runtime.failed_probes = 0 if ready else runtime.failed_probes + 1
-        watched = runtime.finder is not None and state.phase is Phase.READY
-        hung = watched and runtime.failed_probes >= HUNG_AFTER_FAILED_PROBES
-        if hung and not runtime.hung:
-            process = self.sampler.value(PROCESS, name)
-            log.warning(
-                "target %s: the server process (pid %s) keeps running but its endpoint stopped "
-                "answering (%s, %d probes in a row): hung? phase stays ready, endpoint_up is 0",
-                name,
-                process.root_pid if process is not None else "?",
-                value.detail if value is not None else probe.error,
-                runtime.failed_probes,
-            )
-        elif runtime.hung and ready:
+        runtime.hung = state.hung
+        name = runtime.config.name
+        if not state.hung:
             log.info("target %s: the endpoint answers again", name)
-        runtime.hung = hung
+            return
+        probe = self.sampler.latest(ENDPOINT, name)
+        value = probe.good if probe is not None else None
+        process = self.sampler.value(PROCESS, name)
+        log.warning(
+            "target %s: the server process (pid %s) keeps running but its endpoint stopped "
+            "answering (%s, %d probes in a row): hung? phase stays ready, endpoint_up is 0",
+            name,
+            process.root_pid if process is not None else "?",
+            value.detail if value is not None else probe.error if probe is not None else "?",
+            state.failed_probes,
+        )
 
     def _open_log(self, runtime: TargetRuntime, now: float) -> None:
         """Follow a target's log: the configured one, else the one its server process writes.

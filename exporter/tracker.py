@@ -218,6 +218,10 @@ class TargetState:
     last_record: LoadRecord | None
     step: Step | None  # the fine step the server's log says; None without log markers
     fatal: str | None  # why the last load failed, in the server's own words (from its log)
+    failed_probes: int = 0  # distinct failed probes in a row
+    # Ready, its process running, and ENDPOINT_FAILURES_FOR_LOAD probes in a row failed: no
+    # new process, so no load, but the endpoint stopped answering (the ModelServerHung alert).
+    hung: bool = False
 
 
 class Expectations(Protocol):
@@ -312,8 +316,8 @@ class Tracker:
         self._proc_key: tuple[int | None, float | None] | None = None
         self._proc_gone_at: float | None = None
         self._probe: _Probe | None = None
-        self._fail_streak = 0
-        self._fail_start = 0.0
+        self._failed_probes = 0  # distinct failed probes in a row
+        self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
 
     def observe(self, obs: Observation) -> LoadRecord | None:
@@ -324,6 +328,8 @@ class Tracker:
         self._logged = obs.log_lines is not None
         last_probe = self._probe
         probe = self._take_probe(obs)
+        if probe is not None:
+            self._count_failure(probe)
         record = None
         if obs.process_configured:
             record = self._track_process(obs)
@@ -372,6 +378,8 @@ class Tracker:
                 last_record=self._last_record,
                 step=Step.NONE if self._logged else None,
                 fatal=load.fatal if load and phase is Phase.FAILED else None,
+                failed_probes=self._failed_probes,
+                hung=self._hung(),
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
@@ -401,6 +409,16 @@ class Tracker:
             last_record=self._last_record,
             step=load.steps.step if self._logged else None,
             fatal=None,
+            failed_probes=self._failed_probes,
+        )
+
+    def _hung(self) -> bool:
+        obs = self._last_obs
+        watched = obs is not None and obs.process_configured and obs.process_found
+        return (
+            watched
+            and self._phase is Phase.READY
+            and self._failed_probes >= ENDPOINT_FAILURES_FOR_LOAD
         )
 
     # -- load boundaries ---------------------------------------------------------------------
@@ -452,18 +470,21 @@ class Tracker:
         self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
 
+    def _count_failure(self, probe: _Probe) -> None:
+        """Failed probes in a row: 3 start an endpoint-only load, or make a watched server hung."""
+        if probe.result == ProbeResult.READY:
+            self._failed_probes = 0
+            return
+        if self._failed_probes == 0:
+            self._fail_start = probe.time
+        self._failed_probes += 1
+
     def _track_endpoint(self, obs: Observation, probe: _Probe | None) -> None:
         """Endpoint-only loads: a ready endpoint failing repeatedly, or one seen loading."""
-        if probe is None or self._phase in IN_PROGRESS:
+        if probe is None or self._phase in IN_PROGRESS or probe.result == ProbeResult.READY:
             return
-        if probe.result == ProbeResult.READY:
-            self._fail_streak = 0
-        elif self._phase is Phase.READY:
-            if self._fail_streak == 0:
-                self._fail_start = probe.time
-            self._fail_streak += 1
-            if self._fail_streak >= ENDPOINT_FAILURES_FOR_LOAD:
-                self._fail_streak = 0
+        if self._phase is Phase.READY:
+            if self._failed_probes >= ENDPOINT_FAILURES_FOR_LOAD:
                 self._begin(obs, self._fail_start, partial=False, seen_failing=True)
         elif probe.result in _UP_NOT_READY:
             self._begin(obs, probe.time, partial=True, seen_failing=True)

@@ -1185,3 +1185,21 @@ def test_weights_read_between_two_looks_are_seen_in_the_page_cache() -> None:
     sim.tick(1, read=sim.weights)
     assert sim.state.phase == "initializing"
     assert sim.state.progress_source == "page_cache"
+
+
+def test_a_ready_server_whose_probes_fail_three_times_in_a_row_is_hung_not_loading() -> None:
+    sim = Sim(tracker())
+    cold_load(sim, ColdScript(starting=2, noise=1, weights_seconds=5, init=2))
+    assert sim.state.phase == "ready" and not sim.state.hung
+    sim.endpoint = "timeout"
+    sim.tick(2)
+    assert (sim.state.failed_probes, sim.state.hung) == (2, False)
+    sim.tick()
+    assert (sim.state.phase, sim.state.failed_probes, sim.state.hung) == ("ready", 3, True)
+    sim.probe_every = 2
+    sim.tick(4)  # the same probe seen twice counts once: two more
+    assert sim.state.failed_probes == 5
+    sim.endpoint = "ready"
+    sim.tick(2)
+    assert (sim.state.phase, sim.state.hung, sim.state.failed_probes) == ("ready", False, 0)
+    assert len(sim.records) == 1  # no load: the process never changed
