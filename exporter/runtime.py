@@ -13,13 +13,10 @@ process that looks like a server, so discovered targets are bounded (`_admit`: a
 `max_targets`, `max_targets_per_user` of one user, gone targets make room first) and their
 files are only ever touched with their process's rights (`_on_behalf`).
 
-Quiet (DESIGN, "idle costs next to nothing"): once every target is ready and its server's exit is
-watched through a pidfd, nothing but that exit, a failing probe or evicted weights can change a
-phase. The first two wake every loop at once (`_after_process`, `_after_probe`); what only feeds
-gauges (disk, memory, GPU memory, residency, the process tree) and the tracker tick then run every
-`QUIET_INTERVAL` instead of every sample interval, the probe every `ready_interval`, and a
-ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a load's start measures it
-afresh anyway). A source whose last sample failed keeps the sample interval (`_pace_of`).
+How often each loop runs is exporter/pacing.py's: the runtime hands it what it last saw. An exit
+or a failed probe wakes the loops at once (`_after_process`, `_after_probe`), and a ready
+target's residency is refreshed every SERVING_REFRESH_SECONDS (a load's start measures it
+afresh anyway).
 """
 
 from __future__ import annotations
@@ -35,13 +32,13 @@ from typing import Any
 
 from exporter import __version__
 from exporter.asprocess import Actor, OnBehalf
-from exporter.cadence import ProbeCadence
 from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.exitwatch import ExitWatch
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.logfind import LogFinding, find_log
+from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked
 from exporter.sampler import Reading, Sampler
@@ -76,6 +73,7 @@ from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.pagecache import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
+    ResidencySample,
     ResidencySource,
 )
 from exporter.sources.process import ProcessFinder, ProcessSample
@@ -89,18 +87,9 @@ log = logging.getLogger(__name__)
 
 TRACKER_LOOP = "tracker"
 DISCOVERY_LOOP = "discovery"
-# While every target is ready and its process watched through a pidfd, nothing but an exit, a
-# failed probe or evicted weights can change a phase; the first two wake the loops at once, so
-# the rest (gauges, the tracker) are sampled every other 15-s scrape instead of every second.
-QUIET_INTERVAL = 30.0
 LOG_OPEN_TIMEOUT = 5.0  # seconds opening a discovered server's log may take (a hung mount)
-# While a load is starting or loading its weights, the weight files are looked at this often
-# per sample interval (a look of a TP-8 tree costs about half a millisecond).
-FILE_LOOKS_PER_INTERVAL = 4
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
-# What holds a target's weights changes with a mount, not with a load: looked at this seldom.
-STORAGE_REFRESH_SECONDS = 30.0
 
 # Every temperature, unknown too: where residency cannot be measured all loads are unknown.
 EXPECTED_CACHES = tuple(Cache)
@@ -130,6 +119,9 @@ class TargetRuntime:
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
     last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
+    # The weight files' first open and last let-go the loops last acted on.
+    files_news: tuple[float | None, float | None] = (None, None)
+    residency_seen: float | None = None  # when the residency pass the loops acted on ran
 
     @property
     def settled(self) -> bool:
@@ -158,8 +150,7 @@ class Runtime:
         self._clock = clock
         self._proc_root = proc_root
         self._host_root = host_root  # where container runtimes' logs are (exporter/logfind.py)
-        self.quiet_interval = quiet_interval
-        self.quiet = False  # every target settled: the loops run at quiet_interval
+        self.pacing = Pacing(config.sample_interval, quiet_interval)
         self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
         self.sampler = Sampler(config.sample_interval, clock)
@@ -188,8 +179,8 @@ class Runtime:
         memory = MemorySource(proc_root).sample
         self.sampler.add(MEMORY, "", memory, every=self._pace_of(MEMORY))
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
-        self.sampler.add(NVML, "", self.nvml.sample, every=self._pace)
-        self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self._pace)
+        self.sampler.add(NVML, "", self.nvml.sample, every=self.pacing.loop)
+        self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self.pacing.loop)
         self.discoverer: Discoverer | None = None
         # With configured targets, discovery waits a tick: their process trees say which
         # servers they already watch.
@@ -281,6 +272,7 @@ class Runtime:
                 target.name,
                 runtime.residency.sample,
                 every=self._pace_of(PAGECACHE, runtime),
+                after=lambda reading: self._after_residency(runtime, reading),
             )
         else:
             self.sampler.discard(PAGECACHE, target.name)
@@ -304,13 +296,18 @@ class Runtime:
                 on_behalf=behalf,
                 max_entries=self.config.discovery.max_files if behalf else None,
             )
-            self.sampler.add(WEIGHT_FILES, name, files.sample, every=self._files_pace(runtime))
+            self.sampler.add(
+                WEIGHT_FILES,
+                name,
+                files.sample,
+                every=self._files_pace(runtime),
+                after=lambda reading: self._after_files(runtime, reading),
+            )
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
         for watcher in (self.disk, self.netfs, self.zfs):
             watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
-        if self.quiet:  # a new target, or a new process of one: not quiet until it settles
-            self.quiet = False
+        if self.pacing.unsettle():  # a new target, or a new process of one
             self.sampler.wake_all()
 
     def _on_behalf(self, found: DiscoveredServer | None) -> OnBehalf | None:
@@ -503,52 +500,39 @@ class Runtime:
             self._note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
-        self._note_quiet(runtimes, moved)
+        if self.pacing.note((runtime.settled for runtime in runtimes), moved):
+            self.sampler.wake_all()
         self._ticked.set()
 
-    def _pace(self) -> float:
-        """How often the tracker and NVML run: see QUIET_INTERVAL."""
-        return self.quiet_interval if self.quiet else self.config.sample_interval
+    @property
+    def quiet(self) -> bool:
+        """Every target settled: the gauges' loops run at the quiet pace (exporter/pacing.py)."""
+        return self.pacing.quiet
+
+    def _failing(self, source: SourceKey[Any], target: str) -> bool:
+        reading = self.sampler.latest(source, target)
+        return reading is not None and not reading.ok
 
     def _pace_of(
         self, source: SourceKey[Any], runtime: TargetRuntime | None = None
     ) -> Callable[[], float]:
-        """A source's pace: quiet while its target is settled (a host-wide source: while the
-        exporter is quiet), but a failing source (out of file descriptors, weights deleted)
-        retries at the sample interval, so that its recovery shows at once."""
-        target = runtime.config.name if runtime is not None else ""
-
-        def pace() -> float:
-            reading = self.sampler.latest(source, target)
-            failing = reading is not None and not reading.ok
-            settled = runtime.settled if runtime is not None else self.quiet
-            quiet = settled and not failing
-            return self.quiet_interval if quiet else self.config.sample_interval
-
-        return pace
+        """A source's loop asks exporter/pacing.py, with its target's state and its own."""
+        if runtime is None:
+            return lambda: self.pacing.host_source(self._failing(source, ""))
+        name = runtime.config.name
+        return lambda: self.pacing.source(runtime.settled, self._failing(source, name))
 
     def _files_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
-        """The weight files are looked at FILE_LOOKS_PER_INTERVAL times an interval until the
-        weights are in: a shard opened and closed between two looks is never seen held."""
-        pace = self._pace_of(WEIGHT_FILES, runtime)
-
-        def files_pace() -> float:
-            if runtime.cadence.phase in (Phase.STARTING, Phase.LOADING_WEIGHTS):
-                return self.config.sample_interval / FILE_LOOKS_PER_INTERVAL
-            return pace()
-
-        return files_pace
+        name = runtime.config.name
+        return lambda: self.pacing.weight_files(
+            runtime.cadence.phase, runtime.settled, self._failing(WEIGHT_FILES, name)
+        )
 
     def _storage_pace(self, target: str) -> Callable[[], float]:
-        """The storage description's pace: STORAGE_REFRESH_SECONDS, a failing one every sample
-        interval (a weights path that appears is described at once)."""
-
         def pace() -> float:
             reading = self.sampler.latest(STORAGE, target)
-            failing = (
-                reading is None or not reading.ok or bool(reading.good and reading.good.unplaced)
-            )
-            return self.config.sample_interval if failing else STORAGE_REFRESH_SECONDS
+            unplaced = reading is not None and reading.good is not None and reading.good.unplaced
+            return self.pacing.storage(reading is None or not reading.ok or bool(unplaced))
 
         return pace
 
@@ -563,14 +547,6 @@ class Runtime:
         ]
         known = [count for count in counts if count is not None]
         return sum(known) if known else None
-
-    def _note_quiet(self, runtimes: list[TargetRuntime], moved: bool) -> None:
-        """Every loop re-asks its pace when a phase moved (the probe's cadence follows it) or
-        the exporter stops being quiet (back to the sample interval)."""
-        quiet = all(runtime.settled for runtime in runtimes)
-        if moved or (self.quiet and not quiet):
-            self.sampler.wake_all()
-        self.quiet = quiet
 
     def _after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
@@ -609,6 +585,31 @@ class Runtime:
         for runtime in self.targets.values():
             runtime.tracker = self._tracker(runtime.config)
             runtime.started_at = None
+
+    def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
+        """A weight file first opened, or every one let go: the phase moves, so tick now, not up
+        to an interval later; and when they are let go, measure residency now, which says
+        whether the files were read whole (those opened and closed between two looks too)."""
+        files = reading.good
+        if files is None:
+            return
+        news = (files.first_open_at, files.idle_since)
+        if news == runtime.files_news:
+            return
+        runtime.files_news = news
+        if files.idle_since is not None and runtime.residency is not None:
+            runtime.residency.request_full_pass()
+            self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+        self.sampler.run_soon(TRACKER_LOOP)
+
+    def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
+        """A fresh pass during a load may say the weights are in: tick now (passes are rare)."""
+        sample = reading.good
+        if sample is None or sample.measured_at == runtime.residency_seen:
+            return
+        runtime.residency_seen = sample.measured_at
+        if runtime.cadence.phase in IN_PROGRESS:
+            self.sampler.run_soon(TRACKER_LOOP)
 
     def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
         """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:

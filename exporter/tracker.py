@@ -841,8 +841,11 @@ class Tracker:
         elif progress >= DONE_RATIO:
             # KV-cache allocation can follow the last weight within one tick: take the tick before.
             gpu = load.gpu_prev if load.gpu_prev is not None else obs.process_gpu_bytes
+            # Seen complete now (a residency pass may land a tick late), but the tree let go of
+            # its weight files earlier: they were in by then.
+            at = max(idle, load.weights_began or load.started_at) if idle is not None else now
             # A finish first seen on the load's first tick may have happened long before.
-            self._end_weights(load, now, gpu, now, seen=not load.seen_late or now > load.seen_at)
+            self._end_weights(load, at, gpu, now, seen=not load.seen_late or at > load.seen_at)
             return
         elif progress >= QUIET_DONE_RATIO and quiet:
             at = max(load.last_rise, load.weights_began or load.started_at)

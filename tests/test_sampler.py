@@ -1,33 +1,12 @@
-"""The probe cadence rule and the sampling loop that follows it."""
+"""The sampling loops: each follows its pace, wakes, runs soon, and files what it read."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from exporter.cadence import ProbeCadence
 from exporter.sampler import Periodic, Sampler
 from exporter.sources import MEMORY
-from exporter.vocabulary import Phase, ProbeResult
-
-
-def test_cadence_by_phase_and_process_matching() -> None:
-    cadence = ProbeCadence(interval=1.0, ready_interval=10.0, process_matching=True)
-    assert cadence.delay(None) == 1.0  # nothing known yet
-    cadence.set_phase(Phase.READY)
-    assert cadence.delay(ProbeResult.READY) == 10.0
-    assert cadence.delay(ProbeResult.TIMEOUT) == 1.0  # the first failure: fast again at once
-    assert cadence.set_phase(Phase.STARTING) is True  # sooner than planned: wake the prober
-    assert cadence.delay(ProbeResult.READY) == 1.0
-    assert cadence.set_phase(Phase.INITIALIZING) is True
-    assert cadence.delay(ProbeResult.HTTP_ERROR) == 0.25
-    assert cadence.set_phase(Phase.READY) is False  # slower: no need to wake anyone
-    endpoint_only = ProbeCadence(interval=1.0, ready_interval=10.0, process_matching=False)
-    endpoint_only.set_phase(Phase.READY)
-    assert endpoint_only.delay(ProbeResult.READY) == 1.0  # restarts show only as failed probes
-    fast = ProbeCadence(interval=0.1, ready_interval=10.0, process_matching=True)
-    fast.set_phase(Phase.INITIALIZING)
-    assert fast.delay(None) == 0.05  # never closer than 50 ms
 
 
 def test_periodic_follows_its_pace_wakes_and_runs_soon() -> None:
