@@ -1,6 +1,6 @@
 """What the exporter can see with a container's privileges, checked against this kernel.
 
-README "Deploy" says which capability buys what; these tests hold the kernel to it, and the
+docs/deploy.md says which capability buys what; these tests hold the kernel to it, and the
 exporter to never turning a missing privilege into a wrong number. Each drops privileges in a
 child process with setpriv (as root) or hides /sys/dev/block in a private mount namespace as
 podman does, since the tests cannot start containers.
@@ -97,7 +97,7 @@ def test_root_without_cap_fowner_gets_no_residency_rather_than_mincores_lie(
 
 @needs_root
 def test_another_users_proc_io_needs_sys_ptrace_and_dac_read_search() -> None:
-    """The README's table: /proc/PID/io (mode 0400) of another user's server."""
+    """docs/deploy.md's table: /proc/PID/io (mode 0400) of another user's server."""
     server = subprocess.Popen(["sleep", "60"])  # root, with every capability
     try:
 

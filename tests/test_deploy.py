@@ -3,7 +3,7 @@ kubernetes-validate, the prometheus-operator's models, promtool, Docker Compose'
 every image, port, path and flag in them agrees with the CLI and with the other files.
 
 No container engine or cluster is needed; the image itself is checked by hand with
-scripts/check_image.py (README, "Deploy").
+scripts/check_image.py (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ COMPOSE = REPO / "docker" / "compose.yaml"
 K8S = REPO / "deploy" / "kubernetes"
 COMPONENT = K8S / "components" / "explicit-targets"
 GENERATOR = REPO / "scripts" / "gen_prometheusrule.py"
+DEPLOY_DOC = REPO / "docs" / "deploy.md"
 VENV_BIN = Path(sys.executable).parent
 HEALTHY, READY, METRICS = "/-/healthy", "/-/ready", "/metrics"
 IMAGE_NAME = "model-load-exporter"
-# The capabilities README "Deploy" explains, one by one; the DaemonSet adds exactly these.
+# The capabilities docs/deploy.md explains, one by one; the DaemonSet adds exactly these.
 CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH", "FOWNER"}
 
 
@@ -365,9 +366,9 @@ def test_daemonset_agrees_with_the_cli_the_service_and_the_podmonitor() -> None:
     assert security["capabilities"]["drop"] == ["ALL"]
     assert set(security["capabilities"]["add"]) == CAPABILITIES
     assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
-    readme = (REPO / "README.md").read_text()
+    deploy_doc = DEPLOY_DOC.read_text()
     for capability in CAPABILITIES:
-        assert f"CAP_{capability}" in readme, f"README does not explain {capability}"
+        assert f"CAP_{capability}" in deploy_doc, f"docs/deploy.md does not explain {capability}"
     assert c["resources"]["requests"] and c["resources"]["limits"]
 
 
@@ -400,7 +401,7 @@ def test_explicit_targets_component_gives_the_exporter_a_config_it_accepts(
         target["weights"]["paths"] = [str(tmp_path / p.lstrip("/")) for p in paths]
         for p in target["weights"]["paths"]:
             Path(p).mkdir(parents=True)
-    # The regexes pick the servers README "Deploy" shows, and not their neighbours.
+    # The regexes pick the servers docs/deploy.md shows, and not their neighbours.
     sglang, vllm = (re.compile(t["process"]["cmdline"]) for t in config["targets"])
     sglang_pod = (
         "python3 -m sglang.launch_server --model-path /models/Qwen3-235B-A22B --tp 8 "
@@ -411,8 +412,8 @@ def test_explicit_targets_component_gives_the_exporter_a_config_it_accepts(
     assert sglang.search(sglang_pod) and not sglang.search(sglang_pod + "1")
     assert vllm.search(vllm_pod) and not vllm.search(vllm_pod.replace("70B", "8B"))
     assert not sglang.search(vllm_pod) and not vllm.search(sglang_pod)
-    readme = (REPO / "README.md").read_text()
-    assert sglang_pod in readme and vllm_args in readme
+    deploy_doc = DEPLOY_DOC.read_text()
+    assert sglang_pod in deploy_doc and vllm_args in deploy_doc
     rehomed = tmp_path / "config.yaml"
     rehomed.write_text(yaml.safe_dump(config))
     done = subprocess.run(

@@ -23,7 +23,7 @@ from exporter.webconfig import WebConfig
 
 pytestmark = pytest.mark.system
 
-README = Path(__file__).parent.parent / "README.md"
+AGENTS_DOC = Path(__file__).parent.parent / "docs" / "agents.md"
 SHARDS, SHARD_SIZE = 4, 16 << 20  # 64 MiB at 40 MB/s: under two seconds of weights
 TOOLS = {"list_targets", "wait_for_target", "restart_forecast", "recent_loads"}
 
@@ -89,8 +89,8 @@ def test_tools_are_listed_with_their_schemas(agent: Agent) -> None:
     assert tools["list_targets"].input_schema["properties"] == {}
 
 
-def test_the_readme_registers_the_server_and_lists_every_tool(agent: Agent) -> None:
-    section = README.read_text().split("## Agents: the MCP server", 1)[1].split("\n## ", 1)[0]
+def test_the_agents_doc_registers_the_server_and_lists_every_tool(agent: Agent) -> None:
+    section = AGENTS_DOC.read_text()
     snippet = section.split("```json\n", 1)[1].split("```", 1)[0]
     (server,) = json.loads(snippet)["mcpServers"].values()
     assert server["command"] == "model-load-exporter" and server["args"][0] == "mcp"
