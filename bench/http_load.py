@@ -21,7 +21,7 @@ Measured, one scenario after another:
 * SIGTERM latency with those clients still connected;
 * peak RSS and thread count over the whole run.
 
-Measured on the 2-core VM this project runs on (see the README's cost section for the numbers and
+Measured on the 2-core VM this project runs on (see docs/costs.md for the numbers and
 exporter/httpserver.py for why they chose the asyncio server).
 """
 

@@ -1,7 +1,7 @@
 """An HTTP/1.1 server for the exporter's WSGI app that no client can stall.
 
 Chosen by measurement over wsgiref (what the exporter had), cheroot, waitress, uvicorn and
-hypercorn: `bench/http_load.py` prints the comparison, the README's cost section quotes it. The
+hypercorn: `bench/http_load.py` prints the comparison, docs/costs.md quotes it. The
 maintained servers each miss one thing an exporter on every GPU host needs: cheroot runs the TLS
 handshake in its accept loop (one silent client delays every connection by its timeout) and
 reads request heads on pool threads (slowloris holds them); waitress has no TLS; uvicorn starts

@@ -1,4 +1,4 @@
-"""Run the built container image through what README "Deploy" promises; by hand, as root.
+"""Run the built container image through what docs/deploy.md promises; by hand, as root.
 
     make image && sudo .venv/bin/python scripts/check_image.py [--image model-load-exporter:0.1.0]
 

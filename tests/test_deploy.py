@@ -43,7 +43,7 @@ VENV_BIN = Path(sys.executable).parent
 HEALTHY, READY, METRICS = "/-/healthy", "/-/ready", "/metrics"
 IMAGE_NAME = "model-load-exporter"
 # The capabilities docs/deploy.md explains, one by one; the DaemonSet adds exactly these.
-CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH", "FOWNER"}
+CAPABILITIES = {"SYS_PTRACE", "DAC_READ_SEARCH", "FOWNER", "SETUID", "SETGID"}
 
 
 def tool(name: str) -> str:
