@@ -33,7 +33,7 @@ import calendar
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -790,10 +790,6 @@ class StepTimeline:
         elif kind is EventKind.FATAL:
             self._leave(at)
             self.finished, self.fatal = True, event.detail
-
-    def apply_all(self, events: Iterable[LogEvent]) -> None:
-        for event in events:
-            self.apply(event)
 
     def close(self, at: float) -> None:
         """The load ended at `at` without the log saying so (the process died): end the step."""

@@ -172,10 +172,6 @@ class Sampler:
         """Take a source's next sample now rather than when due."""
         self._loop_at((source.name, target), Periodic.run_soon)
 
-    def wake(self, source: SourceKey[Any], target: str = "") -> None:
-        """Have a source's loop re-ask its pace now (it may be due sooner than planned)."""
-        self._loop_at((source.name, target), Periodic.wake)
-
     def wake_all(self) -> None:
         """Have every loop re-ask its pace now (the exporter stops being quiet)."""
         with self._lock:

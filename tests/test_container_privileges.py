@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.pagecache_io import file_residency
 
 from exporter.cachectl import evict
 from exporter.sources.backing import block_device_of
-from exporter.sources.pagecache import file_residency
 
 pytestmark = pytest.mark.system  # child processes with fewer privileges
 
@@ -33,7 +33,7 @@ needs_root = pytest.mark.requires("root", "setpriv")
 
 RESIDENCY = """
 import json, sys
-from exporter.sources.pagecache import file_residency
+from helpers.pagecache_io import file_residency
 r = file_residency(sys.argv[1], tuple(sys.argv[2].split(",")))
 print(json.dumps([r.resident_bytes, r.method, r.reason]))
 """
@@ -66,7 +66,8 @@ def residency_as_root_with(capabilities: str, path: Path, methods: str) -> list:
     done = subprocess.run(
         ["setpriv", "--inh-caps=-all", f"--bounding-set={bounding}",
          sys.executable, "-c", RESIDENCY, str(path), methods],
-        cwd=REPO, capture_output=True, text=True, timeout=30,
+        cwd=REPO / "tests", capture_output=True, text=True, timeout=30,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return list(json.loads(done.stdout))

@@ -278,7 +278,7 @@ def listen_backlog(port: int) -> int:
 
 
 @pytest.mark.system
-@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+@pytest.mark.requires("ss")
 def test_5_a_real_backlog_and_a_burst_of_200_connections(
     model_server: ModelServer, exporters: list[ExporterProcess]
 ) -> None:
@@ -497,13 +497,12 @@ def test_9_a_huge_interval_flag_is_one_line() -> None:
 
 
 @pytest.mark.system
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
+@pytest.mark.requires("root", "setpriv", "nobody_python")
 def test_10_a_weight_file_it_may_not_read_still_counts_and_says_why(
     model_server: ModelServer,
 ) -> None:
     python = nobody_python()
-    if python is None:
-        pytest.skip("no Python interpreter that nobody may run")
+    assert python is not None
     directory = Path(tempfile.mkdtemp(prefix="weights-unreadable-", dir="/tmp"))
     try:
         directory.chmod(0o755)

@@ -24,6 +24,7 @@ import pytest
 import requests
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 from helpers.processes import Simulator, evict_dir
+from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config import parse_config
@@ -44,8 +45,7 @@ RED = (209, 36, 47)  # --red of the light theme
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} missing: apt-get install chromium (.ci/run does)")
+    require(os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: apt-get install chromium")
     with playwright.sync_playwright() as p:
         launched = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield launched

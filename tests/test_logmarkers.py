@@ -259,7 +259,8 @@ def test_step_timeline_rules() -> None:
         (45.0, "INFO 03-02 10:00:35 [x.py:1] Available KV cache memory: 1.00 GiB"),
     ]
     for ref, line in log:
-        timeline.apply_all(parser.feed(line, ref))
+        for event in parser.feed(line, ref):
+            timeline.apply(event)
     assert timeline.step is Step.KV_CACHE and timeline.since == 45.0
     # Between weights_end (30) and compile (35) no step ran; compile ran until the KV cache.
     assert timeline.durations == {Step.WEIGHTS: 20.0, Step.COMPILE: 10.0}

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.pagecache_io import file_residency
 from helpers.users import NOBODY, as_nobody, nobody_python
 
 from exporter.cachectl import evict
@@ -156,7 +157,7 @@ def test_mincore_windows_cover_the_whole_file(tmp_path: Path, monkeypatch) -> No
     read_part(f, 2 * PAGE, offset=3 * PAGE)  # straddles the first window boundary
     read_part(f, 8, offset=10 * PAGE)  # the partial last page
 
-    m = pagecache.file_residency(str(f), methods=("mincore",))
+    m = file_residency(str(f), methods=("mincore",))
 
     assert (m.size_bytes, m.resident_bytes, m.method) == (10 * PAGE + 7, 2 * PAGE + 7, "mincore")
 
@@ -168,7 +169,7 @@ def test_partial_last_page_counts_only_the_bytes_it_holds(tmp_path: Path, method
     f = write_uncached(tmp_path / "p.bin", 10 * PAGE + 7)
 
     def resident() -> int | None:
-        m = pagecache.file_residency(str(f), methods=(method,))
+        m = file_residency(str(f), methods=(method,))
         assert (m.size_bytes, m.method) == (10 * PAGE + 7, method)
         return m.resident_bytes
 

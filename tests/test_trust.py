@@ -30,10 +30,7 @@ from helpers.users import NOBODY
 
 from exporter.asprocess import Actor, Rights, own_rights
 
-pytestmark = [
-    pytest.mark.system,
-    pytest.mark.skipif(os.geteuid() != 0, reason="the exporter under test runs as root"),
-]
+pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv")]
 
 SECRET = "sk-root-only-0a1b2c3d"
 

@@ -308,18 +308,6 @@ def _measure_fd(
     return None, None, f"cannot measure page cache of {path}: {'; '.join(failures)}; {ADVICE}"
 
 
-def file_residency(path: str, methods: Sequence[str] = METHODS) -> FileMeasurement:
-    """Residency of one file by path (symlinks followed); OSError if it cannot be opened."""
-    fd = os.open(path, _OPEN_FLAGS)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{path}: not a regular file")
-        return measure_fd(fd, path, st, methods)
-    finally:
-        os.close(fd)
-
-
 def _signature(path: str) -> tuple[int, int, int] | None:
     try:
         st = os.stat(path)

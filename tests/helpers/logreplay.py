@@ -86,7 +86,8 @@ def replay(
         stamp = line_stamp(line, year) if line else None
         now = stamp if stamp is not None and stamp >= now - 1 else now + per_line
         new = parser.feed(line, now)
-        timeline.apply_all(new)
+        for event in new:
+            timeline.apply(event)
         events += new
     return Replay(events, timeline, parser)
 
@@ -107,6 +108,7 @@ def replay_journal(name: str, fmt: str = "auto") -> Replay:
         entry = parse_journal_json(raw)
         assert entry is not None and entry.realtime is not None, raw[:200]
         new = parser.feed(entry.message, entry.realtime)
-        timeline.apply_all(new)
+        for event in new:
+            timeline.apply(event)
         events += new
     return Replay(events, timeline, parser)

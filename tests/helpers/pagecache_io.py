@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 from exporter.cachectl import evict
+from exporter.sources.pagecache import METHODS, FileMeasurement, measure_fd
 
 MIB = 1024 * 1024
 _CHUNK = 4 * MIB
@@ -45,3 +49,15 @@ def diskstats_read_bytes(device: str, proc_root: str = "/proc") -> int:
             if fields[2] == device:
                 return int(fields[5]) * 512
     raise LookupError(device)
+
+
+def file_residency(path: str, methods: Sequence[str] = METHODS) -> FileMeasurement:
+    """Residency of one file by path, by the methods the exporter uses (symlinks followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        return measure_fd(fd, path, st, methods)
+    finally:
+        os.close(fd)

@@ -66,6 +66,7 @@ NEEDS: dict[str, tuple[Callable[[], bool], str]] = {
     "root": (lambda: os.geteuid() == 0, "needs root"),
     "setpriv": _tool("setpriv"),
     "unshare": _tool("unshare"),
+    "ss": ((lambda: shutil.which("ss") is not None), "needs ss (iproute2)"),
     "fincore": _tool("fincore"),
     "cachestat": (_cachestat_works, "needs the cachestat syscall (Linux 6.5 or later)"),
     "nobody_python": (
