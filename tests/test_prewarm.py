@@ -23,7 +23,7 @@ SIZE = 8 * MIB
 SLACK = 16 * os.sysconf("SC_PAGE_SIZE")
 
 
-def whole(resident: int, size: int = SIZE) -> bool:
+def all_resident(resident: int, size: int = SIZE) -> bool:
     return size - SLACK <= resident <= size
 
 
@@ -54,7 +54,7 @@ def test_prewarm_reads_cold_files_into_the_page_cache(model: Path) -> None:
     assert [fincore(p) for p in shards(model)] == [0, 0, 0]
     result = cli("prewarm", str(model), "--jobs", "2")
     assert result.returncode == 0, result.stderr
-    assert all(whole(fincore(p)) for p in shards(model))
+    assert all(all_resident(fincore(p)) for p in shards(model))
     assert fincore(model / "notes.txt") == 0  # directories expand like the exporter's weights
     assert re.fullmatch(
         r"prewarmed 3 files, 24\.0 MiB: read 24\.0 MiB in \d+\.\d\ds \(\d+\.\d [MG]B/s\); "
@@ -73,7 +73,7 @@ def test_prewarm_reads_only_what_is_not_resident(model: Path) -> None:
     read = "8.0" if whole else "16.0"
     assert f"files, 16.0 MiB: read {read} MiB in" in result.stdout, result.stdout
     assert "now 16.0 MiB (100 %)" in result.stdout
-    assert whole(fincore(model / "b.safetensors"))
+    assert all_resident(fincore(model / "b.safetensors"))
 
 
 def test_evict_drops_the_files_from_the_page_cache(model: Path) -> None:
