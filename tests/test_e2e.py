@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import requests
 from helpers.processes import Simulator
-from helpers.support import RunningExporter, free_port, metrics_when, sample_value, wait_for
+from helpers.support import (
+    RunningExporter,
+    free_port,
+    metrics_when,
+    sample_value,
+    sim_target,
+    wait_for,
+)
 
 from exporter.cachectl import evict, prewarm
 from exporter.sim.shards import generate_shards
@@ -47,17 +54,17 @@ def scenario(tmp_path: Path, weights: Path, start_exporter: Any) -> Iterator[Any
                 "sample_interval": f"{int(INTERVAL * 1000)}ms",
                 "history_path": str(tmp_path / "history.sqlite"),
                 "targets": [
-                    {
-                        "name": "sim",
-                        "endpoint": {
+                    sim_target(
+                        port,
+                        weights,
+                        tmp_path / "server.pid",
+                        endpoint={
                             "url": f"http://127.0.0.1:{port}",
                             "probe": "completion",
                             "timeout": "1s",
                         },
-                        "weights": {"paths": [str(weights)]},
-                        "process": {"pidfile": str(tmp_path / "server.pid")},
                         **target,
-                    }
+                    )
                 ],
             }
         )

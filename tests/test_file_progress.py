@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helpers.processes import Simulator
-from helpers.support import RunningExporter, free_port
+from helpers.support import RunningExporter, free_port, sim_target
 
 from exporter.cachectl import evict
 from exporter.sim.shards import generate_shards
@@ -84,19 +84,8 @@ def test_progress_follows_the_bytes_consumed_whatever_the_loader(
     for shard in weights.glob("*.safetensors"):
         evict(str(shard))
     port, trace = free_port(), tmp_path / "trace.jsonl"
-    running = start_exporter(
-        {
-            "sample_interval": f"{int(INTERVAL * 1000)}ms",
-            "targets": [
-                {
-                    "name": "sim",
-                    "endpoint": {"url": f"http://127.0.0.1:{port}", "probe": "health"},
-                    "weights": {"paths": [str(weights)]},
-                    "process": {"pidfile": str(tmp_path / "server.pid")},
-                }
-            ],
-        }
-    )
+    target = sim_target(port, weights, tmp_path / "server.pid")
+    running = start_exporter({"sample_interval": f"{int(INTERVAL * 1000)}ms", "targets": [target]})
     sim = Simulator(
         tmp_path, weights, port, "--read-rate", f"{RATE / 1e6:g}MB/s", "--startup-seconds", "2",
         "--init-seconds", "1.5", "--import-bytes", "64MiB", "--trace", str(trace), *loader,

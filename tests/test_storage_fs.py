@@ -35,7 +35,7 @@ from helpers.filesystems import (
     scratch,
 )
 from helpers.processes import Simulator, cli
-from helpers.support import RunningExporter, free_port, sample_value, wait_for
+from helpers.support import RunningExporter, free_port, sample_value, sim_target, wait_for
 from test_disk import lsblk_whole_disk
 from test_e2e import finished
 
@@ -406,19 +406,8 @@ def test_a_warm_restart_from_an_overlay_is_labelled_warm(
         weights = on_overlay(s)
         make_cold(weights)
         port = free_port()
-        running = start_exporter(
-            {
-                "sample_interval": "250ms",
-                "targets": [
-                    {
-                        "name": "sim",
-                        "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
-                        "weights": {"paths": [str(weights.path)]},
-                        "process": {"pidfile": str(tmp_path / "server.pid")},
-                    }
-                ],
-            }
-        )
+        target = sim_target(port, weights.path, tmp_path / "server.pid")
+        running = start_exporter({"sample_interval": "250ms", "targets": [target]})
         for cache in ("cold", "warm"):
             sim = Simulator(tmp_path, weights.path, port, "--read-rate", "40MB/s")
             try:
@@ -451,19 +440,8 @@ def test_the_exporter_labels_a_load_by_what_served_it(
         weights = BUILD[where](s)
         make_cold(weights)
         port = free_port()
-        running = start_exporter(
-            {
-                "sample_interval": "250ms",
-                "targets": [
-                    {
-                        "name": "sim",
-                        "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
-                        "weights": {"paths": [str(weights.path)]},
-                        "process": {"pidfile": str(tmp_path / "server.pid")},
-                    }
-                ],
-            }
-        )
+        target = sim_target(port, weights.path, tmp_path / "server.pid")
+        running = start_exporter({"sample_interval": "250ms", "targets": [target]})
         sim = Simulator(tmp_path, weights.path, port, "--read-rate", "40MB/s", *flags)
         try:
             text, _ = finished(running, outcome="ready")

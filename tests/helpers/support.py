@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -142,3 +143,17 @@ def metrics_when(base_url: str, predicate: Callable[[str], bool], timeout: float
         return text if predicate(text) else None
 
     return str(wait_for(scrape, timeout))
+
+
+def sim_target(
+    port: int, weights: Path, pidfile: Path, name: str = "sim", **overrides: Any
+) -> dict[str, Any]:
+    """The config of a target watching the simulator: its endpoint on `port`, its weights, its
+    process through the simulator's `--pidfile`; `overrides` replace or add keys."""
+    return {
+        "name": name,
+        "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
+        "weights": {"paths": [str(weights)]},
+        "process": {"pidfile": str(pidfile)},
+        **overrides,
+    }
