@@ -246,6 +246,7 @@ class Runtime:
             ResidencySource(
                 target.weights,
                 cpu_budget=self.config.residency_cpu_budget,
+                clock=self._clock,
                 refresh_after=lambda: (
                     SERVING_REFRESH_SECONDS if runtime.settled else QUIET_REFRESH_SECONDS
                 ),
@@ -719,7 +720,9 @@ class Runtime:
             def opener(path: str) -> int:
                 return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
 
-        runtime.logs = LogSource(config, since=since, whole_files=whole_files, opener=opener)
+        runtime.logs = LogSource(
+            config, since=since, whole_files=whole_files, clock=self._clock, opener=opener
+        )
         self.sampler.add(
             LOGS,
             runtime.config.name,
