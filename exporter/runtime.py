@@ -158,7 +158,9 @@ class Runtime:
         host_root: str = "/",
         clock: Callable[[], float] = time.time,
         quiet_interval: float = QUIET_INTERVAL,
+        sampler: Sampler | None = None,
     ) -> None:
+        """`sampler` runs the sources' loops (its own threads unless a test steps them)."""
         self.config = config
         self._clock = clock
         self._proc_root = proc_root
@@ -167,7 +169,7 @@ class Runtime:
         self.quiet = False  # every target settled: the loops run at quiet_interval
         self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
-        self.sampler = Sampler(config.sample_interval, clock)
+        self.sampler = sampler or Sampler(config.sample_interval, clock)
         self.history = HistoryStore(config.history_path, retention=config.history_retention)
         self.refusals = Refusals()
         self.actor = Actor()  # the threads that touch discovered processes' files
