@@ -145,7 +145,9 @@ class Runtime:
         host_root: str = "/",
         clock: Callable[[], float] = time.time,
         quiet_interval: float = QUIET_INTERVAL,
+        sampler: Sampler | None = None,
     ) -> None:
+        """`sampler` runs the sources' loops (its own threads unless a test steps them)."""
         self.config = config
         self._clock = clock
         self._proc_root = proc_root
@@ -153,7 +155,7 @@ class Runtime:
         self.pacing = Pacing(config.sample_interval, quiet_interval)
         self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
-        self.sampler = Sampler(config.sample_interval, clock)
+        self.sampler = sampler or Sampler(config.sample_interval, clock)
         self.history = HistoryStore(config.history_path, retention=config.history_retention)
         self.refusals = Refusals()
         self.actor = Actor()  # the threads that touch discovered processes' files
@@ -232,6 +234,7 @@ class Runtime:
             ResidencySource(
                 target.weights,
                 cpu_budget=self.config.residency_cpu_budget,
+                clock=self._clock,
                 refresh_after=lambda: (
                     SERVING_REFRESH_SECONDS if runtime.settled else QUIET_REFRESH_SECONDS
                 ),
@@ -706,7 +709,9 @@ class Runtime:
             def opener(path: str) -> int:
                 return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
 
-        runtime.logs = LogSource(config, since=since, whole_files=whole_files, opener=opener)
+        runtime.logs = LogSource(
+            config, since=since, whole_files=whole_files, clock=self._clock, opener=opener
+        )
         self.sampler.add(
             LOGS,
             runtime.config.name,

@@ -118,6 +118,9 @@ class Periodic:
             return 1.0
 
 
+LoopFactory = Callable[[str, float | Callable[[], float], Callable[[], object]], Periodic]
+
+
 def _loop_name(source: SourceKey[Any], target: str) -> str:
     return f"{source.name}:{target}" if target else source.name
 
@@ -130,9 +133,16 @@ class Sampler:
     stops a target's loops and forgets its readings.
     """
 
-    def __init__(self, interval: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        interval: float,
+        clock: Callable[[], float] = time.time,
+        periodic: LoopFactory = Periodic,
+    ) -> None:
+        """`periodic` makes each loop: a timer thread, or a loop a test steps by hand."""
         self.interval = interval
         self._clock = clock
+        self._periodic = periodic
         self._lock = threading.Lock()
         self._latest: dict[tuple[str, str], Reading[Any]] = {}
         self._loops: dict[tuple[str, str], Periodic] = {}
@@ -155,14 +165,14 @@ class Sampler:
             if after is not None:
                 after(reading)
 
-        loop = Periodic(_loop_name(source, target), every or self.interval, sample)
+        loop = self._periodic(_loop_name(source, target), every or self.interval, sample)
         self._register((source.name, target), loop)
 
     def add_loop(
         self, name: str, fn: Callable[[], None], every: Callable[[], float] | None = None
     ) -> None:
         """Register a periodic task that is not a source (the tracker tick, discovery)."""
-        self._register((name, ""), Periodic(name, every or self.interval, fn))
+        self._register((name, ""), self._periodic(name, every or self.interval, fn))
 
     def run_soon(self, name: str) -> None:
         """Run a loop added with add_loop (the tracker tick) now rather than when due."""
