@@ -218,6 +218,11 @@ EXPECTED = _gauge(
     "expected_duration_seconds", "Median duration of recent successful loads.", "target", "cache"
 )
 LAST_DURATION = _gauge("last_duration_seconds", "Duration of the last finished load.", "target")
+RESTART_FORECAST = _gauge(
+    "restart_forecast_seconds",
+    "How long a restart begun now would take to be ready (residency now, past rates and phases).",
+    "target",
+)
 LOAD_DURATION = _histogram(
     "duration_seconds", "Duration of finished loads.", "target", "cache", "outcome"
 )
@@ -234,8 +239,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
-    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LOAD_DURATION,
-    PHASE_DURATION,
+    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, RESTART_FORECAST,
+    LOAD_DURATION, PHASE_DURATION,
 )  # fmt: skip
 
 
@@ -433,6 +438,9 @@ def _history(out: Scrape, snap: Snapshot) -> None:
         out.add(EXPECTED, [name, cache], seconds)
     for name, seconds in sorted(snap.last_durations.items()):
         out.add(LAST_DURATION, [name], seconds)
+    for view in snap.targets:
+        if view.forecast is not None:
+            out.add(RESTART_FORECAST, [view.name], view.forecast.seconds)
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):

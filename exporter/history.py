@@ -30,7 +30,7 @@ from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -59,10 +59,11 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE loads ADD COLUMN fatal TEXT",
     ),
     ("CREATE INDEX IF NOT EXISTS loads_by_end ON loads (ended_at)",),
+    ("ALTER TABLE loads ADD COLUMN resident_bytes_at_start INTEGER",),
 )
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
-    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal"
+    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start"
 )
 _NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
 
@@ -80,6 +81,7 @@ _Row = tuple[
     int | None,
     int,
     str | None,
+    int | None,
 ]
 
 
@@ -150,7 +152,7 @@ class HistoryStore:
             while self._pending:
                 try:
                     db.execute(
-                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         _row(self._pending[0]),
                     )
                 except sqlite3.Error as exc:
@@ -322,11 +324,13 @@ def _row(record: LoadRecord) -> tuple[object, ...]:
         record.gpu_bytes_at_weights_end,
         int(record.seen_late),
         record.fatal,
+        record.resident_bytes_at_start,
     )
 
 
 def _record(row: _Row) -> LoadRecord:
-    target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late, fatal = row
+    (target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late, fatal,
+     resident) = row  # fmt: skip
     try:
         parsed = json.loads(phases)
     except ValueError:
@@ -349,4 +353,5 @@ def _record(row: _Row) -> LoadRecord:
         gpu_bytes_at_weights_end=gpu,
         seen_late=bool(late),
         fatal=fatal,
+        resident_bytes_at_start=resident,
     )

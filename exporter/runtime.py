@@ -35,7 +35,8 @@ from exporter.asprocess import Actor, OnBehalf
 from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.exitwatch import ExitWatch
-from exporter.history import HistoryStore
+from exporter.forecast import NO_RATES, Forecast, Rates, forecast, rates
+from exporter.history import EXPECTATION_LOADS, HistoryStore
 from exporter.loadstats import Histograms
 from exporter.logfind import LogFinding, find_log
 from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
@@ -115,6 +116,7 @@ class TargetRuntime:
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
+    forecast: Forecast | None = None  # a restart begun now
     pcie_at_start: PcieMarks = field(default_factory=dict)  # each GPU's counter as the load began
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
@@ -163,6 +165,7 @@ class Runtime:
         self.phase_durations = Histograms()
         self._lock = threading.Lock()
         self._expected: dict[tuple[str, Cache], float] = {}
+        self._rates: dict[str, Rates] = {}  # what each target's past loads measured
         self._last: dict[str, float] = {}
         self._ticked = threading.Event()
         self._last_tick: float | None = None
@@ -501,8 +504,9 @@ class Runtime:
             if runtime.cadence.set_phase(state.phase):
                 moved = True
             self._note_hung(runtime, state)
+            outlook = self._forecast(runtime)
             with self._lock:
-                runtime.state, runtime.gpu_memory = state, gpu_memory
+                runtime.state, runtime.gpu_memory, runtime.forecast = state, gpu_memory, outlook
         if self.pacing.note((runtime.settled for runtime in runtimes), moved):
             self.sampler.wake_all()
         self._ticked.set()
@@ -559,6 +563,7 @@ class Runtime:
             return
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
+            self.sampler.sample_soon(LOGS, runtime.config.name)  # its last lines say why
             self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
             if runtime.discovered is not None and self.discoverer is not None:
                 # Its restart may be up before the next pass is due: look for it now.
@@ -760,6 +765,7 @@ class Runtime:
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
             log_events=events,
             log_lines=log_sample.lines_total if log_sample is not None else None,
+            log_read_at=min(logs.finished_at, now) if logs is not None else None,
             files=_file_view(files, process),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
@@ -786,10 +792,20 @@ class Runtime:
                 self.phase_durations.observe((record.target, phase), seconds)
         self._refresh_expectations()
 
+    def _forecast(self, runtime: TargetRuntime) -> Forecast:
+        """A restart begun now, from the residency now and what past loads measured."""
+        residency = self.sampler.value(PAGECACHE, runtime.config.name)
+        known = self._rates.get(runtime.config.name, NO_RATES)
+        if residency is None:
+            return forecast(known, None, None)
+        return forecast(known, residency.total_bytes, residency.resident_bytes)
+
     def _refresh_expectations(self) -> None:
         """Read history once per finished load (or new target), not once per scrape."""
         expected: dict[tuple[str, Cache], float] = {}
         last: dict[str, float] = {}
+        self._rates = {name: rates(self.history.loads(name, EXPECTATION_LOADS))
+                       for name in list(self.targets)}  # fmt: skip
         for name in list(self.targets):
             for cache in EXPECTED_CACHES:
                 value = self.history.expected_duration(name, cache)
@@ -818,6 +834,7 @@ class Runtime:
                     dict(rt.gpu_memory),
                     rt.discovered,
                     pcie_at_start=rt.pcie_at_start,
+                    forecast=rt.forecast,
                     log_finding=rt.log_finding,
                 )
                 for name, rt in self.targets.items()

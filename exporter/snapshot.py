@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 
 from exporter.config import TargetConfig
 from exporter.discovery import DiscoveredServer
+from exporter.forecast import Forecast
 from exporter.loadstats import HistogramCounts
 from exporter.logfind import LogFinding
 from exporter.sampler import Reading
@@ -39,6 +40,7 @@ class TargetView:
     # Each GPU's PCIe RX counter when the current (or last) load began.
     pcie_at_start: PcieMarks = field(default_factory=dict)
     log_finding: LogFinding | None = None  # where its unconfigured log was found, or why not
+    forecast: Forecast | None = None  # how long a restart begun now would take
 
     @property
     def name(self) -> str:

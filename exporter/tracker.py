@@ -165,6 +165,7 @@ class Observation:
     disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
     log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
     log_lines: int | None = None  # lines the server's log has written; None without a log
+    log_read_at: float | None = None  # when the log was last read
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
     # What the storage under the weights says of the label (sources/storage.py): bypass (reads
@@ -189,6 +190,7 @@ class LoadRecord:
     gpu_bytes_at_weights_end: int | None  # the GPU size to expect next time
     seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
     fatal: str | None = None  # the server's own fatal message, when its log gave one
+    resident_bytes_at_start: int | None = None  # weights in the page cache as it began
 
     @property
     def duration_seconds(self) -> float:
@@ -442,9 +444,12 @@ class Tracker:
             if load is None or not running:
                 return None
             gone = self._proc_gone_at if self._proc_gone_at is not None else obs.time
-            if self._logged and gone == obs.time:
-                return None  # one tick for the log to say why: its last lines come with the exit
-            for event in obs.log_events:  # ... or the next: the log is sampled on its own thread
+            read = obs.log_read_at
+            if self._logged and (read is None or read <= gone) and obs.time < gone + self.interval:
+                # The log's last lines say why: wait for a read of it after the exit (the log is
+                # sampled on its own thread), an interval at most.
+                return None
+            for event in obs.log_events:
                 if (
                     event.kind is EventKind.FATAL
                     and event.time >= load.started_at - LOG_SKEW_SECONDS
@@ -558,6 +563,7 @@ class Tracker:
             bytes_read=load.bytes_read,
             gpu_bytes_at_weights_end=load.gpu_at_weights_end if load.weights_ended_seen else None,
             fatal=load.fatal,
+            resident_bytes_at_start=load.resident_start,
         )
         self._phase = Phase(outcome)
         self._last_record = record

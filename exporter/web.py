@@ -202,6 +202,12 @@ def status_json(snap: Snapshot, sample_interval: float) -> dict[str, Any]:
         if storage is not None:
             entry["storage"] = storage_json(storage)
         entry.update(_operator_view(snap, view))
+        if view.forecast is not None:
+            entry["restart_forecast"] = {
+                "seconds": view.forecast.seconds,
+                "resident_share": view.forecast.resident_share,
+                "reason": view.forecast.reason,
+            }
         files = view.reading(WEIGHT_FILES)
         if files is not None and files.value is not None:
             entry["weight_files"] = _weight_files(files.value)

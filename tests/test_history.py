@@ -6,6 +6,7 @@ import logging
 import sqlite3
 import statistics
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -149,10 +150,12 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
     store = HistoryStore(str(path))
     [old] = store.loads()
     assert (old.duration_seconds, old.cache, old.seen_late) == (60.0, "warm", False)
-    store.add(record(30.0, seen_late=True))
+    assert old.resident_bytes_at_start is None  # not measured by a version-1 exporter
+    store.add(replace(record(30.0, seen_late=True), resident_bytes_at_start=7))
     assert store.loads()[0].seen_late and store.enabled
+    assert store.loads()[0].resident_bytes_at_start == 7
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
 
 
 def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) -> None:

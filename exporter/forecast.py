@@ -1,0 +1,134 @@
+"""How long a restart begun now would take to be ready, from what this target's past loads showed.
+
+An operator who sees the disk read at 3 GB/s and reasons "the page cache is warm, this will be
+quick" still waits minutes for compile and CUDA graphs; one whose weights were half evicted
+overnight waits for storage. Both are knowable before the restart:
+
+    restart = starting + weights + initializing
+
+* starting and initializing: medians over this target's recent good loads of any temperature
+  (imports, NCCL set-up, compile and graphs do not read the weight files);
+* weights = bytes not in the page cache now / storage rate + bytes in it / page-cache rate, each
+  rate the median over the past loads that measured it: a load that had at most COLD_SHARE of
+  its weights cached read at the storage's rate, one with at least WARM_SHARE at the cache's
+  (once the other rate is known, each load's own other part is taken out of its time first).
+
+Absent, with the reason, when a part lacks a basis: no good load in history, bytes to read from
+storage but no load that read from it, or bytes in the cache but no load that came from it (a
+share under NEGLIGIBLE_SHARE of the weights needs no rate).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from exporter.tracker import COLD_SHARE, WARM_SHARE, LoadRecord
+from exporter.vocabulary import Outcome, Phase
+
+NEGLIGIBLE_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What this target's past loads measured: bytes per second, and seconds of the phases that
+    do not depend on the cache."""
+
+    storage_bytes_per_second: float | None
+    cache_bytes_per_second: float | None
+    starting_seconds: float | None
+    initializing_seconds: float | None
+    loads: int  # the good loads they come from
+
+
+@dataclass(frozen=True)
+class Forecast:
+    seconds: float | None
+    resident_share: float | None  # of the weights in the page cache now
+    reason: str | None  # why there is no forecast, or None
+    weights_seconds: float | None = None
+
+
+NO_RATES = Rates(None, None, None, None, 0)
+
+
+def rates(loads: Sequence[LoadRecord]) -> Rates:
+    """The rates and phase medians of recent loads (newest first, as history returns them)."""
+    good = [r for r in loads if r.outcome is Outcome.READY and not r.partial]
+    samples = [s for s in (_sample(r) for r in good) if s is not None]
+    storage = _rate(samples, cold=True, other=None)
+    cache = _rate(samples, cold=False, other=None)
+    # Each rate again, the other part of each load taken out at the other rate.
+    storage, cache = (
+        _rate(samples, cold=True, other=cache),
+        _rate(samples, cold=False, other=storage),
+    )
+    return Rates(
+        storage_bytes_per_second=storage,
+        cache_bytes_per_second=cache,
+        starting_seconds=_median(r.phase_seconds.get(Phase.STARTING) for r in good),
+        initializing_seconds=_median(r.phase_seconds.get(Phase.INITIALIZING) for r in good),
+        loads=len(good),
+    )
+
+
+def forecast(known: Rates, weights_bytes: int | None, resident_bytes: int | None) -> Forecast:
+    """A restart begun now, from the residency now."""
+    if not weights_bytes or resident_bytes is None:
+        return Forecast(None, None, "the weights' page-cache residency is not measured")
+    share = min(1.0, resident_bytes / weights_bytes)
+    if known.loads == 0:
+        return Forecast(None, share, "no finished load of this target in history")
+    if known.starting_seconds is None or known.initializing_seconds is None:
+        return Forecast(None, share, "no load in history whose phases were all timed")
+    uncached, cached = weights_bytes - resident_bytes, resident_bytes
+    weights = 0.0
+    for part, rate, where in (
+        (uncached, known.storage_bytes_per_second, "storage (no cold load in history)"),
+        (cached, known.cache_bytes_per_second, "the page cache (no warm load in history)"),
+    ):
+        if part <= NEGLIGIBLE_SHARE * weights_bytes:
+            continue
+        if not rate:
+            return Forecast(None, share, f"{part / weights_bytes:.0%} of the weights from {where}")
+        weights += part / rate
+    total = known.starting_seconds + weights + known.initializing_seconds
+    return Forecast(total, share, None, weights)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    uncached: int
+    cached: int
+    seconds: float
+
+
+def _sample(record: LoadRecord) -> _Sample | None:
+    weights, resident = record.weights_bytes, record.resident_bytes_at_start
+    seconds = record.phase_seconds.get(Phase.LOADING_WEIGHTS)
+    if not weights or resident is None or not seconds:
+        return None
+    resident = min(resident, weights)
+    return _Sample(weights - resident, resident, seconds)
+
+
+def _rate(samples: Sequence[_Sample], *, cold: bool, other: float | None) -> float | None:
+    """Median rate of the part the loads mostly read (storage for cold ones, the cache for warm
+    ones), their time less the minority part at the `other` rate when it is known."""
+    rates = []
+    for s in samples:
+        total = s.uncached + s.cached
+        main, minority = (s.uncached, s.cached) if cold else (s.cached, s.uncached)
+        measured_it = s.cached <= COLD_SHARE * total if cold else s.cached >= WARM_SHARE * total
+        if not measured_it:
+            continue
+        seconds = s.seconds - (minority / other if other else 0.0)
+        if main > 0 and seconds > 0:
+            rates.append(main / seconds)
+    return statistics.median(rates) if rates else None
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None

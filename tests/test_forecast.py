@@ -1,0 +1,83 @@
+"""The restart forecast from past loads: rates and medians in, seconds (or why not) out."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.forecast import NO_RATES, forecast, rates
+from exporter.tracker import LoadRecord
+from exporter.vocabulary import Cache, Outcome
+
+GB = 10**9
+WEIGHTS = 100 * GB
+STORAGE, CACHE = 250e6, 4e9  # bytes/s
+
+
+def load(
+    resident: int | None,
+    weights_seconds: float,
+    starting: float = 20.0,
+    initializing: float = 100.0,
+    outcome: Outcome = Outcome.READY,
+    cache: Cache = Cache.COLD,
+) -> LoadRecord:
+    phases = {"starting": starting, "loading_weights": weights_seconds}
+    phases["initializing"] = initializing
+    return LoadRecord(
+        target="kimi",
+        started_at=0.0,
+        ended_at=sum(phases.values()),
+        outcome=outcome,
+        cache=cache,
+        partial=False,
+        phase_seconds=phases,
+        weights_bytes=WEIGHTS,
+        bytes_read=None,
+        gpu_bytes_at_weights_end=None,
+        resident_bytes_at_start=resident,
+    )
+
+
+def cold() -> LoadRecord:
+    return load(0, WEIGHTS / STORAGE, starting=22.0)
+
+
+def warm() -> LoadRecord:
+    return load(WEIGHTS, WEIGHTS / CACHE, starting=18.0, cache=Cache.WARM)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_a_restart_is_starting_plus_weights_at_each_rate_plus_initializing(share: float) -> None:
+    known = rates([warm(), cold()])
+    assert known.storage_bytes_per_second == pytest.approx(STORAGE)
+    assert known.cache_bytes_per_second == pytest.approx(CACHE)
+    resident = int(share * WEIGHTS)
+    result = forecast(known, WEIGHTS, resident)
+    weights = (WEIGHTS - resident) / STORAGE + resident / CACHE
+    assert result.reason is None and result.resident_share == share
+    assert result.seconds == pytest.approx(20.0 + weights + 100.0)  # starting: 18 and 22
+
+
+def test_a_mostly_cold_load_measures_storage_once_the_cache_rate_is_known() -> None:
+    cached = int(0.08 * WEIGHTS)  # 8 % cached: still cold, its time holds some cache reads
+    seconds = (WEIGHTS - cached) / STORAGE + cached / CACHE
+    known = rates([load(cached, seconds), warm()])
+    assert known.storage_bytes_per_second == pytest.approx(STORAGE)
+
+
+def test_no_basis_means_no_forecast_and_says_why() -> None:
+    only_cold = rates([cold()])
+    assert forecast(only_cold, WEIGHTS, 0).seconds is not None
+    half = forecast(only_cold, WEIGHTS, WEIGHTS // 2)
+    assert half.seconds is None and half.reason is not None and "page cache" in half.reason
+    assert forecast(only_cold, WEIGHTS, WEIGHTS // 200).seconds is not None  # 0.5 %: negligible
+    assert "no finished load" in (forecast(NO_RATES, WEIGHTS, 0).reason or "")
+    assert "not measured" in (forecast(only_cold, WEIGHTS, None).reason or "")
+    failed_only = rates([load(0, 400.0, outcome=Outcome.FAILED)])
+    assert failed_only.loads == 0 and forecast(failed_only, WEIGHTS, 0).seconds is None
+
+
+def test_a_load_whose_residency_at_its_start_is_unknown_gives_no_rate() -> None:
+    known = rates([load(None, 400.0)])
+    assert known.loads == 1 and known.storage_bytes_per_second is None
+    assert forecast(known, WEIGHTS, 0).seconds is None
