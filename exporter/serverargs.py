@@ -21,18 +21,7 @@ from dataclasses import dataclass, field
 
 from exporter.config import DISCOVERY_SERVERS
 from exporter.servers import SERVERS
-from exporter.servers.server import (
-    API_KEY,
-    CACHE_DIR,
-    CONFIG,
-    HOST,
-    MODEL,
-    PORT,
-    REVISION,
-    SERVED,
-    Command,
-    Server,
-)
+from exporter.servers.server import Command, Role, Server
 
 SECRET = "(secret)"  # what evidence shows instead of an API key
 
@@ -193,15 +182,15 @@ def _normal_flag(name: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
-def _flag_roles(command: Command) -> dict[str, str]:
+def _flag_roles(command: Command) -> dict[str, Role]:
     """Flag (normalised) -> role."""
     return {_normal_flag(flag): role for role, flags in command.flags.items() for flag in flags}
 
 
-def _scan_flags(args: Sequence[str], command: Command) -> dict[str, tuple[str, str]]:
+def _scan_flags(args: Sequence[str], command: Command) -> dict[Role, tuple[str, str]]:
     """role -> (value, flag as written), for the last occurrence of each role's flags."""
     wanted = _flag_roles(command)
-    found: dict[str, tuple[str, str]] = {}
+    found: dict[Role, tuple[str, str]] = {}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -222,15 +211,15 @@ def _scan_flags(args: Sequence[str], command: Command) -> dict[str, tuple[str, s
     return found
 
 
-def _config_values(document: Mapping[str, object], command: Command) -> dict[str, tuple[str, str]]:
+def _config_values(document: Mapping[str, object], command: Command) -> dict[Role, tuple[str, str]]:
     """role -> (value, key) from a vLLM / SGLang YAML config: keys are flag names without --."""
     wanted = _flag_roles(command)
-    found: dict[str, tuple[str, str]] = {}
+    found: dict[Role, tuple[str, str]] = {}
     for key, value in document.items():
         role = wanted.get(_normal_flag(f"--{key}"))
         if isinstance(value, list):
             value = value[0] if value else None
-        if role is None or role == CONFIG or value is None or isinstance(value, bool | dict):
+        if role is None or role == Role.CONFIG or value is None or isinstance(value, bool | dict):
             continue
         found[role] = (str(value), str(key))
     return found
@@ -252,13 +241,13 @@ def recognise(
         return None
     command = launch.command
     evidence = [Evidence("server", str(launch.kind), f"{command.label} started as `{launch.how}`")]
-    values: dict[str, str] = {}
+    values: dict[Role, str] = {}
 
-    def take(role: str, value: str, source: str) -> None:
+    def take(role: Role, value: str, source: str) -> None:
         if role in command.comma_lists:
             value = value.split(",")[0].strip()
         values[role] = value
-        shown = SECRET if role == API_KEY else value
+        shown = SECRET if role == Role.API_KEY else value
         evidence.append(Evidence(role, shown, source))
 
     found = {
@@ -267,15 +256,16 @@ def recognise(
     }
     first = launch.args[0] if launch.args else ""
     positional = launch.positional_model and first and not first.startswith("-")
-    if positional and (command.positional_wins or MODEL not in found):
-        found[MODEL] = (first, f"positional argument after `{launch.how}`")
+    if positional and (command.positional_wins or Role.MODEL not in found):
+        found[Role.MODEL] = (first, f"positional argument after `{launch.how}`")
     for role, (value, source) in found.items():
         take(role, value, source)
-    config_file = values.get(CONFIG) or _from_env(CONFIG, command, environ)
+    config_file = values.get(Role.CONFIG) or _from_env(Role.CONFIG, command, environ)
     if config_file and read_config is not None:
         document = read_config(config_file)
         if document is None:
-            evidence.append(Evidence(CONFIG, config_file, "not readable; its settings unknown"))
+            unread = "not readable; its settings unknown"
+            evidence.append(Evidence(Role.CONFIG, config_file, unread))
         else:
             for role, (value, key) in _config_values(document, command).items():
                 if role not in values:
@@ -291,11 +281,11 @@ def recognise(
     for role, value in command.defaults.items():
         if role in values:
             continue
-        if role == MODEL and config_file:
+        if role == Role.MODEL and config_file:
             continue  # the model may be in a config file we could not read: do not guess
         take(role, value, f"default of {command.label}")
     try:
-        port = int(values[PORT])
+        port = int(values[Role.PORT])
     except ValueError:
         return None  # the server would refuse this port too
     if not 0 < port < 65536:
@@ -305,17 +295,17 @@ def recognise(
         command=command,
         how=launch.how,
         port=port,
-        host=values[HOST],
-        model=values.get(MODEL),
-        served_model_name=values.get(SERVED),
-        revision=values.get(REVISION),
-        hub_cache=values.get(CACHE_DIR),
+        host=values[Role.HOST],
+        model=values.get(Role.MODEL),
+        served_model_name=values.get(Role.SERVED),
+        revision=values.get(Role.REVISION),
+        hub_cache=values.get(Role.CACHE_DIR),
         evidence=tuple(evidence),
-        api_key=values.get(API_KEY),
+        api_key=values.get(Role.API_KEY),
     )
 
 
-def _from_env(role: str, command: Command, environ: Mapping[str, str] | None) -> str | None:
+def _from_env(role: Role, command: Command, environ: Mapping[str, str] | None) -> str | None:
     if environ is None:
         return None
     for name in command.env.get(role, ()):

@@ -24,7 +24,7 @@ from exporter.logmarkers import MarkerParser
 from exporter.serverargs import find_launch, recognise
 from exporter.servers import SERVERS
 from exporter.servers.logformat import CAUSE_RULES, EventKind, LogFormat, rule, stamp_utc
-from exporter.servers.server import HOST, MODEL, PORT, Answers, Command, Server
+from exporter.servers.server import Answers, Command, Role, Server
 from exporter.sim.shards import generate_shards
 from exporter.sources.endpoint import EndpointProber
 from exporter.vocabulary import AUTO, ProbeKind, ProbeResult, ServerKind
@@ -38,8 +38,12 @@ FAKESERVE = Server(
             label="FakeServe",
             consoles={"fakeserve": "up"},
             modules={"fakeserve.main": None},
-            flags={MODEL: ("--weights",), HOST: ("--bind",), PORT: ("--listen-port",)},
-            defaults={HOST: "127.0.0.1", PORT: "7777"},
+            flags={
+                Role.MODEL: ("--weights",),
+                Role.HOST: ("--bind",),
+                Role.PORT: ("--listen-port",),
+            },
+            defaults={Role.HOST: "127.0.0.1", Role.PORT: "7777"},
             probe=ProbeKind.HEALTH,
             probe_path="/ready",
         ),

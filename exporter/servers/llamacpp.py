@@ -13,41 +13,31 @@ import re
 from collections.abc import Mapping
 
 from exporter.servers.logformat import CAUSE, CAUSE_RULES, EventKind, LogFormat, rule
-from exporter.servers.server import (
-    API_KEY,
-    CONFIG,
-    HOST,
-    MODEL,
-    PORT,
-    SERVED,
-    Answers,
-    Command,
-    Server,
-)
+from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 
 LLAMA_SERVER = Command(
     label="llama.cpp server",
     consoles={"llama-server": None},
     flags={
-        MODEL: ("-m", "--model"),
-        SERVED: ("-a", "--alias"),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
+        Role.MODEL: ("-m", "--model"),
+        Role.SERVED: ("-a", "--alias"),
+        Role.HOST: ("--host",),
+        Role.PORT: ("--port",),
+        Role.API_KEY: ("--api-key",),
     },
     env={
-        MODEL: ("LLAMA_ARG_MODEL",),
-        SERVED: ("LLAMA_ARG_ALIAS",),
-        HOST: ("LLAMA_ARG_HOST",),
-        PORT: ("LLAMA_ARG_PORT",),
-        API_KEY: ("LLAMA_API_KEY",),
+        Role.MODEL: ("LLAMA_ARG_MODEL",),
+        Role.SERVED: ("LLAMA_ARG_ALIAS",),
+        Role.HOST: ("LLAMA_ARG_HOST",),
+        Role.PORT: ("LLAMA_ARG_PORT",),
+        Role.API_KEY: ("LLAMA_API_KEY",),
     },
-    defaults={HOST: "127.0.0.1", PORT: "8080"},
+    defaults={Role.HOST: "127.0.0.1", Role.PORT: "8080"},
     probe=ProbeKind.HEALTH,
     probe_path="/health",
     include=("*.gguf",),
-    comma_lists=frozenset({SERVED, API_KEY}),
+    comma_lists=frozenset({Role.SERVED, Role.API_KEY}),
     model_is="file",
 )
 
@@ -55,23 +45,23 @@ LLAMA_CPP_PYTHON = Command(
     label="llama-cpp-python server",
     modules={"llama_cpp.server": None},
     flags={
-        MODEL: ("--model",),
-        SERVED: ("--model-alias",),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-        CONFIG: ("--config-file",),
+        Role.MODEL: ("--model",),
+        Role.SERVED: ("--model-alias",),
+        Role.HOST: ("--host",),
+        Role.PORT: ("--port",),
+        Role.API_KEY: ("--api-key",),
+        Role.CONFIG: ("--config-file",),
     },
     # pydantic-settings: the field names, case-insensitive.
     env={
-        MODEL: ("MODEL", "model"),
-        SERVED: ("MODEL_ALIAS", "model_alias"),
-        HOST: ("HOST", "host"),
-        PORT: ("PORT", "port"),
-        API_KEY: ("API_KEY", "api_key"),
-        CONFIG: ("CONFIG_FILE",),
+        Role.MODEL: ("MODEL", "model"),
+        Role.SERVED: ("MODEL_ALIAS", "model_alias"),
+        Role.HOST: ("HOST", "host"),
+        Role.PORT: ("PORT", "port"),
+        Role.API_KEY: ("API_KEY", "api_key"),
+        Role.CONFIG: ("CONFIG_FILE",),
     },
-    defaults={HOST: "localhost", PORT: "8000"},
+    defaults={Role.HOST: "localhost", Role.PORT: "8000"},
     probe=ProbeKind.MODELS,
     probe_path="/v1/models",
     include=("*.gguf",),

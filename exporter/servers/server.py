@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from exporter.servers.logformat import LogFormat
 from exporter.vocabulary import ProbeKind
@@ -17,15 +18,18 @@ from exporter.vocabulary import ProbeKind
 # The files weights are loaded from, unless a server loads others (`weights.include`).
 DEFAULT_INCLUDE: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
-# Roles: what an argument means, whatever a server calls it.
-MODEL = "model"
-SERVED = "served_model_name"
-HOST = "host"
-PORT = "port"
-API_KEY = "api_key"
-REVISION = "revision"
-CACHE_DIR = "hub_cache"
-CONFIG = "config_file"
+
+class Role(StrEnum):
+    """What an argument means, whatever a server calls it (and `what` in discovery evidence)."""
+
+    MODEL = "model"
+    SERVED = "served_model_name"
+    HOST = "host"
+    PORT = "port"
+    API_KEY = "api_key"
+    REVISION = "revision"
+    CACHE_DIR = "hub_cache"
+    CONFIG = "config_file"
 
 
 @dataclass(frozen=True)
@@ -38,18 +42,18 @@ class Command:
     """
 
     label: str  # in evidence: "llama.cpp server started as `llama-server`"
-    flags: Mapping[str, tuple[str, ...]]
+    flags: Mapping[Role, tuple[str, ...]]
     probe: ProbeKind  # the readiness probe a discovered server gets
     probe_path: str
     # Executable or console-script name -> the subcommand it needs to serve (None: none).
     consoles: Mapping[str, str | None] = field(default_factory=dict)
     # `python -m MODULE`, or the module's file run as a script -> the subcommand it needs.
     modules: Mapping[str, str | None] = field(default_factory=dict)
-    env: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    defaults: Mapping[str, str] = field(default_factory=dict)  # HOST and PORT at least
+    env: Mapping[Role, tuple[str, ...]] = field(default_factory=dict)
+    defaults: Mapping[Role, str] = field(default_factory=dict)  # HOST and PORT at least
     include: tuple[str, ...] = DEFAULT_INCLUDE
     # Roles whose value is a comma-separated list of which the server uses the first.
-    comma_lists: frozenset[str] = frozenset()
+    comma_lists: frozenset[Role] = frozenset()
     # Whether the model argument is a file (GGUF) or a model repository (Triton), not a model.
     model_is: str = "model"
     # `vllm serve MODEL --model X` serves MODEL; `sglang serve MODEL --model-path X` serves X.
@@ -80,4 +84,4 @@ class Server:
     @property
     def default_port(self) -> int:
         """Where its first command listens unless told otherwise."""
-        return int(self.commands[0].defaults[PORT])
+        return int(self.commands[0].defaults[Role.PORT])

@@ -18,19 +18,7 @@ from exporter.servers.logformat import (
     rule,
     stamp_local,
 )
-from exporter.servers.server import (
-    API_KEY,
-    CACHE_DIR,
-    CONFIG,
-    HOST,
-    MODEL,
-    PORT,
-    REVISION,
-    SERVED,
-    Answers,
-    Command,
-    Server,
-)
+from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 
 COMMAND = Command(
@@ -38,16 +26,16 @@ COMMAND = Command(
     consoles={"sglang": "serve"},
     modules={"sglang.launch_server": None},
     flags={
-        MODEL: ("--model-path", "--model"),
-        SERVED: ("--served-model-name",),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-        REVISION: ("--revision",),
-        CACHE_DIR: ("--download-dir",),
-        CONFIG: ("--config",),
+        Role.MODEL: ("--model-path", "--model"),
+        Role.SERVED: ("--served-model-name",),
+        Role.HOST: ("--host",),
+        Role.PORT: ("--port",),
+        Role.API_KEY: ("--api-key",),
+        Role.REVISION: ("--revision",),
+        Role.CACHE_DIR: ("--download-dir",),
+        Role.CONFIG: ("--config",),
     },
-    defaults={HOST: "127.0.0.1", PORT: "30000"},
+    defaults={Role.HOST: "127.0.0.1", Role.PORT: "30000"},
     probe=ProbeKind.HEALTH,
     probe_path="/health",
 )

@@ -10,42 +10,31 @@ import re
 from collections.abc import Mapping
 
 from exporter.servers.logformat import CAUSE_RULES, EventKind, LogFormat, rule, stamp_utc
-from exporter.servers.server import (
-    API_KEY,
-    CACHE_DIR,
-    HOST,
-    MODEL,
-    PORT,
-    REVISION,
-    SERVED,
-    Answers,
-    Command,
-    Server,
-)
+from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 
 COMMAND = Command(
     label="TGI",
     consoles={"text-generation-launcher": None},
     flags={
-        MODEL: ("--model-id",),
-        SERVED: ("--served-model-name",),
-        HOST: ("--hostname",),
-        PORT: ("--port", "-p"),
-        API_KEY: ("--api-key",),
-        REVISION: ("--revision",),
-        CACHE_DIR: ("--huggingface-hub-cache",),
+        Role.MODEL: ("--model-id",),
+        Role.SERVED: ("--served-model-name",),
+        Role.HOST: ("--hostname",),
+        Role.PORT: ("--port", "-p"),
+        Role.API_KEY: ("--api-key",),
+        Role.REVISION: ("--revision",),
+        Role.CACHE_DIR: ("--huggingface-hub-cache",),
     },
     env={
-        MODEL: ("MODEL_ID",),
-        SERVED: ("SERVED_MODEL_NAME",),
-        HOST: ("HOSTNAME",),
-        PORT: ("PORT",),
-        API_KEY: ("API_KEY",),
-        REVISION: ("REVISION",),
-        CACHE_DIR: ("HUGGINGFACE_HUB_CACHE",),
+        Role.MODEL: ("MODEL_ID",),
+        Role.SERVED: ("SERVED_MODEL_NAME",),
+        Role.HOST: ("HOSTNAME",),
+        Role.PORT: ("PORT",),
+        Role.API_KEY: ("API_KEY",),
+        Role.REVISION: ("REVISION",),
+        Role.CACHE_DIR: ("HUGGINGFACE_HUB_CACHE",),
     },
-    defaults={HOST: "0.0.0.0", PORT: "3000", MODEL: "bigscience/bloom-560m"},
+    defaults={Role.HOST: "0.0.0.0", Role.PORT: "3000", Role.MODEL: "bigscience/bloom-560m"},
     probe=ProbeKind.HEALTH,
     probe_path="/health",
 )

@@ -15,18 +15,18 @@ from exporter.servers.logformat import (
     rule,
     stamp_local_no_year,
 )
-from exporter.servers.server import DEFAULT_INCLUDE, HOST, MODEL, PORT, Command, Server
+from exporter.servers.server import DEFAULT_INCLUDE, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 
 COMMAND = Command(
     label="Triton",
     consoles={"tritonserver": None},
     flags={
-        MODEL: ("--model-repository", "--model-store"),
-        HOST: ("--http-address",),
-        PORT: ("--http-port",),
+        Role.MODEL: ("--model-repository", "--model-store"),
+        Role.HOST: ("--http-address",),
+        Role.PORT: ("--http-port",),
     },
-    defaults={HOST: "0.0.0.0", PORT: "8000"},
+    defaults={Role.HOST: "0.0.0.0", Role.PORT: "8000"},
     probe=ProbeKind.HEALTH,
     probe_path="/v2/health/ready",
     include=(*DEFAULT_INCLUDE, "*.plan", "*.onnx", "*.engine"),

@@ -18,19 +18,7 @@ from exporter.servers.logformat import (
     rule,
     stamp_local_no_year,
 )
-from exporter.servers.server import (
-    API_KEY,
-    CACHE_DIR,
-    CONFIG,
-    HOST,
-    MODEL,
-    PORT,
-    REVISION,
-    SERVED,
-    Answers,
-    Command,
-    Server,
-)
+from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 
 COMMAND = Command(
@@ -38,18 +26,18 @@ COMMAND = Command(
     consoles={"vllm": "serve"},
     modules={"vllm.entrypoints.openai.api_server": None, "vllm.entrypoints.cli.main": "serve"},
     flags={
-        MODEL: ("--model",),
-        SERVED: ("--served-model-name",),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-        REVISION: ("--revision",),
-        CACHE_DIR: ("--download-dir",),
-        CONFIG: ("--config",),
+        Role.MODEL: ("--model",),
+        Role.SERVED: ("--served-model-name",),
+        Role.HOST: ("--host",),
+        Role.PORT: ("--port",),
+        Role.API_KEY: ("--api-key",),
+        Role.REVISION: ("--revision",),
+        Role.CACHE_DIR: ("--download-dir",),
+        Role.CONFIG: ("--config",),
     },
-    env={API_KEY: ("VLLM_API_KEY",)},
+    env={Role.API_KEY: ("VLLM_API_KEY",)},
     # host None: uvicorn listens on every interface.
-    defaults={HOST: "0.0.0.0", PORT: "8000", MODEL: "Qwen/Qwen3-0.6B"},
+    defaults={Role.HOST: "0.0.0.0", Role.PORT: "8000", Role.MODEL: "Qwen/Qwen3-0.6B"},
     probe=ProbeKind.HEALTH,
     probe_path="/health",
     positional_wins=True,
