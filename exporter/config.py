@@ -20,7 +20,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
-from exporter.vocabulary import LogEncoding, LogFormat, ProbeKind, ServerKind
+from exporter.servers import SERVERS
+from exporter.servers.server import DEFAULT_INCLUDE
+from exporter.vocabulary import AUTO, LogEncoding, ProbeKind
 
 DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
     ProbeKind.COMPLETION: "/v1/completions",
@@ -28,7 +30,6 @@ DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
     ProbeKind.MODELS: "/v1/models",
     ProbeKind.TCP: "",
 }
-DEFAULT_INCLUDE: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 DEFAULT_HISTORY_PATH = "/var/lib/model-load-exporter/history.sqlite"
 DEFAULT_SAMPLE_INTERVAL = 1.0
 DEFAULT_STALL_AFTER = 300.0
@@ -39,8 +40,8 @@ DEFAULT_RESIDENCY_CPU_BUDGET = 0.01
 # a typo like 99999999999h is an error here instead of an OverflowError in every sampler thread.
 MAX_DURATION = 3650 * 86400.0
 MAX_SAMPLE_INTERVAL = 3600.0
-# The servers discovery can recognise by their command lines (exporter/serverargs.py).
-DISCOVERY_SERVERS: tuple[ServerKind, ...] = tuple(k for k in ServerKind if k != ServerKind.UNKNOWN)
+# The servers discovery recognises by their command lines unless told which: all there are.
+DISCOVERY_SERVERS: tuple[str, ...] = tuple(SERVERS)
 DEFAULT_DISCOVERY_INTERVAL = 5.0
 DEFAULT_DISCOVERY_KEEP_FOR = 3600.0
 # What any local user can make discovery hold (a host runs a few servers per GPU at most).
@@ -137,7 +138,7 @@ class ProcessConfig:
 class LogConfig:
     journald_unit: str | None = None
     file: str | None = None
-    format: LogFormat = LogFormat.AUTO
+    format: str = AUTO  # or a server kind (exporter/servers)
     encoding: LogEncoding = LogEncoding.PLAIN  # of the file(s)
     more_files: tuple[str, ...] = ()  # the same server's other stream (stderr beside stdout)
 
@@ -164,7 +165,7 @@ class DiscoveryConfig:
     enabled: Literal["auto"] | bool = "auto"
     interval: float = DEFAULT_DISCOVERY_INTERVAL
     keep_for: float = DEFAULT_DISCOVERY_KEEP_FOR
-    servers: tuple[ServerKind, ...] = DISCOVERY_SERVERS
+    servers: tuple[str, ...] = DISCOVERY_SERVERS
     max_targets: int = DEFAULT_MAX_TARGETS
     max_targets_per_user: int = DEFAULT_MAX_TARGETS_PER_USER
     max_files: int = DEFAULT_MAX_FILES
@@ -269,12 +270,15 @@ class _Reader:
         return value
 
     def choice(self, name: str, choices: type[_E], default: _E) -> _E:
+        return choices(self.one_of(name, tuple(choices), default))
+
+    def one_of(self, name: str, choices: Sequence[str], default: str) -> str:
         value = self.text(name, default) or default
-        if value not in tuple(choices):
+        if value not in choices:
             raise ConfigError(
                 f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
             )
-        return choices(value)
+        return value
 
     def duration(self, name: str, default: float, maximum: float = MAX_DURATION) -> float:
         if not self.has(name):
@@ -489,7 +493,7 @@ def _log(data: object, where: str) -> LogConfig:
         journald_unit=r.text("journald_unit"),
         file=files[0] if files else None,
         more_files=files[1:],
-        format=r.choice("format", LogFormat, LogFormat.AUTO),
+        format=r.one_of("format", (AUTO, *SERVERS), AUTO),
         encoding=r.choice("encoding", LogEncoding, LogEncoding.PLAIN),
     )
 
@@ -550,17 +554,16 @@ def _discovery(data: object, where: str) -> DiscoveryConfig:
     enabled: Literal["auto"] | bool = "auto" if raw_enabled == "auto" else bool(raw_enabled)
     servers = r.str_list("servers", DISCOVERY_SERVERS)
     for i, server in enumerate(servers):
-        if server not in DISCOVERY_SERVERS:
+        if server not in SERVERS:
             raise ConfigError(
-                f"{r.key('servers')}[{i}]: must be one of {', '.join(DISCOVERY_SERVERS)}, "
-                f"got {server!r}"
+                f"{r.key('servers')}[{i}]: must be one of {', '.join(SERVERS)}, got {server!r}"
             )
     max_targets = r.count("max_targets", DEFAULT_MAX_TARGETS, 10_000)
     return DiscoveryConfig(
         enabled=enabled,
         interval=r.duration("interval", DEFAULT_DISCOVERY_INTERVAL),
         keep_for=r.duration("keep_for", DEFAULT_DISCOVERY_KEEP_FOR),
-        servers=tuple(dict.fromkeys(ServerKind(s) for s in servers)),
+        servers=tuple(dict.fromkeys(servers)),
         max_targets=max_targets,
         max_targets_per_user=r.count(
             "max_targets_per_user", min(DEFAULT_MAX_TARGETS_PER_USER, max_targets), max_targets

@@ -41,7 +41,7 @@ from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, re
 from exporter.serverargs import Evidence, Recognised, find_launch, recognise
 from exporter.sources.process import boot_time, read_stat
 from exporter.untrusted import clean
-from exporter.vocabulary import ProbeKind, ServerKind
+from exporter.vocabulary import ProbeKind
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ _HUB_CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE"
 class DiscoveredServer:
     """One running model server, described as a target: what to probe and which files to watch."""
 
-    kind: ServerKind
+    kind: str  # a server kind of exporter/servers
     name: str
     pid: int
     start_ticks: int
@@ -279,25 +279,25 @@ class Discoverer:
         if note:
             evidence.append(Evidence("probe host", host, note))
         evidence.extend(weight_evidence)
-        spec = recognised.spec
+        command = recognised.command
         model = recognised.served_model_name or (
-            recognised.model if spec.model_is != "repository" else None
+            recognised.model if command.model_is != "repository" else None
         )
         headers = {"Authorization": f"Bearer {recognised.api_key}"} if recognised.api_key else {}
         if headers and _HEADER_BAD.search(headers["Authorization"]):
             headers = {}  # a line break would forge the probe's request
         return DiscoveredServer(
-            kind=spec.kind,
-            name=target_name(spec.kind, model or recognised.model, recognised.port),
+            kind=recognised.kind,
+            name=target_name(recognised.kind, model or recognised.model, recognised.port),
             pid=pid,
             start_ticks=start_ticks,
             start_time=self._start_time(start_ticks),
             url=f"http://{_url_host(host)}:{recognised.port}",
-            probe=spec.probe,
-            probe_path=spec.probe_path,
+            probe=command.probe,
+            probe_path=command.probe_path,
             model=clean(model) if model is not None else None,
             weights=weights,
-            weights_include=spec.include,
+            weights_include=command.include,
             reachable=reachable,
             evidence=tuple(
                 Evidence(clean(e.what), clean(e.value), clean(e.source)) for e in evidence
@@ -598,10 +598,10 @@ def _weights(
     if usable is False:
         return (), [Evidence("weights", "refused", "not readable with the process's rights")]
     if path is not None and usable:
-        if recognised.spec.model_is == "file":
+        if recognised.command.model_is == "file":
             return _gguf_parts(path, refuse), [Evidence("weights", path, "the model file")]
         return (path,), [Evidence("weights", path, "local path")]
-    if recognised.spec.model_is == "model" and _HUB_ID.match(model):
+    if recognised.command.model_is == "model" and _HUB_ID.match(model):
         return _hub_snapshot(model, recognised, view, environ, refuse)
     return (), [Evidence("weights", "not found", f"{model} does not exist (yet)")]
 

@@ -1,8 +1,9 @@
 """Turn model servers' own startup log lines into typed events (pure: no I/O, no clock).
 
 Only the server knows it is capturing CUDA graphs or on shard 32 of 64, so its log gives the exact
-fine steps. The strings come from `shared/reference/server-startup.md`; old and new releases of
-each server are both accepted. Text arrives in chunks of whole lines; `\\r` (tqdm redraws) ends a
+fine steps. Each server's format (prefix, stamp, marker rules) is a row of its module in
+exporter/servers/, from `shared/reference/server-startup.md`; old and new releases of each server
+are both accepted. Text arrives in chunks of whole lines; `\\r` (tqdm redraws) ends a
 line like `\\n`, ANSI colour codes are removed, and rank/process prefixes give each line its rank.
 
 Tensor parallelism: with several ranks every rank logs the same markers, so events are merged:
@@ -29,15 +30,13 @@ never go back.
 
 from __future__ import annotations
 
-import calendar
 import re
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-from exporter.vocabulary import LogFormat, Step
+from exporter.servers import SERVERS
+from exporter.servers.logformat import CAUSE, EventKind, LogFormat
+from exporter.vocabulary import AUTO, Step
 
 MAX_SKEW = 120.0  # seconds a line's stamp may differ from its reference time and still be used
 _QUARTER_HOUR = 900.0
@@ -46,21 +45,6 @@ DETECT_ANNOUNCE_LINES = 2000  # lines without a recognisable one before `auto` s
 DETECT_BACKLOG = 256  # lines kept (their first DETAIL_MAX characters) until `auto` decides
 CAUSE_WINDOW = 200  # a fatal line takes the last error line seen at most this many lines before
 DETAIL_MAX = 1000  # characters of a line kept in an event (status pages show them)
-
-
-class EventKind(StrEnum):
-    WEIGHTS_BEGIN = "weights_begin"
-    WEIGHTS_PROGRESS = "weights_progress"
-    WEIGHTS_END = "weights_end"
-    KV_CACHE = "kv_cache"
-    COMPILE_BEGIN = "compile_begin"
-    COMPILE_END = "compile_end"
-    CUDA_GRAPH_BEGIN = "cuda_graph_begin"
-    CUDA_GRAPH_PROGRESS = "cuda_graph_progress"
-    CUDA_GRAPH_END = "cuda_graph_end"
-    WARMUP_BEGIN = "warmup_begin"
-    READY = "ready"
-    FATAL = "fatal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,21 +81,6 @@ _AFTER_WEIGHTS = frozenset(
     }
 )
 _ONCE = frozenset({EventKind.KV_CACHE, EventKind.WARMUP_BEGIN, EventKind.READY, EventKind.FATAL})
-_CAUSE = "cause"  # a rule kind that records an error line for the next fatal instead of firing
-
-
-# --- format table -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Rule:
-    kind: EventKind | str
-    pattern: re.Pattern[str]
-    keyword: str  # a substring every match contains: the cheap prefilter before the regex
-
-
-def _rule(kind: EventKind | str, keyword: str, pattern: str) -> _Rule:
-    return _Rule(kind, re.compile(pattern), keyword)
 
 
 @dataclass(frozen=True)
@@ -124,240 +93,7 @@ class _Prefix:
     message: str
 
 
-_StampFn = Callable[[re.Match[str], float], float | None]
-
-
-@dataclass(frozen=True)
-class _Format:
-    name: LogFormat
-    signature: re.Pattern[str]  # `auto`: a line only this format writes (matched at its start)
-    prefix: re.Pattern[str] | None  # matched at a line's start; group "who" names the rank
-    stamp: _StampFn | None
-    rules: tuple[_Rule, ...]
-    rank_in_message: bool = False  # TGI puts `rank=N` at the end of the message
-    keywords: re.Pattern[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        words = sorted({rule.keyword for rule in self.rules}, key=len, reverse=True)
-        object.__setattr__(self, "keywords", re.compile("|".join(map(re.escape, words))))
-
-
-def _local(year: int, month: int, day: int, h: int, m: int, s: int, frac: str | None) -> float:
-    base = time.mktime((year, month, day, h, m, s, 0, 0, -1))
-    return base + (int(frac) / 10 ** len(frac) if frac else 0.0)
-
-
-def _stamp_full_local(m: re.Match[str], ref: float) -> float | None:
-    g = m.group
-    return _local(int(g("y")), int(g("mo")), int(g("d")), int(g("H")), int(g("M")), int(g("S")),
-                  g("f"))  # fmt: skip
-
-
-def _stamp_no_year(m: re.Match[str], ref: float) -> float | None:
-    if m.group("mo") is None:
-        return None
-    g = m.group
-    year = time.localtime(ref).tm_year
-    args = (int(g("mo")), int(g("d")), int(g("H")), int(g("M")), int(g("S")), g("f"))
-    stamp = _local(year, *args)
-    if stamp > ref + 86400:  # a December line read in January
-        stamp = _local(year - 1, *args)
-    return stamp
-
-
-def _stamp_utc(m: re.Match[str], ref: float) -> float | None:
-    g = m.group
-    base = calendar.timegm(
-        (int(g("y")), int(g("mo")), int(g("d")), int(g("H")), int(g("M")), int(g("S")), 0, 0, 0)
-    )
-    frac = g("f")
-    return base + (int(frac) / 10 ** len(frac) if frac else 0.0)
-
-
 _RANK_RES = (re.compile(r"TP(\d+)"), re.compile(r"rank=(\d+)"), re.compile(r"DP(\d+)"))
-_TGI_RANK_RE = re.compile(r"\brank=\d+")
-
-# Exception lines, and the servers' own words for what went wrong: kept as a fatal's cause.
-_CAUSE_RULES = (
-    _rule(_CAUSE, "Error", r"^\s*[\w.]*Error: "),
-    _rule(_CAUSE, "Exception", r"^\s*[\w.]*Exception: "),
-    _rule(_CAUSE, "error loading model", r"error loading model: "),
-    _rule(_CAUSE, "failed to initialize the context", r"failed to initialize the context: "),
-)
-
-_TQDM = r":\s+(?P<pct>\d+)%(?: Completed)? ?\|[^|]*?\|? (?P<done>\d+)/(?P<total>\d+)"
-
-SGLANG = _Format(
-    name=LogFormat.SGLANG,
-    signature=re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{3})?(?: [A-Z_]+\d+)*\] "),
-    prefix=re.compile(
-        r"\[(?P<y>\d{4})-(?P<mo>\d\d)-(?P<d>\d\d) (?P<H>\d\d):(?P<M>\d\d):(?P<S>\d\d)"
-        r"(?:\.(?P<f>\d{3}))?(?: (?P<who>[A-Z_]+\d+(?: [A-Z_]+\d+)*))?\] "
-    ),
-    stamp=_stamp_full_local,
-    rules=(
-        _rule(EventKind.WEIGHTS_BEGIN, "Load weight begin", r"^Load weight begin\."),
-        _rule(
-            EventKind.WEIGHTS_PROGRESS,
-            "checkpoint shards",
-            r"Loading (?:safetensors|pt) checkpoint shards" + _TQDM,
-        ),
-        _rule(EventKind.WEIGHTS_PROGRESS, "Multi-thread loading", r"Multi-thread loading[^:]*" + _TQDM),
-        _rule(
-            EventKind.WEIGHTS_END,
-            "Load weight end",
-            r"^Load weight end\. (?:elapsed=(?P<seconds>[\d.]+) s, )?",
-        ),
-        _rule(EventKind.KV_CACHE, "KV Cache is allocated", r"^KV Cache is allocated\."),
-        _rule(EventKind.COMPILE_BEGIN, "Compiling num tokens", r"Compiling num tokens \("),
-        _rule(EventKind.COMPILE_BEGIN, "DeepGEMM", r"Entering DeepGEMM JIT Pre-Compile|DeepGEMM warmup"),
-        _rule(EventKind.CUDA_GRAPH_BEGIN, "graph begin", r"^Capture (?:\S+ \S+ )?(?:cuda|CUDA) graph begin\."),
-        _rule(
-            EventKind.CUDA_GRAPH_PROGRESS,
-            "Capturing batches",
-            r"Capturing batches \([^)]*\)" + _TQDM,
-        ),
-        _rule(
-            EventKind.CUDA_GRAPH_END,
-            "graph end",
-            r"^Capture (?:\S+ \S+ )?(?:cuda|CUDA) graph end\.(?:.*?elapsed[:=] ?(?P<seconds>[\d.]+) s)?",
-        ),
-        # The port opens and the warm-up request is sent: uvicorn's own lines.
-        _rule(EventKind.WARMUP_BEGIN, "startup", r"Waiting for application startup\.|Application startup complete\."),
-        _rule(EventKind.WARMUP_BEGIN, "Uvicorn running", r"Uvicorn running on"),
-        _rule(EventKind.READY, "fired up", r"The server is fired up and ready to roll!"),
-        _rule(EventKind.FATAL, "scheduler died", r"^Rank \d+ scheduler died during initialization"),
-        _rule(EventKind.FATAL, "scheduler is dead", r"^Rank \d+ scheduler is dead"),
-        _rule(EventKind.FATAL, "Initialization failed", r"^Initialization failed\."),
-        *_CAUSE_RULES,
-    ),
-)  # fmt: skip
-
-VLLM = _Format(
-    name=LogFormat.VLLM,
-    signature=re.compile(
-        r"(?:\([^()]*? pid=\d+\) (?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d )?"
-        r"|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d )"
-    ),
-    prefix=re.compile(
-        r"(?:\((?P<who>[^()]*?) pid=\d+\) )?"
-        r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<mo>\d\d)-(?P<d>\d\d) (?P<H>\d\d):(?P<M>\d\d)"
-        r":(?P<S>\d\d)(?:\.(?P<f>\d+))? (?:\[[^\]]*\] |[\w.]+:\d+\] ))?"
-    ),
-    stamp=_stamp_no_year,
-    rules=(
-        _rule(EventKind.WEIGHTS_BEGIN, "Starting to load model", r"^Starting to load model "),
-        _rule(EventKind.WEIGHTS_BEGIN, "Loading model from scratch", r"^Loading model from scratch"),
-        _rule(
-            EventKind.WEIGHTS_PROGRESS,
-            "checkpoint shards",
-            r"Loading (?:safetensors|pt) checkpoint shards(?: \(eager\))?" + _TQDM,
-        ),
-        _rule(EventKind.WEIGHTS_END, "Loading weights took", r"^Loading weights took (?P<seconds>[\d.]+) s"),
-        _rule(EventKind.WEIGHTS_END, "Model loading took", r"^Model loading took [\d.]+ GiB(?: memory)? and (?P<seconds>[\d.]+) s"),
-        _rule(EventKind.WEIGHTS_END, "Loading model weights took", r"^Loading model weights took [\d.]+ GB"),
-        _rule(EventKind.COMPILE_BEGIN, "Starting torch.compile", r"^Starting torch\.compile"),
-        # The CPU runner (0.32): compile and the profiling run, then dummy runs until "Warming up
-        # done." and the KV cache.
-        _rule(EventKind.COMPILE_BEGIN, "Warming up model for the compilation", r"^Warming up model for the compilation"),
-        _rule(EventKind.WARMUP_BEGIN, "Initial profiling/warmup run took", r"^(?:\[\w+\] )?Initial profiling/warmup run took [\d.]+ s"),
-        _rule(EventKind.COMPILE_BEGIN, "torch.compile", r"^Using cache directory: .* for vLLM's torch\.compile"),
-        _rule(EventKind.COMPILE_BEGIN, "Dynamo bytecode transform", r"^Dynamo bytecode transform time: "),
-        _rule(
-            EventKind.COMPILE_END,
-            "torch.compile t",
-            r"^torch\.compile (?:and initial profiling/warmup run together )?(?:took|takes) (?P<seconds>[\d.]+) s in total",
-        ),
-        _rule(EventKind.KV_CACHE, "Available KV cache memory", r"^Available KV cache memory: "),
-        _rule(EventKind.KV_CACHE, "KV cache size", r"KV cache size: [\d,]+ tokens"),
-        _rule(EventKind.KV_CACHE, "# GPU blocks", r"^# GPU blocks: \d+"),
-        _rule(EventKind.CUDA_GRAPH_BEGIN, "Capturing cudagraphs", r"^Capturing cudagraphs for decoding"),
-        _rule(EventKind.CUDA_GRAPH_BEGIN, "Capturing the model for CUDA graphs", r"^Capturing the model for CUDA graphs"),
-        _rule(EventKind.CUDA_GRAPH_PROGRESS, "Capturing CUDA graph", r"Capturing CUDA graph(?:s| shapes)[^:]*" + _TQDM),
-        _rule(
-            EventKind.CUDA_GRAPH_END,
-            "Graph capturing finished",
-            r"^Graph capturing finished in (?P<seconds>[\d.]+) secs?",
-        ),
-        _rule(EventKind.READY, "Application startup complete", r"Application startup complete\."),
-        _rule(EventKind.FATAL, "Engine core initialization failed", r"^\w*Error: Engine core initialization failed"),
-        _rule(EventKind.FATAL, "Engine process failed to start", r"^\w*Error: Engine process failed to start"),
-        *_CAUSE_RULES,
-    ),
-)  # fmt: skip
-
-LLAMACPP = _Format(
-    name=LogFormat.LLAMACPP,
-    signature=re.compile(
-        r"(?:\d+\.\d\d\.\d{3}\.\d{3} [IWEDN] )?(?:build: \d+ \(|llama_model_loader: |load_tensors: "
-        r"|llm_load_\w+: |llama_(?:model_load|context|kv_cache|new_context)\w*: |print_info: "
-        r"|srv\s+\w+: |gguf_init_from_file)"
-    ),
-    prefix=re.compile(r"(?:\d+\.\d\d\.\d{3}\.\d{3} [IWEDN] )?"),
-    stamp=None,
-    rules=(
-        _rule(EventKind.WEIGHTS_BEGIN, "load_tensors: ", r"^(?:llm_)?load_tensors: "),
-        # Progress: a line of dots that grows while the tensors load and ends at 100 %.
-        _rule(EventKind.WEIGHTS_PROGRESS, "..", r"^(?P<dots>\.{2,})$"),
-        _rule(EventKind.WEIGHTS_END, "llama_context: constructing", r"^llama_context: constructing"),
-        _rule(EventKind.WEIGHTS_END, "llama_new_context_with_model", r"^llama_new_context_with_model: "),
-        _rule(EventKind.KV_CACHE, "KV buffer size", r"^llama_kv_cache\w*:\s+\S+ KV buffer size"),
-        _rule(EventKind.WARMUP_BEGIN, "warming up the model", r"warming up the model"),
-        _rule(EventKind.READY, "model loaded", r"^(?:srv\s+)?\w+: model loaded$"),
-        _rule(EventKind.READY, "server is listening on", r"^main: server is listening on "),
-        # llama-cpp-python's server: uvicorn starts once the model is in.
-        _rule(EventKind.READY, "Uvicorn running on", r"Uvicorn running on"),
-        _rule(EventKind.FATAL, "exiting due to model loading error", r"^main: exiting due to model loading error"),
-        _rule(EventKind.FATAL, "failed to load model", r"^llama_model_load_from_file\w*: failed to load model"),
-        *_CAUSE_RULES,
-    ),
-)  # fmt: skip
-
-TGI = _Format(
-    name=LogFormat.TGI,
-    signature=re.compile(
-        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z\s+(?:TRACE|DEBUG|INFO|WARN|ERROR) "
-    ),
-    prefix=re.compile(
-        r"(?P<y>\d{4})-(?P<mo>\d\d)-(?P<d>\d\d)T(?P<H>\d\d):(?P<M>\d\d):(?P<S>\d\d)(?:\.(?P<f>\d+))?Z"
-        r"\s+(?:TRACE|DEBUG|INFO|WARN|ERROR) "
-    ),
-    stamp=_stamp_utc,
-    rank_in_message=True,
-    rules=(
-        _rule(EventKind.WEIGHTS_BEGIN, "Starting shard", r"Starting shard\b"),
-        _rule(EventKind.WEIGHTS_END, "Shard ready in", r"Shard ready in (?P<seconds>[\d.]+)s"),
-        _rule(EventKind.WARMUP_BEGIN, "Warming up model", r"Warming up model"),
-        _rule(EventKind.KV_CACHE, "KV-cache blocks", r"KV-cache blocks: \d+"),
-        _rule(EventKind.CUDA_GRAPH_BEGIN, "Cuda Graphs are enabled", r"Cuda Graphs are enabled for sizes"),
-        _rule(EventKind.CUDA_GRAPH_END, "Setting max batch total tokens", r"Setting max batch total tokens to \d+"),
-        _rule(EventKind.READY, "Connected", r"\bConnected$"),
-        _rule(EventKind.FATAL, "failed to start", r"(?:^|: )Shard \d+ failed to start"),
-        _rule(EventKind.FATAL, "Error: ", r"^Error: \w+"),
-        *_CAUSE_RULES,
-    ),
-)  # fmt: skip
-
-TRITON = _Format(
-    name=LogFormat.TRITON,
-    signature=re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6}\s+\d+ [\w.]+:\d+\] "),
-    prefix=re.compile(
-        r"[IWEF](?P<mo>\d\d)(?P<d>\d\d) (?P<H>\d\d):(?P<M>\d\d):(?P<S>\d\d)\.(?P<f>\d{6})"
-        r"\s+\d+ [\w.]+:\d+\] "
-    ),
-    stamp=_stamp_no_year,
-    rules=(
-        _rule(EventKind.WEIGHTS_BEGIN, "loading: ", r"^loading: (?P<who>[^:\s]+):\d+"),
-        _rule(EventKind.WEIGHTS_END, "successfully loaded", r"^successfully loaded '(?P<who>[^']+)'"),
-        _rule(EventKind.READY, "Started HTTPService", r"^Started HTTPService at "),
-        _rule(EventKind.FATAL, "failed to load", r"^failed to load '[^']+' version \d+: .+"),
-        _rule(EventKind.FATAL, "creating server", r"^error: creating server: .+"),
-        *_CAUSE_RULES,
-    ),
-)  # fmt: skip
-
-FORMATS: dict[LogFormat, _Format] = {f.name: f for f in (SGLANG, VLLM, LLAMACPP, TGI, TRITON)}
-
 _ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 
@@ -370,11 +106,11 @@ def clean(text: str) -> str:
     return text
 
 
-def detect(line: str) -> LogFormat | None:
-    """The format whose signature a cleaned line starts with, if any."""
-    for fmt in FORMATS.values():
-        if fmt.signature.match(line):
-            return fmt.name
+def detect(line: str) -> str | None:
+    """The server kind whose log format's signature a cleaned line starts with, if any."""
+    for kind, server in SERVERS.items():
+        if server.log.signature.match(line):
+            return kind
     return None
 
 
@@ -454,14 +190,12 @@ class MarkerParser:
     for progress only, since a tqdm bar stays unterminated until its next redraw.
     """
 
-    def __init__(self, fmt: LogFormat | str = LogFormat.AUTO) -> None:
-        self.configured = LogFormat(fmt)
-        self.format: LogFormat | None = (
-            None if self.configured is LogFormat.AUTO else self.configured
-        )
+    def __init__(self, fmt: str = AUTO) -> None:
+        """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO."""
+        self.format: str | None = None if fmt == AUTO else fmt  # the kind; None: undecided
         self.format_reason = "configured" if self.format else "auto: no recognisable line yet"
         self.unknown_announced = False  # set once `auto` has seen DETECT_ANNOUNCE_LINES in vain
-        self._spec = FORMATS[self.format] if self.format else None
+        self._spec: LogFormat | None = SERVERS[fmt].log if self.format else None
         self._backlog: deque[tuple[str, float]] = deque(maxlen=DETECT_BACKLOG)
         self._undecided_lines = 0
         self._cycle = _Cycle()
@@ -513,7 +247,7 @@ class MarkerParser:
             self._undecided_lines += 1
             fmt = detect(line)
             if fmt is not None:
-                self.format, self._spec = fmt, FORMATS[fmt]
+                self.format, self._spec = fmt, SERVERS[fmt].log
                 shown = line if len(line) <= 120 else line[:117] + "..."
                 self.format_reason = (
                     f"auto: line {self._undecided_lines} matched {fmt}'s line prefix: {shown!r}"
@@ -553,7 +287,7 @@ class MarkerParser:
 
     def _line(
         self,
-        spec: _Format,
+        spec: LogFormat,
         line: str,
         ref: float,
         events: list[LogEvent],
@@ -570,7 +304,7 @@ class MarkerParser:
             match = rule.pattern.search(prefix.message)
             if match is None:
                 continue
-            if rule.kind == _CAUSE:
+            if rule.kind == CAUSE:
                 self._cause = (self._line_no, prefix.message.strip())
                 continue
             self._fire(EventKind(rule.kind), match, prefix, ref, events, partial=progress_only)
@@ -657,7 +391,7 @@ def _fraction(progress: tuple[int, int]) -> float:
     return done / total if total > 0 else 1.0
 
 
-def _split_prefix(spec: _Format, line: str, ref: float) -> _Prefix:
+def _split_prefix(spec: LogFormat, line: str, ref: float) -> _Prefix:
     stamp = who = None
     resolution = 1.0
     message = line
@@ -671,8 +405,8 @@ def _split_prefix(spec: _Format, line: str, ref: float) -> _Prefix:
                 stamp = spec.stamp(m, ref)
                 fraction = groups.get("f")
                 resolution = 10.0 ** -len(fraction) if fraction else 1.0
-    if spec.rank_in_message:
-        r = _TGI_RANK_RE.search(message)
+    if spec.rank_in_message is not None:
+        r = spec.rank_in_message.search(message)
         if r is not None:
             who = r.group(0)
     return _Prefix(stamp, resolution, who, message)
@@ -737,10 +471,10 @@ class StepTimeline:
 
     A step runs from its begin event to its end event, or else to the next step's begin, ready or
     fatal; between an end and the next begin the step is `none`. An end line that states the
-    step's duration counts even without its begin line, backdated by that duration. Progress opens its step only when
-    no step is open and that step has not run yet (its begin line was missed). A step that runs
-    twice (a draft model's weights) adds up. ready and fatal end the load; the next weights_begin
-    starts a new one and clears the durations.
+    step's duration counts even without its begin line, backdated by that duration. Progress
+    opens its step only when no step is open and that step has not run yet (its begin line was
+    missed). A step that runs twice (a draft model's weights) adds up. ready and fatal end the
+    load; the next weights_begin starts a new one and clears the durations.
     """
 
     def __init__(self) -> None:

@@ -3,40 +3,13 @@
 Pure functions of argv and environment, so every rule can be tested without a process. A server
 is recognised by what sits in the executable, module or console-script position of argv, never
 by a substring anywhere: `grep sglang`, `vim launch_server.py` or `python -c "import vllm"` are
-not servers. Each server's flag spellings, environment variables and defaults are one row of the
-spec table below, read from the servers' own sources (SGLang server_args.py and cli/serve.py,
-vLLM cli/serve.py and config/model.py, llama.cpp common/arg.cpp, llama-cpp-python
-server/settings.py, TGI launcher/src/main.rs, Triton's command line options).
+not servers. Each server's names, flag spellings, environment variables and defaults are the
+`Command` rows of its module in exporter/servers/, read from the servers' own sources.
 
 Precedence, as in the servers themselves: argv, then a `--config` file (vLLM, SGLang; YAML, keys
 are flag names), then the environment, then the server's default. `--flag=value` and `--flag
 value` both count, the last occurrence wins (argparse and clap), and `_` and `-` in long flags
 are the same (vLLM's parser accepts both; llama-cpp-python spells its flags with `_`).
-
-The readiness probe a zero-configuration target gets:
-
-| server           | probe  | path             |
-|------------------|--------|------------------|
-| SGLang           | health | /health          |
-| vLLM             | health | /health          |
-| llama.cpp        | health | /health          |
-| llama-cpp-python | models | /v1/models       |
-| TGI              | health | /health          |
-| Triton           | health | /v2/health/ready |
-
-- SGLang keeps its port closed during the weight load, then /health is 503 until the warmup
-  request passed and 200 after. /v1/models answers 200 as soon as HTTP is up, so it is no
-  readiness signal; a completion needs the served name right and runs a generation on every
-  probe of a serving instance.
-- vLLM keeps its port closed while loading; /health is 200 once the engine is up and needs
-  neither the model name (older vLLM rejects a completion without one) nor the API key (vLLM
-  guards /v1 only).
-- llama.cpp's port is open from the start: /health is 503 "Loading model" until loaded, then 200.
-- llama-cpp-python has no /health, but it loads the model before uvicorn listens, so any answer
-  of /v1/models means ready; a completion would run the model.
-- TGI opens its port after warmup; /health is 200 when ready.
-- Triton keeps its port closed during the initial load; /v2/health/ready is 200 when every model
-  is ready and 400 before.
 """
 
 from __future__ import annotations
@@ -46,18 +19,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from exporter.config import DEFAULT_INCLUDE, DISCOVERY_SERVERS
-from exporter.vocabulary import ProbeKind, ServerKind
+from exporter.config import DISCOVERY_SERVERS
+from exporter.servers import SERVERS
+from exporter.servers.server import Command, Role, Server
 
-# Roles: what an argument means, whatever a server calls it.
-MODEL = "model"
-SERVED = "served_model_name"
-HOST = "host"
-PORT = "port"
-API_KEY = "api_key"
-REVISION = "revision"
-CACHE_DIR = "hub_cache"
-CONFIG = "config_file"
 SECRET = "(secret)"  # what evidence shows instead of an API key
 
 _HELP_FLAGS = frozenset({"-h", "--help", "-V", "--version"})
@@ -74,184 +39,26 @@ class Evidence:
 
 
 @dataclass(frozen=True)
-class ServerSpec:
-    """How one server reads its arguments: flag spellings, environment and defaults per role."""
-
-    kind: ServerKind
-    label: str
-    flags: Mapping[str, tuple[str, ...]]
-    probe: ProbeKind
-    probe_path: str
-    env: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    defaults: Mapping[str, str] = field(default_factory=dict)
-    include: tuple[str, ...] = DEFAULT_INCLUDE
-    # Roles whose value is a comma-separated list of which the server uses the first.
-    comma_lists: frozenset[str] = frozenset()
-    # Whether the model argument is a file (GGUF) or a model repository (Triton), not a model.
-    model_is: str = "model"
-    # `vllm serve MODEL --model X` serves MODEL; `sglang serve MODEL --model-path X` serves X.
-    positional_wins: bool = False
-
-
-SGLANG = ServerSpec(
-    kind=ServerKind.SGLANG,
-    label="SGLang",
-    flags={
-        MODEL: ("--model-path", "--model"),
-        SERVED: ("--served-model-name",),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-        REVISION: ("--revision",),
-        CACHE_DIR: ("--download-dir",),
-        CONFIG: ("--config",),
-    },
-    defaults={HOST: "127.0.0.1", PORT: "30000"},
-    probe=ProbeKind.HEALTH,
-    probe_path="/health",
-)
-VLLM = ServerSpec(
-    kind=ServerKind.VLLM,
-    label="vLLM",
-    flags={
-        MODEL: ("--model",),
-        SERVED: ("--served-model-name",),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-        REVISION: ("--revision",),
-        CACHE_DIR: ("--download-dir",),
-        CONFIG: ("--config",),
-    },
-    env={API_KEY: ("VLLM_API_KEY",)},
-    # host None: uvicorn listens on every interface.
-    defaults={HOST: "0.0.0.0", PORT: "8000", MODEL: "Qwen/Qwen3-0.6B"},
-    probe=ProbeKind.HEALTH,
-    probe_path="/health",
-    positional_wins=True,
-)
-LLAMA_SERVER = ServerSpec(
-    kind=ServerKind.LLAMACPP,
-    label="llama.cpp server",
-    flags={
-        MODEL: ("-m", "--model"),
-        SERVED: ("-a", "--alias"),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-    },
-    env={
-        MODEL: ("LLAMA_ARG_MODEL",),
-        SERVED: ("LLAMA_ARG_ALIAS",),
-        HOST: ("LLAMA_ARG_HOST",),
-        PORT: ("LLAMA_ARG_PORT",),
-        API_KEY: ("LLAMA_API_KEY",),
-    },
-    defaults={HOST: "127.0.0.1", PORT: "8080"},
-    probe=ProbeKind.HEALTH,
-    probe_path="/health",
-    include=("*.gguf",),
-    comma_lists=frozenset({SERVED, API_KEY}),
-    model_is="file",
-)
-LLAMA_CPP_PYTHON = ServerSpec(
-    kind=ServerKind.LLAMACPP,
-    label="llama-cpp-python server",
-    flags={
-        MODEL: ("--model",),
-        SERVED: ("--model-alias",),
-        HOST: ("--host",),
-        PORT: ("--port",),
-        API_KEY: ("--api-key",),
-        CONFIG: ("--config-file",),
-    },
-    # pydantic-settings: the field names, case-insensitive.
-    env={
-        MODEL: ("MODEL", "model"),
-        SERVED: ("MODEL_ALIAS", "model_alias"),
-        HOST: ("HOST", "host"),
-        PORT: ("PORT", "port"),
-        API_KEY: ("API_KEY", "api_key"),
-        CONFIG: ("CONFIG_FILE",),
-    },
-    defaults={HOST: "localhost", PORT: "8000"},
-    probe=ProbeKind.MODELS,
-    probe_path="/v1/models",
-    include=("*.gguf",),
-    model_is="file",
-)
-TGI = ServerSpec(
-    kind=ServerKind.TGI,
-    label="TGI",
-    flags={
-        MODEL: ("--model-id",),
-        SERVED: ("--served-model-name",),
-        HOST: ("--hostname",),
-        PORT: ("--port", "-p"),
-        API_KEY: ("--api-key",),
-        REVISION: ("--revision",),
-        CACHE_DIR: ("--huggingface-hub-cache",),
-    },
-    env={
-        MODEL: ("MODEL_ID",),
-        SERVED: ("SERVED_MODEL_NAME",),
-        HOST: ("HOSTNAME",),
-        PORT: ("PORT",),
-        API_KEY: ("API_KEY",),
-        REVISION: ("REVISION",),
-        CACHE_DIR: ("HUGGINGFACE_HUB_CACHE",),
-    },
-    defaults={HOST: "0.0.0.0", PORT: "3000", MODEL: "bigscience/bloom-560m"},
-    probe=ProbeKind.HEALTH,
-    probe_path="/health",
-)
-TRITON = ServerSpec(
-    kind=ServerKind.TRITON,
-    label="Triton",
-    flags={
-        MODEL: ("--model-repository", "--model-store"),
-        HOST: ("--http-address",),
-        PORT: ("--http-port",),
-    },
-    defaults={HOST: "0.0.0.0", PORT: "8000"},
-    probe=ProbeKind.HEALTH,
-    probe_path="/v2/health/ready",
-    include=(*DEFAULT_INCLUDE, "*.plan", "*.onnx", "*.engine"),
-    model_is="repository",
-)
-
-# Executable or console-script name -> (spec, required subcommand).
-_CONSOLE: Mapping[str, tuple[ServerSpec, str | None]] = {
-    "sglang": (SGLANG, "serve"),
-    "vllm": (VLLM, "serve"),
-    "llama-server": (LLAMA_SERVER, None),
-    "text-generation-launcher": (TGI, None),
-    "tritonserver": (TRITON, None),
-}
-# `python -m MODULE` -> (spec, required subcommand).
-_MODULES: Mapping[str, tuple[ServerSpec, str | None]] = {
-    "sglang.launch_server": (SGLANG, None),
-    "vllm.entrypoints.openai.api_server": (VLLM, None),
-    "vllm.entrypoints.cli.main": (VLLM, "serve"),
-    "llama_cpp.server": (LLAMA_CPP_PYTHON, None),
-}
-
-
-@dataclass(frozen=True)
 class Launch:
-    """A recognised start: the server, its own arguments, and how it was started."""
+    """A recognised start: the server, the command, its own arguments, and how it was started."""
 
-    spec: ServerSpec
+    server: Server
+    command: Command
     args: tuple[str, ...]
     how: str
     positional_model: bool
+
+    @property
+    def kind(self) -> str:
+        return self.server.kind
 
 
 @dataclass(frozen=True)
 class Recognised:
     """What a server's command line, config file and environment say; secrets kept out of repr."""
 
-    spec: ServerSpec = field(repr=False)
+    server: Server = field(repr=False)
+    command: Command = field(repr=False)
     how: str
     port: int
     host: str
@@ -263,8 +70,12 @@ class Recognised:
     api_key: str | None = field(default=None, repr=False)
 
     @property
-    def kind(self) -> ServerKind:
-        return self.spec.kind
+    def kind(self) -> str:
+        return self.server.kind
+
+
+# A server, the command of it that a name starts, and the subcommand that command needs.
+_Entry = tuple[Server, Command, str | None]
 
 
 def find_launch(argv: Sequence[str], kinds: Sequence[str] = DISCOVERY_SERVERS) -> Launch | None:
@@ -278,17 +89,17 @@ def find_launch(argv: Sequence[str], kinds: Sequence[str] = DISCOVERY_SERVERS) -
             return None
         what, name, start = target
         if what == "module":
-            entry = _MODULES.get(name)
+            entry = _module_entry(lambda module: module == name)
             how = f"{exe} -m {name}"
         else:
             entry = _script_entry(name)
             how = f"{exe} {name}"
     else:
-        entry, start, how = _CONSOLE.get(exe), 1, exe
+        entry, start, how = _console_entry(exe), 1, exe
     if entry is None:
         return None
-    spec, subcommand = entry
-    if spec.kind not in kinds:
+    server, command, subcommand = entry
+    if server.kind not in kinds:
         return None
     args = tuple(argv[start:])
     if subcommand is not None:
@@ -298,7 +109,7 @@ def find_launch(argv: Sequence[str], kinds: Sequence[str] = DISCOVERY_SERVERS) -
         how = f"{how} {subcommand}"
     if any(arg in _HELP_FLAGS for arg in args):
         return None  # `vllm serve --help` prints and exits; it never serves
-    return Launch(spec, args, how, positional_model=subcommand is not None)
+    return Launch(server, command, args, how, positional_model=subcommand is not None)
 
 
 def _python_target(argv: Sequence[str]) -> tuple[str, str, int] | None:
@@ -335,26 +146,51 @@ def _python_target(argv: Sequence[str]) -> tuple[str, str, int] | None:
     return None
 
 
-def _script_entry(path: str) -> tuple[ServerSpec, str | None] | None:
+def _console_entry(name: str) -> _Entry | None:
+    """The command an executable or console script of this name is."""
+    for server in SERVERS.values():
+        for command in server.commands:
+            if name in command.consoles:
+                return server, command, command.consoles[name]
+    return None
+
+
+def _module_entry(matches: Callable[[str], bool]) -> _Entry | None:
+    """The command whose module `matches`."""
+    for server in SERVERS.values():
+        for command in server.commands:
+            for module, subcommand in command.modules.items():
+                if matches(module):
+                    return server, command, subcommand
+    return None
+
+
+def _script_entry(path: str) -> _Entry | None:
     """A script run by the interpreter: a console script (via its #! line) or a module's file."""
-    entry = _CONSOLE.get(os.path.basename(path))
+    entry = _console_entry(os.path.basename(path))
     if entry is not None:
         return entry
-    for module, module_entry in _MODULES.items():
+
+    def is_file_of(module: str) -> bool:
         suffix = module.replace(".", "/") + ".py"
-        if path == suffix or path.endswith("/" + suffix):
-            return module_entry
-    return None
+        return path == suffix or path.endswith("/" + suffix)
+
+    return _module_entry(is_file_of)
 
 
 def _normal_flag(name: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
-def _scan_flags(args: Sequence[str], spec: ServerSpec) -> dict[str, tuple[str, str]]:
+def _flag_roles(command: Command) -> dict[str, Role]:
+    """Flag (normalised) -> role."""
+    return {_normal_flag(flag): role for role, flags in command.flags.items() for flag in flags}
+
+
+def _scan_flags(args: Sequence[str], command: Command) -> dict[Role, tuple[str, str]]:
     """role -> (value, flag as written), for the last occurrence of each role's flags."""
-    wanted = {_normal_flag(flag): role for role, flags in spec.flags.items() for flag in flags}
-    found: dict[str, tuple[str, str]] = {}
+    wanted = _flag_roles(command)
+    found: dict[Role, tuple[str, str]] = {}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -375,15 +211,15 @@ def _scan_flags(args: Sequence[str], spec: ServerSpec) -> dict[str, tuple[str, s
     return found
 
 
-def _config_values(document: Mapping[str, object], spec: ServerSpec) -> dict[str, tuple[str, str]]:
+def _config_values(document: Mapping[str, object], command: Command) -> dict[Role, tuple[str, str]]:
     """role -> (value, key) from a vLLM / SGLang YAML config: keys are flag names without --."""
-    wanted = {_normal_flag(flag): role for role, flags in spec.flags.items() for flag in flags}
-    found: dict[str, tuple[str, str]] = {}
+    wanted = _flag_roles(command)
+    found: dict[Role, tuple[str, str]] = {}
     for key, value in document.items():
         role = wanted.get(_normal_flag(f"--{key}"))
         if isinstance(value, list):
             value = value[0] if value else None
-        if role is None or role == CONFIG or value is None or isinstance(value, bool | dict):
+        if role is None or role == Role.CONFIG or value is None or isinstance(value, bool | dict):
             continue
         found[role] = (str(value), str(key))
     return found
@@ -403,74 +239,76 @@ def recognise(
     launch = find_launch(argv, kinds)
     if launch is None:
         return None
-    spec = launch.spec
-    evidence = [Evidence("server", str(spec.kind), f"{spec.label} started as `{launch.how}`")]
-    values: dict[str, str] = {}
+    command = launch.command
+    evidence = [Evidence("server", str(launch.kind), f"{command.label} started as `{launch.how}`")]
+    values: dict[Role, str] = {}
 
-    def take(role: str, value: str, source: str) -> None:
-        if role in spec.comma_lists:
+    def take(role: Role, value: str, source: str) -> None:
+        if role in command.comma_lists:
             value = value.split(",")[0].strip()
         values[role] = value
-        shown = SECRET if role == API_KEY else value
+        shown = SECRET if role == Role.API_KEY else value
         evidence.append(Evidence(role, shown, source))
 
     found = {
         role: (value, f"argument {flag}")
-        for role, (value, flag) in _scan_flags(launch.args, spec).items()
+        for role, (value, flag) in _scan_flags(launch.args, command).items()
     }
     first = launch.args[0] if launch.args else ""
     positional = launch.positional_model and first and not first.startswith("-")
-    if positional and (spec.positional_wins or MODEL not in found):
-        found[MODEL] = (first, f"positional argument after `{launch.how}`")
+    if positional and (command.positional_wins or Role.MODEL not in found):
+        found[Role.MODEL] = (first, f"positional argument after `{launch.how}`")
     for role, (value, source) in found.items():
         take(role, value, source)
-    config_file = values.get(CONFIG) or _from_env(CONFIG, spec, environ)
+    config_file = values.get(Role.CONFIG) or _from_env(Role.CONFIG, command, environ)
     if config_file and read_config is not None:
         document = read_config(config_file)
         if document is None:
-            evidence.append(Evidence(CONFIG, config_file, "not readable; its settings unknown"))
+            unread = "not readable; its settings unknown"
+            evidence.append(Evidence(Role.CONFIG, config_file, unread))
         else:
-            for role, (value, key) in _config_values(document, spec).items():
+            for role, (value, key) in _config_values(document, command).items():
                 if role not in values:
                     take(role, value, f"config file {config_file}, key {key}")
     if environ is not None:
-        for role, names in spec.env.items():
+        for role, names in command.env.items():
             if role in values:
                 continue
             for name in names:
                 if environ.get(name):
                     take(role, environ[name], f"environment {name}")
                     break
-    for role, value in spec.defaults.items():
+    for role, value in command.defaults.items():
         if role in values:
             continue
-        if role == MODEL and config_file:
+        if role == Role.MODEL and config_file:
             continue  # the model may be in a config file we could not read: do not guess
-        take(role, value, f"default of {spec.label}")
+        take(role, value, f"default of {command.label}")
     try:
-        port = int(values[PORT])
+        port = int(values[Role.PORT])
     except ValueError:
         return None  # the server would refuse this port too
     if not 0 < port < 65536:
         return None
     return Recognised(
-        spec=spec,
+        server=launch.server,
+        command=command,
         how=launch.how,
         port=port,
-        host=values[HOST],
-        model=values.get(MODEL),
-        served_model_name=values.get(SERVED),
-        revision=values.get(REVISION),
-        hub_cache=values.get(CACHE_DIR),
+        host=values[Role.HOST],
+        model=values.get(Role.MODEL),
+        served_model_name=values.get(Role.SERVED),
+        revision=values.get(Role.REVISION),
+        hub_cache=values.get(Role.CACHE_DIR),
         evidence=tuple(evidence),
-        api_key=values.get(API_KEY),
+        api_key=values.get(Role.API_KEY),
     )
 
 
-def _from_env(role: str, spec: ServerSpec, environ: Mapping[str, str] | None) -> str | None:
+def _from_env(role: Role, command: Command, environ: Mapping[str, str] | None) -> str | None:
     if environ is None:
         return None
-    for name in spec.env.get(role, ()):
+    for name in command.env.get(role, ()):
         if environ.get(name):
             return environ[name]
     return None

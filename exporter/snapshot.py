@@ -55,13 +55,13 @@ class TargetView:
         return reading.good if reading is not None else None
 
     @property
-    def server(self) -> ServerKind:
+    def server(self) -> str:
         """The server kind, from the best evidence: its command line, its log, its answers."""
         if self.discovered is not None:
             return self.discovered.kind
         logs = self.reading(LOGS)
         if logs is not None and logs.value is not None and logs.value.format is not None:
-            return ServerKind(logs.value.format)
+            return logs.value.format
         probe = self.value(ENDPOINT)
         return probe.server if probe is not None else ServerKind.UNKNOWN
 

@@ -61,7 +61,9 @@ class StorageKind(StrEnum):
 
 
 class ServerKind(StrEnum):
-    """Which model server a target runs (`model_load_target_info{server}`)."""
+    """Which model server a target runs (`model_load_target_info{server}`): the servers built
+    into exporter/servers, and UNKNOWN. The kinds there are the full list (a module added there
+    brings its own name), so targets, samples and config hold a kind as its `str`."""
 
     SGLANG = "sglang"
     VLLM = "vllm"
@@ -91,15 +93,8 @@ class ProbeResult(StrEnum):
     ERROR = "error"
 
 
-class LogFormat(StrEnum):
-    """Whose startup log a target writes (`log.format`)."""
-
-    AUTO = "auto"
-    SGLANG = "sglang"
-    VLLM = "vllm"
-    LLAMACPP = "llamacpp"
-    TGI = "tgi"
-    TRITON = "triton"
+# `log.format`: a server kind, or AUTO: the first line only one server's format writes decides.
+AUTO = "auto"
 
 
 class LogEncoding(StrEnum):

@@ -47,7 +47,6 @@ from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
 from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
     Cache,
-    LogFormat,
     Outcome,
     Phase,
     ProbeKind,
@@ -182,7 +181,7 @@ def golden_snapshot() -> Snapshot:
                     up=True,
                     reason=None,
                     source="journald:sglang-k2.service",
-                    format=LogFormat.SGLANG,
+                    format=ServerKind.SGLANG,
                     format_reason="configured",
                     events=(),
                     last_seq=3,

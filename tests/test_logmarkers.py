@@ -14,15 +14,15 @@ from exporter.config import parse_config
 from exporter.logmarkers import (
     DETAIL_MAX,
     DETECT_ANNOUNCE_LINES,
-    FORMATS,
     EventKind,
     MarkerParser,
     StepTimeline,
     clean,
     detect,
 )
+from exporter.servers import SERVERS
 from exporter.sim.serverlog import LOG_WRITERS, LogContext
-from exporter.vocabulary import LogFormat, Step
+from exporter.vocabulary import AUTO, ServerKind, Step
 
 # (fixture, detected format, event kinds in order ("kind*n" = n in a row), seconds per step).
 # Stamped logs take their durations from the stamps; llama.cpp's from 0.1 s per line.
@@ -160,7 +160,7 @@ def test_detection_says_which_line_decided_and_replays_earlier_lines() -> None:
     assert parser.feed(noise, 1.0) == []
     assert parser.format is None
     events = parser.feed("Load weight begin. avail mem=70.00 GB\n[2026-03-02 10:00:00] x\n", 2.0)
-    assert parser.format is LogFormat.SGLANG
+    assert parser.format == ServerKind.SGLANG
     assert "line 7 matched sglang" in parser.format_reason
     assert [e.kind for e in events] == [EventKind.WEIGHTS_BEGIN]  # seen before the decision
 
@@ -198,7 +198,7 @@ def test_unknown_format_gives_no_events_and_says_so() -> None:
 
 def test_garbage_binary_and_a_huge_line_do_not_crash() -> None:
     rng = random.Random(7)
-    for fmt in ["auto", *(f.value for f in LogFormat if f is not LogFormat.AUTO)]:
+    for fmt in [AUTO, *SERVERS]:
         parser = MarkerParser(fmt)
         for _ in range(50):
             junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
@@ -329,13 +329,13 @@ def test_simulator_output_is_recognised(kind: str, crash: str | None) -> None:
         assert f"boom in {crash}" in result.events[-1].detail
 
 
-@pytest.mark.parametrize("fmt", list(LogFormat))
-def test_config_accepts_every_format_the_parser_knows(fmt: LogFormat) -> None:
+@pytest.mark.parametrize("fmt", [AUTO, *SERVERS])
+def test_config_accepts_every_format_the_parser_knows(fmt: str) -> None:
     target = {"name": "t", "endpoint": {"url": "http://127.0.0.1:1"}}
-    config = parse_config({"targets": [{**target, "log": {"file": "/x.log", "format": fmt.value}}]})
+    config = parse_config({"targets": [{**target, "log": {"file": "/x.log", "format": fmt}}]})
     log = config.targets[0].log
-    assert log is not None and log.format is fmt
-    assert fmt is LogFormat.AUTO or fmt in FORMATS
+    assert log is not None and log.format == fmt
+    assert MarkerParser(log.format).format == (None if fmt == AUTO else fmt)
 
 
 def test_a_later_step_implies_the_weights_are_in() -> None:

@@ -24,7 +24,7 @@ from exporter.sources.logs import (
     new_events,
     parse_journal_json,
 )
-from exporter.vocabulary import LogFormat, Step
+from exporter.vocabulary import ServerKind, Step
 
 SGLANG = (FIXTURES / "sglang-0.5-tp2.log").read_bytes()
 
@@ -47,7 +47,7 @@ def test_missing_file_is_not_up_then_read_from_its_start(tmp_path: Path) -> None
     path.write_bytes(SGLANG)  # appeared after following began: all of it is this load's
     sample = source.sample()
     assert sample.up and sample.reason is None
-    assert sample.format is LogFormat.SGLANG
+    assert sample.format == ServerKind.SGLANG
     assert kinds(sample)[0] == "weights_begin" and kinds(sample)[-1] == "ready"
     assert sample.ready_at is not None and sample.step is Step.NONE
     # The fixture's March stamps are far from now, so read times stand in for them.
@@ -129,7 +129,7 @@ def test_bytes_that_are_not_utf8(tmp_path: Path) -> None:
         f.write(b"\xff\xfe[2026-03-02 10:00:00] \xc3(\n")
         f.write(b"[2026-03-02 10:00:01] Load weight begin. avail mem=70.00 GB \xe2\x82\n")
     sample = source.sample()
-    assert sample.up and sample.format is LogFormat.SGLANG
+    assert sample.up and sample.format == ServerKind.SGLANG
     assert kinds(sample) == ["weights_begin"]
     assert "\ufffd" in sample.events[0].detail
 

@@ -70,7 +70,7 @@ def test_recognised_by_executable_module_or_script_position(
     argv: list[str], kind: str | None
 ) -> None:
     launch = find_launch(argv)
-    assert (launch.spec.kind if launch else None) == kind
+    assert (launch.kind if launch else None) == kind
 
 
 def test_server_kinds_can_be_left_out() -> None:

@@ -32,6 +32,7 @@ from typing import Any, TextIO
 import psutil
 
 from exporter.config import ConfigError, parse_duration
+from exporter.servers import SERVERS
 from exporter.sim import ranks
 from exporter.sim.events import Kind
 from exporter.sim.imports import Imports, imported, imports_dir, prepare_imports
@@ -52,12 +53,6 @@ from exporter.units import MiB, parse_rate, parse_size
 from exporter.vocabulary import ServerKind
 
 PORT_STYLES: tuple[str, ...] = ("closed", "503")
-DEFAULT_PORTS: dict[ServerKind, int] = {
-    ServerKind.SGLANG: 30000,
-    ServerKind.VLLM: 8000,
-    ServerKind.LLAMACPP: 8080,
-    ServerKind.TGI: 3000,
-}
 LOADING_BODY = json.dumps(
     {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
 ).encode()
@@ -223,7 +218,7 @@ class Settings:
         weights = Path(args.weights).absolute()
         return cls(
             host=args.host,
-            port=DEFAULT_PORTS[kind] if args.port is None else args.port,
+            port=SERVERS[kind].default_port if args.port is None else args.port,
             weights=weights,
             generate=args.generate,
             shard_size=args.shard_size,

@@ -31,12 +31,11 @@ from urllib.parse import urlsplit
 
 from exporter import __version__
 from exporter.config import EndpointConfig
+from exporter.servers import SERVERS
 from exporter.vocabulary import ProbeKind, ProbeResult, ServerKind
 
 MAX_BODY_BYTES = 1024 * 1024  # a 1-token completion or a model list is far smaller
 _READ_CHUNK = 64 * 1024
-# `owned_by` values in /v1/models answers that name the server.
-_KNOWN_OWNERS = frozenset({ServerKind.SGLANG, ServerKind.VLLM, ServerKind.LLAMACPP})
 _DEFAULT_PORTS = {"http": 80, "https": 443, "tcp": 80}
 _DECODERS: Mapping[str, int] = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS}
 
@@ -47,7 +46,7 @@ class ProbeSample:
     duration_seconds: float
     status_code: int | None
     detail: str
-    server: ServerKind  # the kind the responses have shown so far; UNKNOWN until one does
+    server: str  # the server kind the responses have shown so far; UNKNOWN until one does
     totals: Mapping[ProbeResult, int]  # probes by result since the prober was made
 
 
@@ -59,7 +58,7 @@ class _Outcome(Exception):
         result: ProbeResult,
         detail: str,
         status_code: int | None = None,
-        server: ServerKind | None = None,
+        server: str | None = None,
     ) -> None:
         super().__init__(detail)
         self.result = result
@@ -133,7 +132,7 @@ class EndpointProber:
         self._config = config
         self._clock = clock
         self._totals: Counter[ProbeResult] = Counter()
-        self._server = ServerKind.UNKNOWN
+        self._server: str = ServerKind.UNKNOWN
         parts = urlsplit(config.probe_url)
         self._scheme = parts.scheme
         self._host = parts.hostname or ""
@@ -349,33 +348,34 @@ def _check_body(probe: ProbeKind, raw: bytes, document: object) -> str | None:
     return None
 
 
-def detect_server(headers: Mapping[str, str], document: object, raw: bytes) -> ServerKind | None:
-    """The server kind, from evidence each server is known to put in its responses.
+def detect_server(headers: Mapping[str, str], document: object, raw: bytes) -> str | None:
+    """The server kind, from what each server is known to put in its answers (its `Answers`
+    in exporter/servers): the strongest kind of evidence first, across all servers.
 
     `headers` has lower-case names.
     """
-    if "llama.cpp" in headers.get("server", ""):
-        return ServerKind.LLAMACPP
+    answers = [(kind, server.answers) for kind, server in SERVERS.items()]
+    header = headers.get("server", "")
+    for kind, said in answers:
+        if said.server_header is not None and said.server_header in header:
+            return kind
     if isinstance(document, dict):
         data = document.get("data")
         if isinstance(data, list):
+            owners = {said.owned_by: kind for kind, said in answers if said.owned_by}
             for item in data:
                 owner = item.get("owned_by") if isinstance(item, dict) else None
-                if isinstance(owner, str) and owner in _KNOWN_OWNERS:
-                    return ServerKind(owner)
-        error = document.get("error")
-        if (
-            isinstance(error, dict)
-            and error.get("type") == "unavailable_error"
-            and error.get("message") == "Loading model"
-        ):
-            return ServerKind.LLAMACPP
-        if isinstance(error, str) and isinstance(document.get("error_type"), str):
-            return ServerKind.TGI
-    if "x-compute-type" in headers and "x-compute-time" in headers:
-        return ServerKind.TGI
-    if b"Loading model" in raw and b"unavailable_error" in raw:
-        return ServerKind.LLAMACPP
+                if isinstance(owner, str) and owner in owners:
+                    return owners[owner]
+        for kind, said in answers:
+            if said.error is not None and said.error(document):
+                return kind
+    for kind, said in answers:
+        if said.headers and all(name in headers for name in said.headers):
+            return kind
+    for kind, said in answers:
+        if said.body and all(word in raw for word in said.body):
+            return kind
     return None
 
 

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
-from exporter.vocabulary import LogEncoding, LogFormat, Step
+from exporter.vocabulary import LogEncoding, Step
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class LogSample:
     up: bool  # the log can be read (a missing file or a dead journalctl is not up)
     reason: str | None  # why not up, in words
     source: str  # "file:/var/log/sglang.log", "journald:sglang.service", "cri:/var/log/pods/..."
-    format: LogFormat | None  # the format in use; None while `auto` has not decided
+    format: str | None  # the server kind whose format is in use; None while `auto` has not decided
     format_reason: str  # "configured", or which line decided, or that none did
     events: tuple[LogEvent, ...]  # the last MAX_EVENTS events, oldest first, seq increasing
     last_seq: int  # seq of the newest event (0: none yet)

@@ -1,0 +1,87 @@
+"""What one model server is, as the rows a server module fills in.
+
+A server module (exporter/servers/sglang.py ...) holds one `Server`: the command lines that
+start it and how each reads its arguments (`Command`, read by exporter/serverargs.py), its log
+format (`LogFormat`, read by exporter/logmarkers.py) and what its HTTP answers give away
+(`Answers`, read by exporter/sources/endpoint.py). The engines know no server by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from exporter.servers.logformat import LogFormat
+from exporter.vocabulary import ProbeKind
+
+# The files weights are loaded from, unless a server loads others (`weights.include`).
+DEFAULT_INCLUDE: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+class Role(StrEnum):
+    """What an argument means, whatever a server calls it (and `what` in discovery evidence)."""
+
+    MODEL = "model"
+    SERVED = "served_model_name"
+    HOST = "host"
+    PORT = "port"
+    API_KEY = "api_key"
+    REVISION = "revision"
+    CACHE_DIR = "hub_cache"
+    CONFIG = "config_file"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One program that starts the server, and how it reads its arguments.
+
+    Recognised only by what sits in the executable, console-script or `python -m` position of
+    argv (exporter/serverargs.py says how). Per role: its flag spellings, environment variables
+    and the program's default.
+    """
+
+    label: str  # in evidence: "llama.cpp server started as `llama-server`"
+    flags: Mapping[Role, tuple[str, ...]]
+    probe: ProbeKind  # the readiness probe a discovered server gets
+    probe_path: str
+    # Executable or console-script name -> the subcommand it needs to serve (None: none).
+    consoles: Mapping[str, str | None] = field(default_factory=dict)
+    # `python -m MODULE`, or the module's file run as a script -> the subcommand it needs.
+    modules: Mapping[str, str | None] = field(default_factory=dict)
+    env: Mapping[Role, tuple[str, ...]] = field(default_factory=dict)
+    defaults: Mapping[Role, str] = field(default_factory=dict)  # HOST and PORT at least
+    include: tuple[str, ...] = DEFAULT_INCLUDE
+    # Roles whose value is a comma-separated list of which the server uses the first.
+    comma_lists: frozenset[Role] = frozenset()
+    # Whether the model argument is a file (GGUF) or a model repository (Triton), not a model.
+    model_is: str = "model"
+    # `vllm serve MODEL --model X` serves MODEL; `sglang serve MODEL --model-path X` serves X.
+    positional_wins: bool = False
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What only this server puts in its HTTP answers, field by field from the strongest
+    evidence to the weakest; the prober tries each field across all servers before the next."""
+
+    server_header: str | None = None  # a word of its `Server` header
+    owned_by: str | None = None  # `owned_by` of an entry of its /v1/models list
+    error: Callable[[Mapping[str, object]], bool] | None = None  # is a JSON object its error?
+    headers: frozenset[str] = frozenset()  # response headers (lower case) it sends together
+    body: tuple[bytes, ...] = ()  # byte strings that together appear in its bodies
+
+
+@dataclass(frozen=True)
+class Server:
+    """Everything one model server is: its name, how it starts, logs and answers."""
+
+    kind: str  # `model_load_target_info{server}`, `log.format`, `discovery.servers`
+    commands: tuple[Command, ...]
+    log: LogFormat
+    answers: Answers = Answers()
+
+    @property
+    def default_port(self) -> int:
+        """Where its first command listens unless told otherwise."""
+        return int(self.commands[0].defaults[Role.PORT])

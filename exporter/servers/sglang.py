@@ -1,0 +1,90 @@
+"""SGLang (server_args.py, cli/serve.py): `python -m sglang.launch_server` or `sglang serve`.
+
+Its port stays closed during the weight load; then /health is 503 until the warm-up request has
+passed, 200 after. /v1/models answers 200 as soon as HTTP is up, so it is no readiness signal; a
+completion needs the served name right and runs a generation on every probe of a serving
+instance: the zero-config probe is /health. Logs to stderr, with `[date time TPn] ` prefixes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from exporter.servers.logformat import (
+    CAUSE_RULES,
+    TQDM,
+    EventKind,
+    LogFormat,
+    rule,
+    stamp_local,
+)
+from exporter.servers.server import Answers, Command, Role, Server
+from exporter.vocabulary import ProbeKind, ServerKind
+
+COMMAND = Command(
+    label="SGLang",
+    consoles={"sglang": "serve"},
+    modules={"sglang.launch_server": None},
+    flags={
+        Role.MODEL: ("--model-path", "--model"),
+        Role.SERVED: ("--served-model-name",),
+        Role.HOST: ("--host",),
+        Role.PORT: ("--port",),
+        Role.API_KEY: ("--api-key",),
+        Role.REVISION: ("--revision",),
+        Role.CACHE_DIR: ("--download-dir",),
+        Role.CONFIG: ("--config",),
+    },
+    defaults={Role.HOST: "127.0.0.1", Role.PORT: "30000"},
+    probe=ProbeKind.HEALTH,
+    probe_path="/health",
+)
+
+LOG = LogFormat(
+    signature=re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{3})?(?: [A-Z_]+\d+)*\] "),
+    prefix=re.compile(
+        r"\[(?P<y>\d{4})-(?P<mo>\d\d)-(?P<d>\d\d) (?P<H>\d\d):(?P<M>\d\d):(?P<S>\d\d)"
+        r"(?:\.(?P<f>\d{3}))?(?: (?P<who>[A-Z_]+\d+(?: [A-Z_]+\d+)*))?\] "
+    ),
+    stamp=stamp_local,
+    rules=(
+        rule(EventKind.WEIGHTS_BEGIN, "Load weight begin", r"^Load weight begin\."),
+        rule(
+            EventKind.WEIGHTS_PROGRESS,
+            "checkpoint shards",
+            r"Loading (?:safetensors|pt) checkpoint shards" + TQDM,
+        ),
+        rule(EventKind.WEIGHTS_PROGRESS, "Multi-thread loading", r"Multi-thread loading[^:]*" + TQDM),
+        rule(
+            EventKind.WEIGHTS_END,
+            "Load weight end",
+            r"^Load weight end\. (?:elapsed=(?P<seconds>[\d.]+) s, )?",
+        ),
+        rule(EventKind.KV_CACHE, "KV Cache is allocated", r"^KV Cache is allocated\."),
+        rule(EventKind.COMPILE_BEGIN, "Compiling num tokens", r"Compiling num tokens \("),
+        rule(EventKind.COMPILE_BEGIN, "DeepGEMM", r"Entering DeepGEMM JIT Pre-Compile|DeepGEMM warmup"),
+        rule(EventKind.CUDA_GRAPH_BEGIN, "graph begin", r"^Capture (?:\S+ \S+ )?(?:cuda|CUDA) graph begin\."),
+        rule(
+            EventKind.CUDA_GRAPH_PROGRESS,
+            "Capturing batches",
+            r"Capturing batches \([^)]*\)" + TQDM,
+        ),
+        rule(
+            EventKind.CUDA_GRAPH_END,
+            "graph end",
+            r"^Capture (?:\S+ \S+ )?(?:cuda|CUDA) graph end\.(?:.*?elapsed[:=] ?(?P<seconds>[\d.]+) s)?",
+        ),
+        # The port opens and the warm-up request is sent: uvicorn's own lines.
+        rule(EventKind.WARMUP_BEGIN, "startup", r"Waiting for application startup\.|Application startup complete\."),
+        rule(EventKind.WARMUP_BEGIN, "Uvicorn running", r"Uvicorn running on"),
+        rule(EventKind.READY, "fired up", r"The server is fired up and ready to roll!"),
+        rule(EventKind.FATAL, "scheduler died", r"^Rank \d+ scheduler died during initialization"),
+        rule(EventKind.FATAL, "scheduler is dead", r"^Rank \d+ scheduler is dead"),
+        rule(EventKind.FATAL, "Initialization failed", r"^Initialization failed\."),
+        *CAUSE_RULES,
+    ),
+)  # fmt: skip
+
+SERVER = Server(
+    kind=ServerKind.SGLANG, commands=(COMMAND,), log=LOG, answers=Answers(owned_by="sglang")
+)
