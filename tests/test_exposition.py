@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
 from exporter.config import LogConfig, parse_config
 from exporter.discovery import DiscoveredServer
@@ -65,7 +66,6 @@ from exporter.vocabulary import (
     Step,
     StorageKind,
 )
-from exporter.web import status_json
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).with_name("fixtures") / "metrics.prom"
@@ -510,5 +510,5 @@ def status_snapshot() -> Snapshot:
 
 
 def test_status_document_matches_the_golden_file() -> None:
-    document = status_json(status_snapshot(), sample_interval=1.0)
-    assert_matches_golden(json.dumps(document, default=str, indent=2) + "\n", STATUS_GOLDEN)
+    document = status_document(status_snapshot(), sample_interval=1.0).to_json()
+    assert_matches_golden(json.dumps(document, indent=2) + "\n", STATUS_GOLDEN)

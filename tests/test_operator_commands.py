@@ -16,6 +16,7 @@ from typing import Any
 
 import bcrypt
 import pytest
+from helpers.documents import load, status, target
 from helpers.processes import CLI, ExitClock, Host, Simulator, cli
 from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
@@ -291,15 +292,12 @@ def test_serve_does_not_import_the_client_commands_nor_rich_nor_the_simulator() 
 def restart(elapsed: float, began: float) -> dict[str, Any]:
     """The previous run's ready for 0.6 s (the exporter has not seen the restart), then the new
     load: starting until 1.2 s, ready after that."""
-    state: dict[str, Any] = {"target": "sim", "phase": "ready", "in_progress": False}
-    old = {"started_at": began - 100.0, "ended_at": began - 40.0, "outcome": "ready"}
-    state["last_record"] = old
+    state: dict[str, Any] = {"phase": "ready", "last_record": load("sim", began - 100, began - 40)}
     if elapsed >= 0.6:
-        state.update(phase="starting", in_progress=True, elapsed_seconds=elapsed - 0.6)
+        state.update(phase="starting", elapsed_seconds=elapsed - 0.6)
     if elapsed >= 1.2:
-        new = {"started_at": began + 0.6, "ended_at": began + 1.2, "outcome": "ready"}
-        state.update(phase="ready", in_progress=False, last_record=new)
-    return {"time": began + elapsed, "sample_interval_seconds": 1.0, "targets": [state]}
+        state.update(phase="ready", last_record=load("sim", began + 0.6, began + 1.2))
+    return status(began + elapsed, target("sim", **state))
 
 
 def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
