@@ -121,12 +121,8 @@ def _decode(hint: Any, value: object, where: str) -> Any:
         if value is None and types.NoneType in options:
             return None
         for option in options:
-            if option is types.NoneType:
-                continue
-            try:
-                return _decode(option, value, where)
-            except DocumentError:
-                pass
+            if option is not types.NoneType and _shaped(option, value):
+                return _decode(option, value, where)  # its inner errors say where they are
         raise _wrong(hint, value, where)
     if origin is tuple:
         if not isinstance(value, list):
@@ -150,6 +146,17 @@ def _decode(hint: Any, value: object, where: str) -> Any:
     if _is(hint, value):
         return value
     raise _wrong(hint, value, where)
+
+
+def _shaped(hint: Any, value: object) -> bool:
+    """Whether `value` is the JSON kind `hint` wants, its insides not looked at."""
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, list)
+    if typing.get_origin(hint) is Mapping or (
+        isinstance(hint, type) and issubclass(hint, Document)
+    ):
+        return isinstance(value, dict)
+    return _is(hint, value)
 
 
 def _is(hint: Any, value: object) -> bool:
