@@ -313,6 +313,31 @@ def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
     assert re.fullmatch(r"sim: ready after 0\.6s; waited \d+\.\ds", lines[2]), lines
 
 
+def without_endpoint(elapsed: float, began: float) -> dict[str, Any]:
+    """A status whose target lacks a key the client reads: another program, or a broken one."""
+    document = status(began + elapsed, target("sim", "ready"))
+    del document["targets"][0]["endpoint"]
+    return document
+
+
+def test_an_answer_that_is_not_the_document_is_one_line_naming_the_key() -> None:
+    server = ScriptedExporter(without_endpoint)
+    try:
+        commands = [("status",), ("status", "--json"), ("wait",), ("history",)]
+        results = {args[-1]: cli(*args, "--exporter", server.url) for args in commands}
+    finally:
+        server.close()
+    for result in results.values():
+        assert result.returncode == 2, result
+        assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    not_status = f"{server.url}/api/v1/status: not the document this client reads"
+    for command in ("status", "--json", "wait"):
+        assert f"{not_status} (targets[0]: no 'endpoint')" in results[command].stderr
+    # Every GET answers the script's status, so /api/v1/loads gets a document without loads.
+    not_loads = f"{server.url}/api/v1/loads: not the document this client reads (no 'loads')"
+    assert not_loads in results["history"].stderr
+
+
 def test_client_commands_speak_tls_and_basic_auth(
     start_exporter: Any, model_server: Any, tmp_path: Path
 ) -> None:
