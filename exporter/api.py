@@ -27,7 +27,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Self, Union
+from typing import Any, ClassVar, NamedTuple, Self, Union
 
 MAX_LOADS = 1000  # the most loads one /api/v1/loads answer holds
 
@@ -62,6 +62,8 @@ def _schema(document: type) -> tuple[_Field, ...]:
 
 class Document:
     """`to_json()` and `from_json()` for a frozen dataclass, from its fields and their types."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # each one is a dataclass
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (dicts, lists, str, int, float, bool, None), keys in field order."""
@@ -124,37 +126,36 @@ def _decode(hint: Any, value: object, where: str) -> Any:
             if option is not types.NoneType and _shaped(option, value):
                 return _decode(option, value, where)  # its inner errors say where they are
         raise _wrong(hint, value, where)
+    if not _shaped(hint, value):
+        raise _wrong(hint, value, where)
     if origin is tuple:
-        if not isinstance(value, list):
-            raise _wrong(hint, value, where)
+        assert isinstance(value, list)
         items = typing.get_args(hint)
-        if len(items) == 2 and items[1] is Ellipsis:
-            return tuple(_decode(items[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(items):
+        if items[-1] is Ellipsis:
+            items = (items[0],) * len(value)
+        elif len(value) != len(items):
             raise _wrong(hint, value, where)
-        return tuple(
-            _decode(h, v, f"{where}[{i}]")
-            for i, (h, v) in enumerate(zip(items, value, strict=True))
-        )
+        pairs = enumerate(zip(items, value, strict=True))
+        return tuple(_decode(item, v, f"{where}[{i}]") for i, (item, v) in pairs)
     if origin is Mapping:
-        if not isinstance(value, dict):
-            raise _wrong(hint, value, where)
+        assert isinstance(value, dict)
         item = typing.get_args(hint)[1]
-        return {str(k): _decode(item, v, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(hint, type) and issubclass(hint, Document):
+        return {k: _decode(item, v, f"{where}.{k}") for k, v in value.items()}
+    if _is_document(hint):
         return hint.from_json(value, where)
-    if _is(hint, value):
-        return value
-    raise _wrong(hint, value, where)
+    return value
+
+
+def _is_document(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, Document)
 
 
 def _shaped(hint: Any, value: object) -> bool:
     """Whether `value` is the JSON kind `hint` wants, its insides not looked at."""
-    if typing.get_origin(hint) is tuple:
+    origin = typing.get_origin(hint)
+    if origin is tuple:
         return isinstance(value, list)
-    if typing.get_origin(hint) is Mapping or (
-        isinstance(hint, type) and issubclass(hint, Document)
-    ):
+    if origin is Mapping or _is_document(hint):
         return isinstance(value, dict)
     return _is(hint, value)
 
@@ -181,7 +182,7 @@ def _described(hint: Any) -> str:
     if origin is tuple:
         items = typing.get_args(hint)
         return "a list" if items[-1] is Ellipsis else f"a list of {len(items)}"
-    if origin is Mapping or (isinstance(hint, type) and issubclass(hint, Document)):
+    if origin is Mapping or _is_document(hint):
         return "an object"
     return _NAMES.get(hint, str(hint))
 

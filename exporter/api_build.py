@@ -8,6 +8,7 @@ documents', so a source may change its dataclass and the public JSON stays as it
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from exporter import api
@@ -35,12 +36,17 @@ D = TypeVar("D", bound=api.Document)
 def _mirror(document: type[D], source: object, **parts: Any) -> D:
     """A document whose fields are the source dataclass's of the same names, and `parts` (the
     nested ones, as documents): where the public JSON is a sample's own fields."""
-    names = (f.name for f in dataclasses.fields(document))  # type: ignore[arg-type]
+    names = (f.name for f in dataclasses.fields(document))
     return document(**{name: getattr(source, name) for name in names if name not in parts}, **parts)
 
 
-def load_document(record: LoadRecord) -> api.Load:
+def _load(record: LoadRecord) -> api.Load:
     return _mirror(api.Load, record)
+
+
+def loads_document(records: Iterable[LoadRecord]) -> api.Loads:
+    """/api/v1/loads, and `history --json` read from the file in the same shape."""
+    return api.Loads(tuple(map(_load, records)))
 
 
 def _source_reading(reading: Reading[Any], now: float) -> api.SourceReading:
@@ -196,7 +202,7 @@ def _discovered(found: DiscoveredServer) -> api.Discovered:
 
 def _state(state: TargetState) -> api.LoadState:
     last = state.last_record
-    return _mirror(api.LoadState, state, last_record=load_document(last) if last else None)
+    return _mirror(api.LoadState, state, last_record=_load(last) if last else None)
 
 
 def _target(snap: Snapshot, view: TargetView, disk: DiskSample | None) -> api.Target:

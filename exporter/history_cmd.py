@@ -11,7 +11,7 @@ from typing import Any
 
 from exporter import api, terminal
 from exporter.api import MAX_LOADS
-from exporter.api_build import load_document
+from exporter.api_build import loads_document
 from exporter.client import ClientError, add_exporter_arguments, client_from_args
 from exporter.history import HistoryStore
 
@@ -80,7 +80,7 @@ def from_file(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
     finally:
         store.close()
-    loads: list[dict[str, Any]] = api.Loads(tuple(map(load_document, records))).to_json()["loads"]
+    loads: list[dict[str, Any]] = loads_document(records).to_json()["loads"]
     return loads
 
 

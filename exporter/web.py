@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from exporter import api, livepage
-from exporter.api_build import load_document, status_document
+from exporter.api_build import loads_document, status_document
 from exporter.collector import ExporterCollector
 from exporter.httpserver import Limits, Server, somaxconn
 from exporter.runtime import Runtime
@@ -119,7 +119,7 @@ class WebApp:
             message = f"limit must be a whole number from 1 to {api.MAX_LOADS}\n".encode()
             return _reply(start_response, "400 Bad Request", message)
         records = self.runtime.loads(target, int(text))
-        return _json(start_response, api.Loads(tuple(map(load_document, records))).to_json())
+        return _json(start_response, loads_document(records).to_json())
 
     def _reload_page(self, start_response: StartResponse) -> Iterable[bytes]:
         if self._reload is None:

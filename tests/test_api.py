@@ -35,7 +35,7 @@ def parts(document: object) -> Iterator[api.Document]:
     """Every document part inside `document`, itself included."""
     if isinstance(document, api.Document):
         yield document
-        for f in dataclasses.fields(document):  # type: ignore[arg-type]
+        for f in dataclasses.fields(document):
             yield from parts(getattr(document, f.name))
     elif isinstance(document, tuple | list):
         for item in document:

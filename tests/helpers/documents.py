@@ -4,6 +4,7 @@ key it lacked would fail the client here as it would against a real exporter."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from exporter import api
@@ -11,51 +12,41 @@ from exporter import api
 IN_PROGRESS = ("starting", "loading_weights", "initializing")
 
 
+def _nothing_measured(document: type[api.Document], **fields: Any) -> dict[str, Any]:
+    """Every field of `document` None, but for those given."""
+    return dict.fromkeys(f.name for f in dataclasses.fields(document)) | fields
+
+
 def load(target: str, started_at: float, ended_at: float, **fields: Any) -> api.Load:
     """A finished load: ready, cache unknown, nothing else measured, unless `fields` say."""
-    base: dict[str, Any] = {
-        "outcome": "ready",
-        "cache": None,
-        "partial": False,
-        "phase_seconds": {},
-        "weights_bytes": None,
-        "bytes_read": None,
-        "gpu_bytes_at_weights_end": None,
-        "seen_late": False,
-        "fatal": None,
-    }
-    return api.Load(target, started_at, ended_at, **(base | fields))
+    base = _nothing_measured(
+        api.Load, outcome="ready", partial=False, phase_seconds={}, seen_late=False
+    )
+    return api.Load(
+        **base | {"target": target, "started_at": started_at, "ended_at": ended_at} | fields
+    )
 
 
 def target(
     name: str, phase: str, restart_forecast: api.RestartForecast | None = None, **state: Any
 ) -> api.Target:
     """A configured target in `phase` with nothing measured, but for the `state` fields given."""
-    base: dict[str, Any] = {
-        "in_progress": phase in IN_PROGRESS,
-        "started_at": None,
-        "elapsed_seconds": 0.0,
-        "progress_ratio": None,
-        "throughput_bytes_per_second": None,
-        "weights_eta_seconds": None,
-        "eta_seconds": None,
-        "seconds_since_progress": None,
-        "stalled": False,
-        "cache": None,
-        "partial": False,
-        "seen_late": False,
-        "progress_source": None,
-        "signals": {},
-        "last_record": None,
-        "step": None,
-        "fatal": None,
-    }
+    base = _nothing_measured(
+        api.LoadState,
+        phase=phase,
+        in_progress=phase in IN_PROGRESS,
+        elapsed_seconds=0.0,
+        stalled=False,
+        partial=False,
+        seen_late=False,
+        signals={},
+    )
     return api.Target(
         target=name,
         endpoint="http://127.0.0.1:30000",
         server="sglang",
         sources={},
-        state=api.LoadState(phase, **(base | state)),
+        state=api.LoadState(**base | state),
         restart_forecast=restart_forecast,
     )
 
