@@ -96,27 +96,18 @@ class ExporterClient:
 
     def loads(
         self, target: str | None = None, limit: int = 100, timeout: float = REQUEST_TIMEOUT_SECONDS
-    ) -> tuple[api.Load, ...]:
-        """The newest `limit` loads; an unknown target is an error, one with no loads yet is not."""
-        return self._loads(target, limit, timeout)[1].loads
-
-    def loads_json(
-        self, target: str | None = None, limit: int = 100, timeout: float = REQUEST_TIMEOUT_SECONDS
     ) -> list[dict[str, Any]]:
-        """The loads as the exporter wrote them, each with whatever fields it keeps."""
-        loads: list[dict[str, Any]] = self._loads(target, limit, timeout)[0]["loads"]
-        return loads
-
-    def _loads(
-        self, target: str | None, limit: int, timeout: float
-    ) -> tuple[dict[str, Any], api.Loads]:
+        """The newest `limit` loads as the exporter wrote them (each with whatever fields it
+        keeps), once they read as loads; an unknown target is an error, one with no loads yet is
+        not."""
         params: dict[str, str] = {"limit": str(limit)}
         if target is not None:
             params["target"] = target
         answer, loads = self._document("/api/v1/loads", params, timeout, api.Loads)
         if target is not None and not loads.loads:
             find_target(self.status(timeout), target)
-        return answer, loads
+        records: list[dict[str, Any]] = answer["loads"]
+        return records
 
     def _document(
         self, path: str, params: dict[str, str], timeout: float, kind: type[D]

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_exporter(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The exporter's /api/v1/loads records as it wrote them."""
     try:
-        loads = client_from_args(args).loads_json(args.target, args.limit)
+        loads = client_from_args(args).loads(args.target, args.limit)
     except ClientError as exc:
         raise UsageError(str(exc)) from None
     return loads

@@ -197,7 +197,7 @@ def forecast(connect: Callable[[], ExporterClient], name: str) -> Forecast:
 
 def recent_loads(connect: Callable[[], ExporterClient], name: str | None, limit: int) -> Loads:
     with _one_line_errors():
-        loads = connect().loads_json(name, limit)
+        loads = connect().loads(name, limit)
     summarized = []
     for data in loads:  # as the exporter wrote them, whatever fields it keeps
         load = api.Load.from_json(data)
