@@ -283,6 +283,8 @@ class LoadState(Document):
     last_record: Load | None
     step: str | None
     fatal: str | None
+    failed_probes: int  # distinct failed probes in a row
+    hung: bool  # ready, its process running, and its endpoint stopped answering
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ def target(
         partial=False,
         seen_late=False,
         signals={},
+        failed_probes=0,
+        hung=False,
     )
     return api.Target(
         target=name,
