@@ -1,7 +1,8 @@
 """Talk to a running exporter from the command line: its JSON API in, typed views out.
 
 `wait`, `status` and `history` are clients of the same `/api/v1/*` contract that dashboards and
-scripts use, so they work against a remote exporter, behind TLS and basic auth, exactly as they
+scripts use (its documents are exporter/api.py's, read back with the classes the exporter wrote
+them with), so they work against a remote exporter, behind TLS and basic auth, exactly as they
 do on the GPU host itself. Every failure becomes one `ClientError` line that names the exporter
 (never its password) and says what to check.
 """
@@ -9,20 +10,23 @@ do on the GPU host itself. Every failure becomes one `ClientError` line that nam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
+from exporter import api
+
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
 PASSWORD_ENV = "MODEL_LOAD_EXPORTER_PASSWORD"
 REQUEST_TIMEOUT_SECONDS = 5.0
-MAX_LOADS = 1000  # the most /api/v1/loads answers at once
+D = TypeVar("D", bound=api.Document)
 
 
 class ClientError(Exception):
@@ -82,25 +86,40 @@ class ExporterClient:
         self._session = requests.Session()
         self._session.trust_env = False  # no proxies or ~/.netrc picked up from the environment
 
-    def status(self, timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict[str, Any]:
-        document = self._get("/api/v1/status", {}, timeout)
-        if not isinstance(document.get("targets"), list):
-            raise ClientError(f"{self.url}/api/v1/status: no 'targets' list in the answer")
-        return document
+    def status(self, timeout: float = REQUEST_TIMEOUT_SECONDS) -> api.Status:
+        return self._document("/api/v1/status", {}, timeout, api.Status)[1]
+
+    def status_json(self, timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict[str, Any]:
+        """/api/v1/status as the exporter wrote it (a newer one's extra keys kept), once it
+        reads as a status document."""
+        return self._document("/api/v1/status", {}, timeout, api.Status)[0]
 
     def loads(
         self, target: str | None = None, limit: int = 100, timeout: float = REQUEST_TIMEOUT_SECONDS
     ) -> list[dict[str, Any]]:
-        """The newest `limit` loads; an unknown target is an error, one with no loads yet is not."""
+        """The newest `limit` loads as the exporter wrote them (each with whatever fields it
+        keeps), once they read as loads; an unknown target is an error, one with no loads yet is
+        not."""
         params: dict[str, str] = {"limit": str(limit)}
         if target is not None:
             params["target"] = target
-        loads = self._get("/api/v1/loads", params, timeout).get("loads")
-        if not isinstance(loads, list):
-            raise ClientError(f"{self.url}/api/v1/loads: no 'loads' list in the answer")
-        if target is not None and not loads:
+        answer, loads = self._document("/api/v1/loads", params, timeout, api.Loads)
+        if target is not None and not loads.loads:
             find_target(self.status(timeout), target)
-        return [load for load in loads if isinstance(load, dict)]
+        records: list[dict[str, Any]] = answer["loads"]
+        return records
+
+    def _document(
+        self, path: str, params: dict[str, str], timeout: float, kind: type[D]
+    ) -> tuple[dict[str, Any], D]:
+        """The answer to GET `path`, and the document it holds."""
+        answer = self._get(path, params, timeout)
+        try:
+            return answer, kind.from_json(answer)
+        except api.DocumentError as exc:
+            raise ClientError(
+                f"{self.url}{path}: not the document this client reads ({exc})"
+            ) from None
 
     def _get(self, path: str, params: dict[str, str], timeout: float) -> dict[str, Any]:
         url = self.url + path
@@ -150,123 +169,11 @@ def _why(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-# --- the JSON, typed ---------------------------------------------------------------------------
+# --- what the commands show -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class LoadView:
-    """One finished load, from /api/v1/loads or a target's last_record."""
-
-    target: str
-    started_at: float
-    ended_at: float
-    outcome: str
-    cache: str | None
-    partial: bool
-    phase_seconds: Mapping[str, float]
-
-    @property
-    def duration_seconds(self) -> float:
-        return self.ended_at - self.started_at
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LoadView:
-        started = _number(data, "started_at") or 0.0
-        phases = data.get("phase_seconds")
-        return cls(
-            target=str(data.get("target", "")),
-            started_at=started,
-            ended_at=_number(data, "ended_at") or started,
-            outcome=str(data.get("outcome", "unknown")),
-            cache=_text(data, "cache"),
-            partial=bool(data.get("partial", False)),
-            phase_seconds=(
-                {str(k): float(v) for k, v in phases.items() if _is_number(v)}
-                if isinstance(phases, dict)
-                else {}
-            ),
-        )
-
-
-@dataclass(frozen=True)
-class RestartForecast:
-    """How long a restart begun now would take to be ready, as the exporter forecasts it."""
-
-    seconds: float | None  # None: no basis, and `reason` says why
-    resident_share: float | None  # share of the weights in page cache now, 0..1
-    reason: str | None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RestartForecast:
-        return cls(_number(data, "seconds"), _number(data, "resident_share"), _text(data, "reason"))
-
-
-@dataclass(frozen=True)
-class GpuUse:
-    gpu: int
-    used_bytes: int
-    total_bytes: int | None
-
-
-FACTS = (("reads", "read_rate"), ("residency", "residency"), ("page cache", "page_cache"),
-         ("bypass", "bypass"))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MountView:
-    """One filesystem under a target's weights, as `status` prints it."""
-
-    summary: str
-    facts: tuple[tuple[str, bool | None, str], ...]  # (what, holds, why), in FACTS order
-    notes: tuple[str, ...]
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> MountView:
-        facts = []
-        for name, key in FACTS:
-            fact = _mapping(data, key)
-            value = fact.get("value")
-            facts.append((name, value if isinstance(value, bool) else None,
-                          _text(fact, "reason") or ""))  # fmt: skip
-        notes = data.get("notes")
-        return cls(
-            summary=_text(data, "summary") or "?",
-            facts=tuple(facts),
-            notes=tuple(n for n in notes if isinstance(n, str)) if isinstance(notes, list) else (),
-        )
-
-
-@dataclass(frozen=True)
-class StorageView:
-    """What holds a target's weights and the rule its cache label follows."""
-
-    mounts: tuple[MountView, ...]
-    label: str  # "bypass", "unknown", "never cold" or "from residency"
-    reason: str | None
-    unplaced: tuple[str, ...]
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> StorageView:
-        rule = _mapping(data, "cache_label")
-        label = _text(rule, "fixed") or ("never cold" if rule.get("never_cold") is True else "")
-        mounts = data.get("mounts")
-        unplaced = data.get("unplaced")
-        return cls(
-            mounts=tuple(
-                MountView.from_json(m)
-                for m in (mounts if isinstance(mounts, list) else ())
-                if isinstance(m, dict)
-            ),
-            label=label or "from residency",
-            reason=_text(rule, "reason"),
-            unplaced=tuple(u for u in unplaced if isinstance(u, str))
-            if isinstance(unplaced, list)
-            else (),
-        )
-
-
-@dataclass(frozen=True)
-class TargetView:
+class ShownTarget:
     """What the commands show of one target: an entry of /api/v1/status, or an endpoint probe."""
 
     target: str
@@ -284,14 +191,14 @@ class TargetView:
     server: str | None = None
     weights_bytes: int | None = None
     resident_bytes: int | None = None
-    gpu_memory: tuple[GpuUse, ...] = ()
+    gpu_memory: tuple[api.GpuMemory, ...] = ()
     expected_seconds: Mapping[str, float] | None = None
-    last_load: LoadView | None = None
+    last_load: api.Load | None = None
     fatal: str | None = None  # why the last load failed, in the server's own words (its log)
     # None when the exporter publishes no forecast at all (one older than the forecast).
-    restart_forecast: RestartForecast | None = None
+    restart_forecast: api.RestartForecast | None = None
     detail: str | None = None  # e.g. the probe's answer, or why the exporter is not answering
-    storage: StorageView | None = None
+    storage: api.Storage | None = None
 
     @property
     def resident_ratio(self) -> float | None:
@@ -311,86 +218,52 @@ class TargetView:
         return self.expected_seconds.get(self.cache)
 
     @classmethod
-    def from_status(cls, entry: Mapping[str, Any]) -> TargetView:
-        residency = _mapping(entry, "residency")
-        last = entry.get("last_record")
-        expected = entry.get("expected_duration_seconds")
-        gpus = entry.get("gpu_memory")
-        forecast = entry.get("restart_forecast")
-        storage = entry.get("storage")
-        return cls(
-            target=str(entry.get("target", "")),
-            phase=str(entry.get("phase") or "unknown"),
-            in_progress=bool(entry.get("in_progress", False)),
-            stalled=bool(entry.get("stalled", False)),
-            progress_ratio=_number(entry, "progress_ratio"),
-            throughput_bytes_per_second=_number(entry, "throughput_bytes_per_second"),
-            eta_seconds=_number(entry, "eta_seconds"),
-            weights_eta_seconds=_number(entry, "weights_eta_seconds"),
-            elapsed_seconds=_number(entry, "elapsed_seconds"),
-            seconds_since_progress=_number(entry, "seconds_since_progress"),
-            cache=_text(entry, "cache"),
-            endpoint=_text(entry, "endpoint"),
-            server=_text(entry, "server"),
-            weights_bytes=_integer(residency, "total_bytes"),
-            resident_bytes=_integer(residency, "resident_bytes"),
-            gpu_memory=tuple(
-                GpuUse(int(g["gpu"]), int(g["used_bytes"]), _integer(g, "total_bytes"))
-                for g in (gpus if isinstance(gpus, list) else ())
-                if isinstance(g, dict)
-                and _is_number(g.get("gpu"))
-                and _is_number(g.get("used_bytes"))
-            ),
-            expected_seconds=(
-                {str(k): float(v) for k, v in expected.items() if _is_number(v)}
-                if isinstance(expected, dict)
-                else None
-            ),
-            last_load=LoadView.from_json(last) if isinstance(last, dict) else None,
-            fatal=_text(entry, "fatal"),
-            restart_forecast=(
-                RestartForecast.from_json(forecast) if isinstance(forecast, dict) else None
-            ),
-            storage=StorageView.from_json(storage) if isinstance(storage, dict) else None,
+    def from_status(cls, entry: api.Target) -> ShownTarget:
+        residency = entry.residency
+        shown = cls(
+            target=entry.target,
+            phase="unknown",  # until the exporter's tracker has ticked
+            endpoint=entry.endpoint,
+            server=entry.server,
+            weights_bytes=residency.total_bytes if residency is not None else None,
+            resident_bytes=residency.resident_bytes if residency is not None else None,
+            gpu_memory=entry.gpu_memory,
+            expected_seconds=entry.expected_duration_seconds,
+            restart_forecast=entry.restart_forecast,
+            storage=entry.storage,
+        )
+        state = entry.state
+        if state is None:
+            return shown
+        return dataclasses.replace(
+            shown,
+            phase=state.phase,
+            in_progress=state.in_progress,
+            stalled=state.stalled,
+            progress_ratio=state.progress_ratio,
+            throughput_bytes_per_second=state.throughput_bytes_per_second,
+            eta_seconds=state.eta_seconds,
+            weights_eta_seconds=state.weights_eta_seconds,
+            elapsed_seconds=state.elapsed_seconds,
+            seconds_since_progress=state.seconds_since_progress,
+            cache=state.cache,
+            last_load=state.last_record,
+            fatal=state.fatal,
         )
 
 
-def find_target(status: Mapping[str, Any], name: str | None) -> Mapping[str, Any]:
+def find_target(status: api.Status, name: str | None) -> api.Target:
     """The status entry of `name`; without a name, the only target. ClientError otherwise."""
-    entries = [e for e in status.get("targets", []) if isinstance(e, dict)]
-    names = [str(e.get("target")) for e in entries]
+    entries = status.targets
+    names = [e.target for e in entries]
     if name is None:
         if len(entries) == 1:
             return entries[0]
         known = ", ".join(names) or "none"
         raise ClientError(f"the exporter watches {len(entries)} targets ({known}): pass --target")
     for entry in entries:
-        if entry.get("target") == name:
+        if entry.target == name:
             return entry
     raise ClientError(
         f"unknown target {name!r} (the exporter watches: {', '.join(names) or 'none'})"
     )
-
-
-def _mapping(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = data.get(key)
-    return value if isinstance(value, dict) else {}
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _number(data: Mapping[str, Any], key: str) -> float | None:
-    value = data.get(key)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _integer(data: Mapping[str, Any], key: str) -> int | None:
-    value = _number(data, key)
-    return None if value is None else int(value)
-
-
-def _text(data: Mapping[str, Any], key: str) -> str | None:
-    value = data.get(key)
-    return value if isinstance(value, str) and value else None

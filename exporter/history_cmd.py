@@ -4,20 +4,15 @@ file (the exporter may be down, which is often when someone asks how long loads 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 from typing import Any
 
-from exporter import terminal
-from exporter.client import (
-    MAX_LOADS,
-    ClientError,
-    LoadView,
-    add_exporter_arguments,
-    client_from_args,
-)
+from exporter import api, terminal
+from exporter.api import MAX_LOADS
+from exporter.api_build import loads_document
+from exporter.client import ClientError, add_exporter_arguments, client_from_args
 from exporter.history import HistoryStore
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -57,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_exporter(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The exporter's /api/v1/loads records as it wrote them."""
     try:
         loads = client_from_args(args).loads(args.target, args.limit)
     except ClientError as exc:
@@ -65,6 +61,7 @@ def from_exporter(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def from_file(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The file's loads in the shape of /api/v1/loads, so scripts read either source alike."""
     path = args.history_path
     if not os.path.isfile(path):
         raise UsageError(f"--history.path: {path} does not exist")
@@ -83,8 +80,8 @@ def from_file(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
     finally:
         store.close()
-    # The same shape as /api/v1/loads, so scripts read either source alike.
-    return [{**dataclasses.asdict(r), "duration_seconds": r.duration_seconds} for r in records]
+    loads: list[dict[str, Any]] = loads_document(records).to_json()["loads"]
+    return loads
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print("no finished loads yet")
         return EXIT_OK
     rows = []
-    for load in map(LoadView.from_json, loads):
+    for load in api.Loads.from_json({"loads": loads}).loads:
         outcome = load.outcome + (" (partial)" if load.partial else "")
         rows.append(
             [

@@ -19,16 +19,9 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from pydantic import BaseModel, Field, ValidationError
 
-from exporter import __version__, terminal, wait
-from exporter.client import (
-    MAX_LOADS,
-    ClientError,
-    ExporterClient,
-    LoadView,
-    RestartForecast,
-    TargetView,
-    find_target,
-)
+from exporter import __version__, api, terminal, wait
+from exporter.api import MAX_LOADS
+from exporter.client import ClientError, ExporterClient, ShownTarget, find_target
 
 DEFAULT_WAIT_SECONDS = 45.0  # well inside the 2 minutes agents usually give a tool call
 MAX_WAIT_SECONDS = 100.0  # plus one status request: still inside those 2 minutes
@@ -64,7 +57,7 @@ class TargetNow(BaseModel):
     summary: str = Field(description="the state in one line")
 
 
-def _now(view: TargetView) -> dict[str, Any]:
+def _now(view: ShownTarget) -> dict[str, Any]:
     """The fields of TargetNow; progress, ETA and elapsed only where the load is measured."""
     loading = view.in_progress
     return {
@@ -118,13 +111,13 @@ class Loads(BaseModel):
 class _Kept:
     """wait.follow's output, kept for the tool's answer instead of printed."""
 
-    def __init__(self, view: TargetView) -> None:
+    def __init__(self, view: ShownTarget) -> None:
         self.view, self.result, self.waited = view, "loading", 0.0
 
-    def update(self, view: TargetView, waited: float) -> None:
+    def update(self, view: ShownTarget, waited: float) -> None:
         self.view, self.waited = view, waited
 
-    def finish(self, view: TargetView, result: str, code: int, waited: float) -> None:
+    def finish(self, view: ShownTarget, result: str, code: int, waited: float) -> None:
         self.view, self.result, self.waited = view, result, waited
 
     def close(self) -> None:
@@ -143,15 +136,16 @@ def _one_line_errors() -> Iterator[None]:
 def list_targets(connect: Callable[[], ExporterClient]) -> TargetList:
     with _one_line_errors():
         status = connect().status()
-    entries = [e for e in status["targets"] if isinstance(e, dict)]
-    return TargetList(targets=[TargetNow(**_now(TargetView.from_status(e))) for e in entries])
+    return TargetList(
+        targets=[TargetNow(**_now(ShownTarget.from_status(e))) for e in status.targets]
+    )
 
 
 def wait_for(connect: Callable[[], ExporterClient], name: str, max_seconds: float) -> WaitResult:
     began = time.monotonic()
     with _one_line_errors():
         watch = wait.ExporterWatch(connect(), name)
-        kept = _Kept(TargetView(watch.target, "unknown"))
+        kept = _Kept(ShownTarget(watch.target, "unknown"))
         wait.follow(watch, kept, began, began + min(max_seconds, MAX_WAIT_SECONDS), None)
     view, result = kept.view, _ANSWERS.get(kept.result, "loading")
     load = view.last_load if result != "loading" else None
@@ -174,11 +168,11 @@ def wait_for(connect: Callable[[], ExporterClient], name: str, max_seconds: floa
 def forecast(connect: Callable[[], ExporterClient], name: str) -> Forecast:
     with _one_line_errors():
         status = connect().status()
-        view = TargetView.from_status(find_target(status, name))
-    known = view.restart_forecast or RestartForecast(
+        view = ShownTarget.from_status(find_target(status, name))
+    known = view.restart_forecast or api.RestartForecast(
         None,
         None,
-        f"this exporter (version {status.get('version', 'unknown')}) does not make them: "
+        f"this exporter (version {status.version}) does not make them: "
         "its /api/v1/status carries no restart_forecast",
     )
     reason = known.reason
@@ -205,8 +199,8 @@ def recent_loads(connect: Callable[[], ExporterClient], name: str | None, limit:
     with _one_line_errors():
         loads = connect().loads(name, limit)
     summarized = []
-    for data in loads:
-        load = LoadView.from_json(data)
+    for data in loads:  # as the exporter wrote them, whatever fields it keeps
+        load = api.Load.from_json(data)
         started = terminal.local_time(load.started_at)
         line = f"{load.target}: {terminal.load_summary(load)}, started {started}"
         summarized.append({**data, "summary": line})

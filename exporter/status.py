@@ -6,7 +6,7 @@ import argparse
 import json
 
 from exporter import terminal
-from exporter.client import ClientError, TargetView, add_exporter_arguments, client_from_args
+from exporter.client import ClientError, ShownTarget, add_exporter_arguments, client_from_args
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -18,19 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        status = client_from_args(args).status()
+        client = client_from_args(args)
+        if args.json:
+            print(json.dumps(client.status_json(), indent=2))
+            return EXIT_OK
+        status = client.status()
     except ClientError as exc:
         terminal.fail("status", str(exc))
         return EXIT_USAGE
-    if args.json:
-        print(json.dumps(status, indent=2))
-        return EXIT_OK
-    views = [TargetView.from_status(e) for e in status["targets"] if isinstance(e, dict)]
+    views = [ShownTarget.from_status(e) for e in status.targets]
     if not views:
         print("no targets: the exporter has none configured or discovered yet")
         return EXIT_OK
-    now = float(status.get("time") or 0.0)
-    rows = terminal.status_rows(views, now)
+    rows = terminal.status_rows(views, status.time)
     terminal.show(terminal.table(terminal.STATUS_COLUMNS, rows, phase_column=1))
     storage = [line for view in views for line in terminal.storage_lines(view)]
     if storage:

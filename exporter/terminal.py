@@ -19,8 +19,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:  # only their attributes are read here; prewarm need not import requests
-    from exporter.client import LoadView, TargetView
+from exporter import api
+
+if TYPE_CHECKING:  # only its attributes are read here; prewarm need not import requests
+    from exporter.client import ShownTarget
 
 PHASE_STYLES = {
     "ready": "bold green",
@@ -98,7 +100,7 @@ def local_time(unix: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
 
 
-def phases(load: LoadView) -> str:
+def phases(load: api.Load) -> str:
     order = [p for p in PHASE_ABBREVIATIONS if p in load.phase_seconds]
     order += sorted(p for p in load.phase_seconds if p not in PHASE_ABBREVIATIONS)
     return " ".join(
@@ -109,7 +111,7 @@ def phases(load: LoadView) -> str:
 # --- one target as a line --------------------------------------------------------------------
 
 
-def facts(view: TargetView) -> list[str]:
+def facts(view: ShownTarget) -> list[str]:
     """The measured parts of a load in progress, in reading order."""
     parts = []
     if view.progress_ratio is not None and view.phase != "down":
@@ -129,13 +131,13 @@ def facts(view: TargetView) -> list[str]:
     return parts
 
 
-def load_summary(load: LoadView) -> str:
+def load_summary(load: api.Load) -> str:
     cache = f", {load.cache} cache" if load.cache else ""
     partial = ", partial" if load.partial else ""
     return f"{load.outcome} after {duration(load.duration_seconds)}{cache}{partial}"
 
 
-def line(view: TargetView) -> str:
+def line(view: ShownTarget) -> str:
     """`sim: loading_weights 64 % 1.2 GB/s ... ETA 2m10s elapsed 45s`: one state, one line."""
     if (
         view.phase in ("ready", "failed")
@@ -152,7 +154,7 @@ def line(view: TargetView) -> str:
     return text
 
 
-def still_line(view: TargetView) -> str:
+def still_line(view: ShownTarget) -> str:
     """What `wait --max-wait` leaves: "still loading: sim loading_weights 64 %, ETA 2m10s"."""
     if not view.in_progress:
         return f"still waiting: {view.target} is {view.phase}" + (
@@ -171,13 +173,13 @@ def still_line(view: TargetView) -> str:
 # --- rich renderables ------------------------------------------------------------------------
 
 
-def phase_text(view: TargetView) -> Text:
+def phase_text(view: ShownTarget) -> Text:
     if view.stalled:
         return Text(f"{view.phase} STALLED", style="bold white on red")
     return Text(view.phase, style=PHASE_STYLES.get(view.phase, ""))
 
 
-def wait_panel(view: TargetView, waited: float) -> RenderableType:
+def wait_panel(view: ShownTarget, waited: float) -> RenderableType:
     """The live display of `wait` on a terminal."""
     title = Text.assemble((view.target, "bold"), "  ", phase_text(view))
     if view.server and view.server != "unknown":
@@ -232,7 +234,7 @@ STATUS_COLUMNS = (
 )  # fmt: skip
 
 
-def status_rows(views: Iterable[TargetView], now: float) -> list[list[str]]:
+def status_rows(views: Iterable[ShownTarget], now: float) -> list[list[str]]:
     rows = []
     for v in views:
         last = "-"
@@ -259,7 +261,7 @@ def status_rows(views: Iterable[TargetView], now: float) -> list[list[str]]:
     return rows
 
 
-def storage_lines(view: TargetView) -> list[str]:
+def storage_lines(view: ShownTarget) -> list[str]:
     """What holds a target's weights and what can be measured there, each with its reason:
     `sim storage: overlay over erofs on loop4 ...`, then one indented line per fact."""
     storage = view.storage
@@ -268,13 +270,16 @@ def storage_lines(view: TargetView) -> list[str]:
     lines = []
     for mount in storage.mounts:
         lines.append(f"{view.target} storage: {mount.summary}")
-        for name, holds, why in mount.facts:
-            verdict = "unknown" if holds is None else "yes" if holds else "no"
-            lines.append(f"  {name}: {verdict}" + (f": {why}" if why else ""))
+        facts = (("reads", mount.read_rate), ("residency", mount.residency),
+                 ("page cache", mount.page_cache), ("bypass", mount.bypass))  # fmt: skip
+        for name, fact in facts:
+            verdict = "unknown" if fact.value is None else "yes" if fact.value else "no"
+            lines.append(f"  {name}: {verdict}" + (f": {fact.reason}" if fact.reason else ""))
         lines.extend(f"  note: {note}" for note in mount.notes)
     lines.extend(f"{view.target} storage: cannot look at {u}" for u in storage.unplaced)
-    reason = f": {storage.reason}" if storage.reason else ""
-    lines.append(f"  cache label: {storage.label}{reason}")
+    rule = storage.cache_label
+    label = rule.fixed or ("never cold" if rule.never_cold else "from residency")
+    lines.append(f"  cache label: {label}" + (f": {rule.reason}" if rule.reason else ""))
     return lines
 
 

@@ -27,7 +27,7 @@ from exporter import terminal
 from exporter.client import (
     ClientError,
     ExporterClient,
-    TargetView,
+    ShownTarget,
     add_exporter_arguments,
     client_from_args,
     find_target,
@@ -86,10 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Watch(Protocol):
-    def poll(self, budget: float) -> TargetView:
+    def poll(self, budget: float) -> ShownTarget:
         """The state now, taking at most about `budget` seconds."""
 
-    def outcome(self, view: TargetView) -> str | None:
+    def outcome(self, view: ShownTarget) -> str | None:
         """'ready' or 'failed' once that is the answer for this wait, else None."""
 
 
@@ -104,19 +104,18 @@ class ExporterWatch:
     def __init__(self, client: ExporterClient, target: str | None) -> None:
         self.client = client
         status = client.status()  # unreachable, or unknown target: exit 2 before anything shows
-        self.target = str(find_target(status, target).get("target"))
-        self._began = float(status.get("time") or 0.0)
-        interval = status.get("sample_interval_seconds")
-        self._settle = 2 * (float(interval) if isinstance(interval, int | float) else 1.0)
+        self.target = find_target(status, target).target
+        self._began = status.time
+        self._settle = 2 * status.sample_interval_seconds
         self._status_time = self._began
-        self._last: TargetView | None = None
+        self._last: ShownTarget | None = None
 
-    def poll(self, budget: float) -> TargetView:
+    def poll(self, budget: float) -> ShownTarget:
         try:
             status = self.client.status(timeout=min(max(budget, 0.1), 2.0))
         except ClientError as exc:
             # An exporter restarting mid-wait is not the load failing: keep waiting.
-            last = self._last or TargetView(self.target, "unknown")
+            last = self._last or ShownTarget(self.target, "unknown")
             return dataclasses.replace(last, detail=f"exporter not answering: {exc}")
         try:
             entry = find_target(status, self.target)
@@ -124,11 +123,11 @@ class ExporterWatch:
             raise UsageError(
                 f"target {self.target!r} is no longer watched by the exporter"
             ) from None
-        self._status_time = float(status.get("time") or self._status_time)
-        self._last = TargetView.from_status(entry)
+        self._status_time = status.time
+        self._last = ShownTarget.from_status(entry)
         return self._last
 
-    def outcome(self, view: TargetView) -> str | None:
+    def outcome(self, view: ShownTarget) -> str | None:
         if view.phase not in ("ready", "failed") or view.detail:
             return None
         ended = view.last_load.ended_at if view.last_load is not None else None
@@ -147,12 +146,12 @@ class UrlWatch:
         self._clock = clock
         self._began = clock()
 
-    def poll(self, budget: float) -> TargetView:
+    def poll(self, budget: float) -> ShownTarget:
         timeout = min(self.config.timeout, max(budget, 0.1))
         config = dataclasses.replace(self.config, timeout=timeout)
         sample = EndpointProber(config).sample()
         ready = sample.result == ProbeResult.READY
-        return TargetView(
+        return ShownTarget(
             target=self.config.probe_url,
             phase="ready" if ready else "waiting",
             endpoint=self.config.probe_url,
@@ -161,7 +160,7 @@ class UrlWatch:
             detail=None if ready else f"{sample.result}: {sample.detail}",
         )
 
-    def outcome(self, view: TargetView) -> str | None:
+    def outcome(self, view: ShownTarget) -> str | None:
         return "ready" if view.phase == "ready" else None
 
 
@@ -191,9 +190,9 @@ def endpoint_config(url: str, probe: str | None, model: str | None) -> EndpointC
 
 
 class Output(Protocol):
-    def update(self, view: TargetView, waited: float) -> None: ...
+    def update(self, view: ShownTarget, waited: float) -> None: ...
 
-    def finish(self, view: TargetView, result: str, code: int, waited: float) -> None: ...
+    def finish(self, view: ShownTarget, result: str, code: int, waited: float) -> None: ...
 
     def close(self) -> None: ...
 
@@ -207,7 +206,7 @@ class PlainOutput:
         self._key: tuple[Any, ...] | None = None
         self._printed = 0.0
 
-    def update(self, view: TargetView, waited: float) -> None:
+    def update(self, view: ShownTarget, waited: float) -> None:
         # A probe's detail changes with every answer ("HTTP 503", "refused"); its kind is the news.
         key = (view.phase, view.stalled, (view.detail or "").split(":")[0])
         now = self._clock()
@@ -215,7 +214,7 @@ class PlainOutput:
             self._key, self._printed = key, now
             print(terminal.line(view), file=self._out, flush=True)
 
-    def finish(self, view: TargetView, result: str, code: int, waited: float) -> None:
+    def finish(self, view: ShownTarget, result: str, code: int, waited: float) -> None:
         if result == "timeout":
             print(timeout_line(view, waited), file=sys.stderr, flush=True)
         elif result == "max_wait":
@@ -236,7 +235,7 @@ class JsonOutput:
         self._phase: str | None = None
         self._printed = 0.0
 
-    def _emit(self, view: TargetView, waited: float, **extra: Any) -> None:
+    def _emit(self, view: ShownTarget, waited: float, **extra: Any) -> None:
         record = {
             "time": round(time.time(), 3),
             "target": view.target,
@@ -255,13 +254,13 @@ class JsonOutput:
         }
         print(json.dumps(record), file=self._out, flush=True)
 
-    def update(self, view: TargetView, waited: float) -> None:
+    def update(self, view: ShownTarget, waited: float) -> None:
         now = self._clock()
         if view.phase != self._phase or now - self._printed >= JSON_EVERY_SECONDS:
             self._phase, self._printed = view.phase, now
             self._emit(view, waited)
 
-    def finish(self, view: TargetView, result: str, code: int, waited: float) -> None:
+    def finish(self, view: ShownTarget, result: str, code: int, waited: float) -> None:
         load = view.last_load if result in ("ready", "failed") else None
         seconds = load.duration_seconds if load is not None else None
         self._emit(view, waited, result=result, exit_code=code, load_seconds=seconds)
@@ -278,10 +277,10 @@ class LiveOutput:
         self._live = Live(console=self._console, refresh_per_second=8, transient=False)
         self._live.start()
 
-    def update(self, view: TargetView, waited: float) -> None:
+    def update(self, view: ShownTarget, waited: float) -> None:
         self._live.update(terminal.wait_panel(view, waited))
 
-    def finish(self, view: TargetView, result: str, code: int, waited: float) -> None:
+    def finish(self, view: ShownTarget, result: str, code: int, waited: float) -> None:
         self._live.update(terminal.wait_panel(view, waited), refresh=True)
         self._live.stop()
         if result == "timeout":
@@ -296,11 +295,11 @@ class LiveOutput:
         self._live.stop()
 
 
-def final_line(view: TargetView, waited: float) -> str:
+def final_line(view: ShownTarget, waited: float) -> str:
     return f"{terminal.line(view)}; waited {terminal.duration(waited)}"
 
 
-def timeout_line(view: TargetView, waited: float) -> str:
+def timeout_line(view: ShownTarget, waited: float) -> str:
     return f"timed out after {terminal.duration(waited)}: {terminal.still_line(view)}"
 
 

@@ -1,12 +1,16 @@
-"""The whole /metrics exposition, pinned: a snapshot built by hand, compared with a golden file.
+"""The whole /metrics exposition and /api/v1/status, pinned: a snapshot built by hand, compared
+with golden files.
 
-The dashboard, the alert rules and every user's queries depend on these names, so a rename must
-show up as a diff in review (node_exporter's e2e-output.txt does the same). Regenerate after an
-intended change with `UPDATE_GOLDEN=1 pytest tests/test_exposition.py`.
+The dashboard, the alert rules and every user's queries depend on the metric names, and the live
+page and scripts on the status document's keys, so a rename must show up as a diff in review
+(node_exporter's e2e-output.txt does the same). Regenerate after an intended change with
+`UPDATE_GOLDEN=1 pytest tests/test_exposition.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -15,13 +19,16 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
-from exporter.config import parse_config
+from exporter.config import LogConfig, parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import Histograms
+from exporter.logfind import LogFinding
 from exporter.refusals import REASONS
 from exporter.sampler import Reading
+from exporter.serverargs import Evidence
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
@@ -32,17 +39,21 @@ from exporter.sources import (
     NVML,
     PAGECACHE,
     PROCESS,
+    STORAGE,
+    WEIGHT_FILES,
     ZFS,
     SourceKey,
 )
 from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
-from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample
+from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample, PcieMark
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.netfs import MountReads, NetFsSample
 from exporter.sources.pagecache import FileResidency, ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.storage import Fact, MountStorage, StorageDescription
+from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
 from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
@@ -58,6 +69,7 @@ from exporter.vocabulary import (
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).with_name("fixtures") / "metrics.prom"
+STATUS_GOLDEN = GOLDEN.with_name("status.json")
 DESIGN_METRICS = ROOT / "tests" / "fixtures" / "design-metrics.txt"
 GIB = 1 << 30
 NOW = 1_764_489_600.0
@@ -312,11 +324,14 @@ def exposition(snapshot: Snapshot) -> str:
     return generate_latest(registry).decode()
 
 
-def test_exposition_matches_the_golden_file() -> None:
-    text = exposition(golden_snapshot())
+def assert_matches_golden(text: str, golden: Path) -> None:
     if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), "exposition changed: see the diff, then UPDATE_GOLDEN=1"
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{golden.name} changed: see the diff, then UPDATE_GOLDEN=1"
+
+
+def test_exposition_matches_the_golden_file() -> None:
+    assert_matches_golden(exposition(golden_snapshot()), GOLDEN)
 
 
 def test_golden_file_has_every_family_of_the_catalog_with_samples() -> None:
@@ -392,3 +407,111 @@ def sample_of(families: dict[str, Any], name: str, **labels: str) -> float:
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     ]
     return float(value)
+
+
+def status_snapshot() -> Snapshot:
+    """The golden snapshot with what /api/v1/status shows and /metrics does not: a storage
+    description, the tree's weight files, PCIe counted since the load began, a finished load, how
+    a discovered server and its log were found, a weight path with no block device below it."""
+    snap = golden_snapshot()
+    loading, ready = snap.targets
+    overlay = MountStorage(
+        kind=StorageKind.OVERLAY,
+        fstype="overlay",
+        mount_point="/models",
+        source="overlay",
+        summary="overlay over ext4 on nvme0n1",
+        paths=("/models/kimi-k2",),
+        devices=("nvme0n1",),
+        lower_devices=(),
+        read_rate=Fact(True, "counted on nvme0n1 (diskstats)"),
+        residency=Fact(True, "cachestat on the real files below the overlay"),
+        page_cache=Fact(True, "the real files' page cache serves reads"),
+        bypass=Fact(False, "buffered reads"),
+        in_memory=False,
+        passthrough=None,
+        notes=("an overlay's upper layer is empty here",),
+    )
+    storage = StorageDescription(
+        mounts=(overlay,),
+        unplaced=("/mnt/gone: No such file or directory",),
+        residency_is_temperature=True,
+        in_memory=False,
+        bypass=False,
+        reason=None,
+    )
+    shard = "model-00001-of-00002.safetensors"
+    files = WeightFilesSample(
+        visible=True,
+        reason=None,
+        root_pid=4242,
+        files_total=2,
+        total_bytes=384 * GIB,
+        first_open_at=NOW - 110,
+        first_open_seen=True,
+        idle_since=None,
+        consumed_bytes=96 * GIB,
+        seen_bytes=384 * GIB,
+        held_files=1,
+        files=(
+            FileUse(shard, 192 * GIB, 96 * GIB, True, "mmap", 1, False),
+            FileUse(
+                shard.replace("00001", "00002"), 192 * GIB, 192 * GIB, False, "closed", 0, False
+            ),
+        ),
+        measured_at=NOW - 0.5,
+    )
+    loading = dataclasses.replace(
+        loading,
+        config=dataclasses.replace(loading.config, gpus=(0, 1)),
+        readings={
+            **loading.readings,
+            "storage": reading(STORAGE, storage, "kimi-k2"),
+            "weight_files": reading(WEIGHT_FILES, files, "kimi-k2"),
+        },
+        pcie_at_start={(0, "GPU-aaaa"): PcieMark(11 * GIB, NOW - 119)},
+        log_finding=LogFinding(
+            LogConfig(journald_unit="sglang-k2.service", format=ServerKind.SGLANG),
+            "the journald unit of process 4242",
+        ),
+    )
+    assert loading.state is not None and ready.state is not None
+    loading = dataclasses.replace(
+        loading,
+        state=dataclasses.replace(
+            loading.state,
+            progress_source="weight_files",
+            signals={"weights_bytes": 384 * GIB, "consumed_bytes": 96 * GIB, "shards": None},
+        ),
+    )
+    last = LoadRecord(
+        "qwen", NOW - 900, NOW - 850, Outcome.READY, Cache.WARM, False,
+        {"starting": 0.5, "loading_weights": 12.5, "initializing": 37.0}, 15 * GIB, 0, 14 * GIB,
+    )  # fmt: skip
+    assert ready.discovered is not None
+    ready = dataclasses.replace(
+        ready,
+        state=dataclasses.replace(ready.state, last_record=last),
+        discovered=dataclasses.replace(
+            ready.discovered,
+            weights=("/srv/qwen",),
+            evidence=(Evidence("port", "8000", "--port 8000"),),
+        ),
+        log_finding=LogFinding(None, "stdout is a pipe to another process"),
+    )
+    disk, gpus = snap.host_value(DISK), snap.host_value(NVML)
+    assert disk is not None and gpus is not None
+    disk = dataclasses.replace(
+        disk,
+        unbacked_by_target={"kimi-k2": ("/dev/shm/kimi",), "qwen": ()},
+        lower_devices_by_target={"kimi-k2": ("sda",)},
+    )
+    failed = Reading("zfs", "", None, False, "OSError: /proc/spl/kstat/zfs: gone", 0.002, NOW - 3)
+    gpus = dataclasses.replace(gpus, attribution_problem="in another PID namespace")
+    host = {**snap.host, "disk": reading(DISK, disk), "nvml": reading(NVML, gpus), "zfs": failed}
+    return dataclasses.replace(snap, targets=(loading, ready), host=host)
+
+
+def test_status_document_matches_the_golden_file() -> None:
+    document = status_document(status_snapshot(), sample_interval=1.0).to_json()
+    assert_matches_golden(json.dumps(document, indent=2) + "\n", STATUS_GOLDEN)

@@ -14,11 +14,13 @@ from typing import Any
 
 import bcrypt
 import pytest
+from helpers.documents import status, target
 from helpers.mcp_agent import Agent
 from helpers.processes import Host
 from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
 
+from exporter import api
 from exporter.webconfig import WebConfig
 
 pytestmark = pytest.mark.system
@@ -170,17 +172,13 @@ def test_restart_forecast_says_why_there_is_none(agent: Agent) -> None:
 
 def forecasts(elapsed: float, began: float) -> dict[str, Any]:
     """A status as the exporter will write it once restart forecasts exist."""
-    known = {"seconds": 42.5, "resident_share": 0.97, "reason": "warm: 97 % resident"}
-    unknown = {"seconds": None, "resident_share": None, "reason": "no past load to go by"}
-    return {
-        "time": began + elapsed,
-        "version": "9.9.9",
-        "sample_interval_seconds": 1.0,
-        "targets": [
-            {"target": "warm", "phase": "ready", "restart_forecast": known},
-            {"target": "new", "phase": "ready", "restart_forecast": unknown},
-        ],
-    }
+    known = api.RestartForecast(seconds=42.5, resident_share=0.97, reason="warm: 97 % resident")
+    unknown = api.RestartForecast(seconds=None, resident_share=None, reason="no past load to go by")
+    return status(
+        began + elapsed,
+        target("warm", "ready", restart_forecast=known),
+        target("new", "ready", restart_forecast=unknown),
+    )
 
 
 def test_restart_forecast_when_the_exporter_has_one(agent_for: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import bcrypt
 import pytest
+from helpers.documents import load, status, target
 from helpers.processes import CLI, ExitClock, Host, Simulator, cli
 from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
@@ -291,15 +292,12 @@ def test_serve_does_not_import_the_client_commands_nor_rich_nor_the_simulator() 
 def restart(elapsed: float, began: float) -> dict[str, Any]:
     """The previous run's ready for 0.6 s (the exporter has not seen the restart), then the new
     load: starting until 1.2 s, ready after that."""
-    state: dict[str, Any] = {"target": "sim", "phase": "ready", "in_progress": False}
-    old = {"started_at": began - 100.0, "ended_at": began - 40.0, "outcome": "ready"}
-    state["last_record"] = old
+    state: dict[str, Any] = {"phase": "ready", "last_record": load("sim", began - 100, began - 40)}
     if elapsed >= 0.6:
-        state.update(phase="starting", in_progress=True, elapsed_seconds=elapsed - 0.6)
+        state.update(phase="starting", elapsed_seconds=elapsed - 0.6)
     if elapsed >= 1.2:
-        new = {"started_at": began + 0.6, "ended_at": began + 1.2, "outcome": "ready"}
-        state.update(phase="ready", in_progress=False, last_record=new)
-    return {"time": began + elapsed, "sample_interval_seconds": 1.0, "targets": [state]}
+        state.update(phase="ready", last_record=load("sim", began + 0.6, began + 1.2))
+    return status(began + elapsed, target("sim", **state))
 
 
 def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
@@ -313,6 +311,31 @@ def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
     assert lines[0] == "sim: ready after 1m00s"  # shown, but not taken as the answer
     assert lines[1].startswith("sim: starting")
     assert re.fullmatch(r"sim: ready after 0\.6s; waited \d+\.\ds", lines[2]), lines
+
+
+def without_endpoint(elapsed: float, began: float) -> dict[str, Any]:
+    """A status whose target lacks a key the client reads: another program, or a broken one."""
+    document = status(began + elapsed, target("sim", "ready"))
+    del document["targets"][0]["endpoint"]
+    return document
+
+
+def test_an_answer_that_is_not_the_document_is_one_line_naming_the_key() -> None:
+    server = ScriptedExporter(without_endpoint)
+    try:
+        commands = [("status",), ("status", "--json"), ("wait",), ("history",)]
+        results = {args[-1]: cli(*args, "--exporter", server.url) for args in commands}
+    finally:
+        server.close()
+    for result in results.values():
+        assert result.returncode == 2, result
+        assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    not_status = f"{server.url}/api/v1/status: not the document this client reads"
+    for command in ("status", "--json", "wait"):
+        assert f"{not_status} (targets[0]: no 'endpoint')" in results[command].stderr
+    # Every GET answers the script's status, so /api/v1/loads gets a document without loads.
+    not_loads = f"{server.url}/api/v1/loads: not the document this client reads (no 'loads')"
+    assert not_loads in results["history"].stderr
 
 
 def test_client_commands_speak_tls_and_basic_auth(

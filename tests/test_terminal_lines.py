@@ -6,9 +6,10 @@ import dataclasses
 import io
 
 import pytest
+from helpers.documents import load
 
 from exporter import terminal
-from exporter.client import LoadView, TargetView
+from exporter.client import ShownTarget
 from exporter.wait import PlainOutput
 
 
@@ -30,7 +31,7 @@ def test_sizes_are_binary_rates_decimal_and_percent_rounds_down() -> None:
 
 
 def test_lines_show_only_what_was_measured() -> None:
-    loading = TargetView(
+    loading = ShownTarget(
         "kimi", "loading_weights", in_progress=True, progress_ratio=0.64,
         throughput_bytes_per_second=1.2e9, eta_seconds=130, elapsed_seconds=45,
     )  # fmt: skip
@@ -43,8 +44,8 @@ def test_lines_show_only_what_was_measured() -> None:
         terminal.still_line(unknown)
         == "still loading: kimi loading_weights 64 %, no ETA, elapsed 45s"
     )
-    load = LoadView("kimi", 100.0, 190.5, "ready", "warm", False, {"starting": 1.0})
-    ready = TargetView("kimi", "ready", last_load=load)
+    last = load("kimi", 100.0, 190.5, cache="warm", phase_seconds={"starting": 1.0})
+    ready = ShownTarget("kimi", "ready", last_load=last)
     assert terminal.line(ready) == "kimi: ready after 1m30s, warm cache"
 
 
@@ -52,7 +53,7 @@ def test_wait_in_a_pipe_repeats_an_unchanged_state_every_30_seconds() -> None:
     now = [0.0]
     out = io.StringIO()
     output = PlainOutput(out, clock=lambda: now[0])
-    view = TargetView("sim", "loading_weights", in_progress=True, progress_ratio=0.5)
+    view = ShownTarget("sim", "loading_weights", in_progress=True, progress_ratio=0.5)
     for now[0] in (0.0, 10.0, 29.0, 30.5, 31.0, 61.0):
         output.update(view, now[0])
     output.update(dataclasses.replace(view, phase="initializing"), 62.0)

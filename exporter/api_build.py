@@ -1,0 +1,271 @@
+"""The /api/v1 documents (exporter/api.py) built from a snapshot, and from history's records.
+
+The web side's half of the API: what each source's sample, the tracker's state and the runtime's
+marks become in /api/v1/status and /api/v1/loads. Only here do the snapshot's types meet the
+documents', so a source may change its dataclass and the public JSON stays as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from exporter import api
+from exporter.discovery import DiscoveredServer
+from exporter.sampler import Reading
+from exporter.snapshot import Snapshot, TargetView
+from exporter.sources import DISK, LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
+from exporter.sources.disk import DiskSample
+from exporter.sources.gpu import pcie_rx_since
+from exporter.sources.pagecache import ResidencySample
+from exporter.sources.storage import MountStorage, StorageDescription
+from exporter.sources.weightfiles import WeightFilesSample
+from exporter.tracker import LoadRecord, TargetState
+from exporter.untrusted import clean
+
+UNBACKED_NOTE = (
+    "no block device behind these paths (network or memory filesystem): "
+    "disk read rate cannot be measured for them"
+)
+
+
+D = TypeVar("D", bound=api.Document)
+
+
+def _mirror(document: type[D], source: object, **parts: Any) -> D:
+    """A document whose fields are the source dataclass's of the same names, and `parts` (the
+    nested ones, as documents): where the public JSON is a sample's own fields."""
+    names = (f.name for f in dataclasses.fields(document))
+    return document(**{name: getattr(source, name) for name in names if name not in parts}, **parts)
+
+
+def _load(record: LoadRecord) -> api.Load:
+    return _mirror(api.Load, record)
+
+
+def loads_document(records: Iterable[LoadRecord]) -> api.Loads:
+    """/api/v1/loads, and `history --json` read from the file in the same shape."""
+    return api.Loads(tuple(map(_load, records)))
+
+
+def _source_reading(reading: Reading[Any], now: float) -> api.SourceReading:
+    return api.SourceReading(
+        up=reading.ok,
+        error=reading.error,
+        # What a source says about a sample that succeeded but is incomplete.
+        note=getattr(reading.value, "note", None),
+        duration_seconds=round(reading.duration_seconds, 6),
+        age_seconds=round(now - reading.finished_at, 3),
+    )
+
+
+def _gpu_pcie(snap: Snapshot, view: TargetView) -> tuple[api.GpuPcie, ...]:
+    """Per GPU of the target (its configured `gpus`, else those its tree holds memory on): the
+    PCIe RX counter, and the bytes received since the current (or last) load began."""
+    reading = snap.host_reading(NVML)
+    gpu = reading.good if reading is not None else None
+    if reading is None or gpu is None:  # no GPU reading: nothing to show, not zeros
+        return ()
+    wanted = view.gpu_memory if view.config.gpus == "auto" else view.config.gpus
+    entries = []
+    for device in gpu.devices:
+        if device.index not in wanted:
+            continue
+        mark = view.pcie_at_start.get((device.index, device.uuid))
+        entries.append(
+            api.GpuPcie(
+                gpu=device.index,
+                uuid=device.uuid,
+                pcie_rx_bytes=device.pcie_rx_bytes,
+                pcie_rx_bytes_since_load_start=pcie_rx_since(mark, device, reading.finished_at),
+                pcie_rx_counted_since=mark.read_at if mark is not None else None,
+            )
+        )
+    return tuple(entries)
+
+
+def _gpu_memory(snap: Snapshot, view: TargetView) -> tuple[api.GpuMemory, ...]:
+    """GPU memory the target holds per device, with the device's name and size when known."""
+    gpu = snap.host_value(NVML)
+    devices = {d.index: d for d in gpu.devices} if gpu is not None else {}
+    entries = []
+    for index, used in sorted(view.gpu_memory.items()):
+        device = devices.get(index)
+        entries.append(
+            api.GpuMemory(
+                gpu=index,
+                name=device.name if device else None,
+                used_bytes=used,
+                total_bytes=device.memory_total_bytes if device else None,
+            )
+        )
+    return tuple(entries)
+
+
+def _residency(sample: ResidencySample, now: float) -> api.Residency:
+    return api.Residency(
+        files=sample.files,
+        total_bytes=sample.total_bytes,
+        resident_bytes=sample.resident_bytes,
+        method=sample.method,
+        last_full_pass_age_seconds=round(now - sample.measured_at, 3),
+        last_full_pass_cpu_seconds=sample.pass_cpu_seconds,
+        reason=sample.reason,
+        measured_on=sample.where,
+    )
+
+
+def _weight_files(sample: WeightFilesSample) -> api.WeightFiles:
+    """What the server's tree has done with its weight files: the files it holds in full, the
+    ones it is done with as a count (a checkpoint may have hundreds of shards)."""
+    return api.WeightFiles(
+        visible=sample.visible,
+        reason=sample.reason,
+        first_open_at=sample.first_open_at,
+        idle_since=sample.idle_since,
+        consumed_bytes=sample.consumed_bytes,
+        total_bytes=sample.total_bytes,
+        files_total=sample.files_total,
+        files_seen=len(sample.files),
+        files_done=sum(1 for f in sample.files if f.consumed_bytes >= f.size_bytes),
+        held=tuple(_mirror(api.HeldFile, f) for f in sample.files if f.held),
+    )
+
+
+def _log(view: TargetView) -> api.Log:
+    """Which log is followed and why: configured, found from the server's process (how), or
+    none (why not); the reading's fields follow once it has been sampled."""
+    finding = view.log_finding
+    if view.config.log is not None:
+        found_by, not_found = "configured", None
+    elif finding is None:
+        found_by = None
+        not_found = "no server process seen yet" if view.config.process else "no process matching"
+    elif finding.config is None:
+        found_by, not_found = None, finding.why
+    else:
+        found_by, not_found = finding.why, None
+    logs = view.reading(LOGS)
+    sample = logs.value if logs is not None else None
+    if sample is None:
+        return api.Log(None, found_by, not_found)
+    reading = api.LogReading(
+        up=sample.up,
+        reason=sample.reason,
+        format=sample.format,
+        format_reason=sample.format_reason,
+        step=sample.step,
+        step_since=sample.step_since,
+        weights_shards=sample.weights,
+        cuda_graphs=sample.cuda_graphs,
+        fatal=sample.fatal,
+        lines=sample.lines_total,
+        last_line_at=sample.last_line_at,
+    )
+    return api.Log(sample.source, found_by, not_found, reading)
+
+
+def _mount(mount: MountStorage) -> api.Mount:
+    facts = ("read_rate", "residency", "page_cache", "bypass")
+    return _mirror(
+        api.Mount, mount, **{name: _mirror(api.Fact, getattr(mount, name)) for name in facts}
+    )
+
+
+def _storage(description: StorageDescription) -> api.Storage:
+    """What holds the weights, what can be measured there (each fact with its reason), and the
+    rule the load's cache label follows."""
+    fixed = description.fixed_cache()
+    return api.Storage(
+        kinds=description.kinds,
+        cache_label=api.CacheLabel(
+            fixed=fixed,
+            never_cold=description.in_memory,
+            residency_is_temperature=description.residency_is_temperature,
+            bypass=description.bypass,
+            reason=description.reason,
+        ),
+        mounts=tuple(_mount(m) for m in description.mounts),
+        unplaced=description.unplaced,
+    )
+
+
+def _discovered(found: DiscoveredServer) -> api.Discovered:
+    return api.Discovered(
+        pid=found.pid,
+        kind=found.kind,
+        weights=tuple(clean(path, 4096) for path in found.weights),
+        why=tuple(_mirror(api.Evidence, e) for e in found.evidence),
+    )
+
+
+def _state(state: TargetState) -> api.LoadState:
+    last = state.last_record
+    return _mirror(api.LoadState, state, last_record=_load(last) if last else None)
+
+
+def _target(snap: Snapshot, view: TargetView, disk: DiskSample | None) -> api.Target:
+    name = view.name
+    pagecache, files = view.reading(PAGECACHE), view.reading(WEIGHT_FILES)
+    storage = view.value(STORAGE)
+    unbacked = disk.unbacked_by_target.get(name, ()) if disk is not None else ()
+    return api.Target(
+        target=name,
+        endpoint=view.config.endpoint.display_url,
+        server=view.server,
+        sources={
+            source: _source_reading(view.readings[source], snap.time)
+            for source in sorted(view.readings)
+        },
+        state=_state(view.state) if view.state is not None else None,
+        residency=(
+            _residency(pagecache.value, snap.time)
+            if pagecache is not None and pagecache.value is not None
+            else None
+        ),
+        storage=_storage(storage) if storage is not None else None,
+        gpu_memory=_gpu_memory(snap, view),
+        gpu_pcie=_gpu_pcie(snap, view),
+        expected_duration_seconds={
+            str(cache): seconds
+            for (target, cache), seconds in snap.expected_durations.items()
+            if target == name
+        },
+        last_duration_seconds=snap.last_durations.get(name),
+        weight_files=(
+            _weight_files(files.value) if files is not None and files.value is not None else None
+        ),
+        log=_log(view),
+        discovered=_discovered(view.discovered) if view.discovered is not None else None,
+        block_devices=disk.devices_by_target.get(name, ()) if disk is not None else None,
+        lower_block_devices=(
+            (disk.lower_devices_by_target.get(name) or None) if disk is not None else None
+        ),
+        unbacked_weight_paths=unbacked or None,
+        unbacked_note=UNBACKED_NOTE if unbacked else None,
+        restart_forecast=(
+            api.RestartForecast(
+                view.forecast.seconds, view.forecast.resident_share, view.forecast.reason
+            )
+            if view.forecast is not None
+            else None
+        ),
+    )
+
+
+def status_document(snap: Snapshot, sample_interval: float) -> api.Status:
+    """/api/v1/status: one entry per target with its state and the evidence."""
+    disk = snap.host_value(DISK)
+    return api.Status(
+        time=snap.time,
+        version=snap.build["version"],
+        sample_interval_seconds=sample_interval,
+        targets=tuple(_target(snap, view, disk) for view in snap.targets),
+        host_sources={
+            source: _source_reading(snap.host[source], snap.time) for source in sorted(snap.host)
+        },
+        history=api.History(
+            enabled=snap.history_enabled, up=snap.history_up, problem=snap.history_problem
+        ),
+    )
