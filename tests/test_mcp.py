@@ -166,7 +166,11 @@ def test_restart_forecast_says_why_there_is_none(agent: Agent) -> None:
     answer = agent.answer("restart_forecast", {"target": "sim"})
     assert (answer["available"], answer["seconds"]) == (False, None)
     assert 0.0 <= answer["resident_share"] <= 1.0
-    assert answer["reason"] == "no finished load of this target in history"
+    # None finished yet, or one cold load that cannot say how fast the page cache delivers.
+    assert answer["reason"] in (
+        "no finished load of this target in history",
+        "100% of the weights from the page cache (no warm load in history)",
+    )
     assert answer["summary"] == f"sim: no restart forecast: {answer['reason']}"
 
 

@@ -497,11 +497,12 @@ def test_four_ranks_start_after_the_imports_and_each_consume_a_quarter_of_every_
 
 
 def slice_of(paths: list[Path], rank: int, looks: list[Look]) -> bool:
-    """Whether every file offset seen is the end of one of `rank`'s pieces (or of the header)."""
+    """Whether every file offset seen is the end of one of `rank`'s pieces (or of the header, or
+    0: opened, nothing read yet, which a look on a busy machine may catch)."""
     ends = set()
     for path in paths:
         layout = layout_of(path)
-        ends |= {(path.name, layout.header_end)}
+        ends |= {(path.name, 0), (path.name, layout.header_end)}
         ends |= {(path.name, p.offset + p.length) for p in layout.pieces(rank, 4)}
     seen = {(name, pos) for look in looks for name, pos in look.positions.items()}
     return bool(seen) and seen <= ends
