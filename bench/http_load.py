@@ -22,7 +22,7 @@ Measured, one scenario after another:
 * peak RSS and thread count over the whole run.
 
 Measured on the 2-core VM this project runs on (see docs/costs.md for the numbers and
-exporter/httpserver.py for why they chose the asyncio server).
+exporter/http/server.py for why they chose the asyncio server).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class _Stub(BaseHTTPRequestHandler):
 def _app() -> Any:
     sys.path.insert(0, str(REPO))
     from exporter.config import parse_config
+    from exporter.http.app import WebApp
     from exporter.runtime import Runtime
-    from exporter.web import WebApp
 
     stub = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     stub.daemon_threads = True
@@ -96,8 +96,8 @@ def _app() -> Any:
 
 
 def _serve_ours(app: Any, port: int, tls: tuple[str, str] | None) -> Callable[[], None]:
-    from exporter.web import HttpServer
-    from exporter.webconfig import TlsConfig, WebConfig
+    from exporter.http.app import HttpServer
+    from exporter.http.webconfig import TlsConfig, WebConfig
 
     app.web = WebConfig(tls=TlsConfig(*tls)) if tls else WebConfig()
     server = HttpServer(app, f"127.0.0.1:{port}")

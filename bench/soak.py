@@ -42,8 +42,8 @@ def child(config: str, port: int) -> None:
     from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 
     from exporter.config import load_config
+    from exporter.http.app import HttpServer, WebApp
     from exporter.runtime import Runtime
-    from exporter.web import HttpServer, WebApp
 
     parsed = load_config(config)
     gpus = h200_node(GPUS)
@@ -299,7 +299,7 @@ def main() -> int:
         if exporter is not None:
             exporter.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                exporter.wait(timeout=30)
+                exporter.commands.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
 
 

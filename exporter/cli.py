@@ -18,14 +18,23 @@ from exporter import __version__
 
 # name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("exporter.serve", "run the exporter (default)"),
+    "serve": ("exporter.commands.serve", "run the exporter (default)"),
     "simulate": ("exporter.sim.simulate", "run a stand-in model server"),
     "demo": ("exporter.sim.demo", "watch the simulator load real files"),
-    "wait": ("exporter.wait", "block until a target is ready (0), failed (1) or timed out (124)"),
-    "status": ("exporter.status", "one table of every target of a running exporter"),
-    "prewarm": ("exporter.prewarm", "pull weight files into the page cache (or --evict them)"),
-    "history": ("exporter.history_cmd", "past loads from a running exporter or its SQLite file"),
-    "mcp": ("exporter.mcp_cmd", "a Model Context Protocol server (stdio) for agents"),
+    "wait": (
+        "exporter.commands.wait",
+        "block until a target is ready (0), failed (1) or timed out (124)",
+    ),
+    "status": ("exporter.commands.status", "one table of every target of a running exporter"),
+    "prewarm": (
+        "exporter.commands.prewarm",
+        "pull weight files into the page cache (or --evict them)",
+    ),
+    "history": (
+        "exporter.commands.history",
+        "past loads from a running exporter or its SQLite file",
+    ),
+    "mcp": ("exporter.commands.mcp", "a Model Context Protocol server (stdio) for agents"),
 }
 
 

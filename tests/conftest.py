@@ -10,8 +10,8 @@ from helpers.require import require_all
 from helpers.support import ModelServer, RunningExporter
 
 from exporter.config import parse_config
+from exporter.http.webconfig import WebConfig
 from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.webconfig import WebConfig
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
+from exporter.commands.serve import config_from_args
 from exporter.config import (
     DISCOVERY_SERVERS,
     ConfigError,
@@ -22,7 +23,6 @@ from exporter.config import (
     parse_config,
     parse_duration,
 )
-from exporter.serve import config_from_args
 from exporter.vocabulary import LogEncoding
 
 GOOD = {

@@ -32,9 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.cachectl import evict
 from exporter.config import parse_config
+from exporter.http.app import HttpServer, WebApp
 from exporter.runtime import TRACKER_LOOP, Runtime
 from exporter.sampler import Sampler
-from exporter.web import HttpServer, WebApp
 
 FIXTURE = Path(__file__).with_name("fixtures") / "e2e"
 GOLDEN = Path(__file__).with_name("fixtures") / "e2e-output.prom"

@@ -29,7 +29,7 @@ from helpers.support import (
 from helpers.users import NOBODY, REPO, nobody_python
 
 from exporter.cachectl import evict
-from exporter.webconfig import load_web_config
+from exporter.http.webconfig import load_web_config
 
 
 def target(name: str, url: str, **extra: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""exporter/httpserver.py with its limits made small: real sockets on loopback, real TLS."""
+"""exporter/http/server.py with its limits made small: real sockets on loopback, real TLS."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import requests
 from helpers.hostile import make_tls
 
-from exporter.httpserver import Limits, Server
-from exporter.webconfig import BasicAuth
+from exporter.http.server import Limits, Server
+from exporter.http.webconfig import BasicAuth
 
 SMALL = Limits(handshake_timeout=0.5, header_timeout=0.5, idle_timeout=0.5, write_timeout=2.0)
 

@@ -28,9 +28,9 @@ from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config import parse_config
+from exporter.http.app import WebApp
+from exporter.http.webconfig import WebConfig
 from exporter.sim.shards import generate_shards
-from exporter.web import WebApp
-from exporter.webconfig import WebConfig
 
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.system

@@ -21,7 +21,7 @@ from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
 
 from exporter import api
-from exporter.webconfig import WebConfig
+from exporter.http.webconfig import WebConfig
 
 pytestmark = pytest.mark.system
 

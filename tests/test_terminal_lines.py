@@ -8,9 +8,9 @@ import io
 import pytest
 from helpers.documents import load
 
-from exporter import terminal
-from exporter.client import ShownTarget
-from exporter.wait import PlainOutput
+from exporter.commands import terminal
+from exporter.commands.client import ShownTarget
+from exporter.commands.wait import PlainOutput
 
 
 @pytest.mark.parametrize(

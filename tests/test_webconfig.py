@@ -12,7 +12,7 @@ import yaml
 from helpers.hostile import make_tls
 
 from exporter.config import ConfigError
-from exporter.webconfig import load_web_config
+from exporter.http.webconfig import load_web_config
 
 GOOD_HASH = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
 

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from exporter.cachectl import evict
 from exporter.config import parse_config
+from exporter.http.app import HttpServer, WebApp
 from exporter.logsetup import setup_logging
 from exporter.runtime import Runtime
 from exporter.sim.shards import generate_shards
@@ -28,7 +29,6 @@ from exporter.sources.pagecache import discover
 from exporter.tracker import TargetState
 from exporter.units import parse_size
 from exporter.vocabulary import Cache
-from exporter.web import HttpServer, WebApp
 
 TARGET = "demo"
 

@@ -15,9 +15,9 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import Config
+from exporter.http.app import HttpServer, WebApp
+from exporter.http.webconfig import WebConfig
 from exporter.runtime import Runtime
-from exporter.web import HttpServer, WebApp
-from exporter.webconfig import WebConfig
 
 COMPLETION = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "."}]}
 

@@ -9,19 +9,16 @@ import logging
 import os
 from typing import Any
 
-from exporter import api, terminal
+from exporter import api
 from exporter.api import MAX_LOADS
 from exporter.api_build import loads_document
-from exporter.client import ClientError, add_exporter_arguments, client_from_args
+from exporter.commands import terminal
+from exporter.commands.client import ClientError, add_exporter_arguments, client_from_args
+from exporter.commands.exits import Exit, UsageError
 from exporter.history import HistoryStore
 
-EXIT_OK, EXIT_USAGE = 0, 2
 DEFAULT_LIMIT = 20
 COLUMNS = ("STARTED", "TARGET", "DURATION", "OUTCOME", "CACHE", "PHASES")
-
-
-class UsageError(Exception):
-    """Unreachable exporter, missing or unreadable file, unknown target: exit 2."""
 
 
 def _limit(text: str) -> int:
@@ -91,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
         loads = from_file(args) if args.history_path is not None else from_exporter(args)
     except UsageError as exc:
         terminal.fail("history", str(exc))
-        return EXIT_USAGE
+        return Exit.USAGE
     if args.json:
         print(json.dumps({"loads": loads}, indent=2))
-        return EXIT_OK
+        return Exit.OK
     if not loads:
         print("no finished loads yet")
-        return EXIT_OK
+        return Exit.OK
     rows = []
     for load in api.Loads.from_json({"loads": loads}).loads:
         outcome = load.outcome + (" (partial)" if load.partial else "")
@@ -112,4 +109,4 @@ def run(args: argparse.Namespace) -> int:
             ]
         )
     terminal.show(terminal.table(COLUMNS, rows, phase_column=3))
-    return EXIT_OK
+    return Exit.OK

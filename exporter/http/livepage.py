@@ -29,7 +29,8 @@ def _hashes(html: str, tag: str) -> str:
 @functools.cache
 def page() -> tuple[bytes, list[tuple[str, str]]]:
     """The page's bytes and the headers that go with them (read once per process)."""
-    html = resources.files("exporter").joinpath("static/index.html").read_text(encoding="utf-8")
+    static = resources.files("exporter.http").joinpath("static")
+    html = static.joinpath("index.html").read_text(encoding="utf-8")
     policy = ["default-src 'none'"]
     policy += [f"{directive} {_hashes(html, tag)}" for tag, directive in _INLINE.items()]
     policy += ["connect-src 'self'", "img-src data:", "base-uri 'none'", "form-action 'none'"]

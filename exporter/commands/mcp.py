@@ -1,8 +1,8 @@
 """`model-load-exporter mcp`: a Model Context Protocol server over stdio for agents.
 
 The MCP SDK is an optional extra (`pip install 'model-load-exporter[mcp]'`), so this module only
-checks that it is there and that the exporter flags make sense; `exporter.mcp_server` holds the
-tools. Stdout is the protocol channel: every message of ours goes to stderr.
+checks that it is there and that the exporter flags make sense; mcp_server.py beside it holds
+the tools. Stdout is the protocol channel: every message of ours goes to stderr.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import functools
 
-from exporter import terminal
-from exporter.client import ClientError, add_exporter_arguments, client_from_args
+from exporter.commands import terminal
+from exporter.commands.client import ClientError, add_exporter_arguments, client_from_args
+from exporter.commands.exits import Exit
 from exporter.logsetup import LEVELS, setup_logging
 
-EXIT_OK, EXIT_NO_SDK, EXIT_USAGE = 0, 1, 2
 INSTALL_HINT = "pip install 'model-load-exporter[mcp]'"
 
 
@@ -27,19 +27,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from exporter import mcp_server
+        from exporter.commands import mcp_server
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing == "exporter":
             raise
         terminal.fail("mcp", f"the MCP SDK is not installed (no module {missing}): {INSTALL_HINT}")
-        return EXIT_NO_SDK
+        return Exit.FAILED
     try:
         client_from_args(args)  # a bad URL, CA file or missing password: say so before serving
     except ClientError as exc:
         terminal.fail("mcp", str(exc))
-        return EXIT_USAGE
+        return Exit.USAGE
     setup_logging(args.log_level)
     # A client per tool call: calls run on worker threads, and a requests session is not shared.
     mcp_server.build(functools.partial(client_from_args, args)).run("stdio")
-    return EXIT_OK
+    return Exit.OK

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from exporter import terminal
-from exporter.client import ClientError, ShownTarget, add_exporter_arguments, client_from_args
-
-EXIT_OK, EXIT_USAGE = 0, 2
+from exporter.commands import terminal
+from exporter.commands.client import (
+    ClientError,
+    ShownTarget,
+    add_exporter_arguments,
+    client_from_args,
+)
+from exporter.commands.exits import Exit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,19 +25,19 @@ def run(args: argparse.Namespace) -> int:
         client = client_from_args(args)
         if args.json:
             print(json.dumps(client.status_json(), indent=2))
-            return EXIT_OK
+            return Exit.OK
         status = client.status()
     except ClientError as exc:
         terminal.fail("status", str(exc))
-        return EXIT_USAGE
+        return Exit.USAGE
     views = [ShownTarget.from_status(e) for e in status.targets]
     if not views:
         print("no targets: the exporter has none configured or discovered yet")
-        return EXIT_OK
+        return Exit.OK
     rows = terminal.status_rows(views, status.time)
     terminal.show(terminal.table(terminal.STATUS_COLUMNS, rows, phase_column=1))
     storage = [line for view in views for line in terminal.storage_lines(view)]
     if storage:
         print()
         print("\n".join(storage))
-    return EXIT_OK
+    return Exit.OK

@@ -1,7 +1,7 @@
 """HTTP side: /metrics, /api/v1/status, /api/v1/loads, landing page, health and reload.
 
 The exporter's routes in front of prometheus_client's WSGI app (which does the OpenMetrics content
-negotiation and gzip for us), served by exporter/httpserver.py: an asyncio server with handshake,
+negotiation and gzip for us), served by exporter/http/server.py: an asyncio server with handshake,
 header and idle timeouts and a bound on connections, so no client can stall a scrape.
 """
 
@@ -17,12 +17,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from exporter import api, livepage
+from exporter import api
 from exporter.api_build import loads_document, status_document
 from exporter.collector import ExporterCollector
-from exporter.httpserver import Limits, Server, somaxconn
+from exporter.http import livepage
+from exporter.http.server import Limits, Server, somaxconn
+from exporter.http.webconfig import WebConfig
 from exporter.runtime import Runtime
-from exporter.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _WHOLE_NUMBER = re.compile(r"[0-9]{1,4}\Z")  # ASCII digits only: "²".isdigit()
 class WebApp:
     """The WSGI application over whichever runtime is current (a reload swaps it).
 
-    TLS and basic auth are the server's (exporter/httpserver.py), so they cover every path and a
+    TLS and basic auth are the server's (exporter/http/server.py), so they cover every path and a
     bcrypt check never holds a worker; the app checks basic auth again (from the cache) for when
     another WSGI server hosts it. GET paths also answer HEAD (the server drops the body); any
     other method is 405 with an Allow header.
@@ -186,7 +187,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
 
 
 class HttpServer:
-    """The exporter's listening socket and its server (exporter/httpserver.py)."""
+    """The exporter's listening socket and its server (exporter/http/server.py)."""
 
     def __init__(self, app: WebApp, address: str, limits: Limits | None = None) -> None:
         host, port = parse_listen_address(address)

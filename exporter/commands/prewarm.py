@@ -24,19 +24,16 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from exporter import cachectl, terminal
+from exporter import cachectl
+from exporter.commands import terminal
+from exporter.commands.exits import Exit, UsageError
 from exporter.config import DEFAULT_INCLUDE, WeightsConfig
 from exporter.sources.memory import read_meminfo
 from exporter.sources.pagecache import PassResult, WeightFile, discover, measure_planned
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.vocabulary import StorageKind
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
 DEFAULT_JOBS = 4
-
-
-class UsageError(Exception):
-    """A path that does not exist or holds no weight files: exit 2."""
 
 
 def _jobs(text: str) -> int:
@@ -114,14 +111,14 @@ def run(args: argparse.Namespace) -> int:
         files = find_files(args.paths, include)
     except UsageError as exc:
         terminal.fail("prewarm", str(exc))
-        return EXIT_USAGE
+        return Exit.USAGE
     storage = WeightStorage(
         WeightsConfig(paths=tuple(os.path.abspath(p) for p in args.paths), include=include)
     )
     refused = refusal(storage.describe())
     if refused is not None:
         terminal.fail("prewarm", f"refusing: {refused}")
-        return EXIT_REFUSED
+        return Exit.FAILED
     plan = storage.plan(files)
     real = (*plan.files, *plan.unmeasurable)  # the files below, or the files themselves
     before = _residency(files, storage)
@@ -131,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         return _prewarm(files, real, before, storage, args.jobs, args.force)
     except OSError as exc:
         terminal.fail("prewarm", f"{exc.filename or 'read'}: {exc.strerror}")
-        return EXIT_REFUSED
+        return Exit.FAILED
 
 
 def _evict(
@@ -149,7 +146,7 @@ def _evict(
         f"{terminal.duration(time.monotonic() - started)}; resident before {_share(before)}, "
         f"now {_share(after)}"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 def _prewarm(
@@ -175,7 +172,7 @@ def _prewarm(
             "(MemAvailable); reading them would evict what was read first and other cached data. "
             "--force reads anyway",
         )
-        return EXIT_REFUSED
+        return Exit.FAILED
     todo_bytes = sum(size for _, size in todo)
     started = time.monotonic()
     with _progress(todo_bytes) as advance:
@@ -188,7 +185,7 @@ def _prewarm(
         f"{terminal.size(read)} in {seconds:.2f}s ({speed}); "
         f"already resident {_share(before)}, now {_share(after)}"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 @contextmanager

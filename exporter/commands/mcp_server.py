@@ -19,9 +19,11 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from pydantic import BaseModel, Field, ValidationError
 
-from exporter import __version__, api, terminal, wait
+from exporter import __version__, api
 from exporter.api import MAX_LOADS
-from exporter.client import ClientError, ExporterClient, ShownTarget, find_target
+from exporter.commands import terminal, wait
+from exporter.commands.client import ClientError, ExporterClient, ShownTarget, find_target
+from exporter.commands.exits import UsageError
 
 DEFAULT_WAIT_SECONDS = 45.0  # well inside the 2 minutes agents usually give a tool call
 MAX_WAIT_SECONDS = 100.0  # plus one status request: still inside those 2 minutes
@@ -129,7 +131,7 @@ def _one_line_errors() -> Iterator[None]:
     """The client's and wait's errors are already one line for a person: the agent gets it."""
     try:
         yield
-    except (ClientError, wait.UsageError) as exc:
+    except (ClientError, UsageError) as exc:
         raise ToolError(str(exc)) from None
 
 

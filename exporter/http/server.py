@@ -51,7 +51,7 @@ from urllib.parse import unquote_to_bytes
 
 import h11
 
-from exporter.webconfig import BasicAuth
+from exporter.http.webconfig import BasicAuth
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from rich.text import Text
 from exporter import api
 
 if TYPE_CHECKING:  # only its attributes are read here; prewarm need not import requests
-    from exporter.client import ShownTarget
+    from exporter.commands.client import ShownTarget
 
 PHASE_STYLES = {
     "ready": "bold green",

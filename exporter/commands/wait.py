@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 from rich.console import Console
 from rich.live import Live
 
-from exporter import terminal
-from exporter.client import (
+from exporter.commands import terminal
+from exporter.commands.client import (
     ClientError,
     ExporterClient,
     ShownTarget,
@@ -32,20 +32,16 @@ from exporter.client import (
     client_from_args,
     find_target,
 )
+from exporter.commands.exits import Exit, UsageError
 from exporter.config import ConfigError, EndpointConfig, parse_config, parse_duration
 from exporter.sources.endpoint import EndpointProber
 from exporter.vocabulary import ProbeKind, ProbeResult
 
-EXIT_READY, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_MAX_WAIT = 0, 1, 2, 124, 75
 DEFAULT_TIMEOUT = "15m"
 POLL_SECONDS = 0.2  # readiness is seen within this (plus the exporter's own sampling)
 HEARTBEAT_SECONDS = 30.0  # a pipe gets a line at least this often
 JSON_EVERY_SECONDS = 1.0
 URL_PROBE_TIMEOUT_SECONDS = 8.0
-
-
-class UsageError(Exception):
-    """Bad flags or input: one line, exit 2."""
 
 
 def _duration(text: str) -> float:
@@ -333,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         watch = _watch(args)
     except UsageError as exc:
         terminal.fail("wait", str(exc))
-        return EXIT_USAGE
+        return Exit.USAGE
     deadline = began + args.timeout
     stop_at = began + args.max_wait if args.max_wait is not None else None
     output = _output(args)
@@ -342,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         output.close()
         terminal.fail("wait", str(exc))
-        return EXIT_USAGE
+        return Exit.USAGE
     finally:
         output.close()
 
@@ -362,14 +358,14 @@ def follow(
         waited = now - began
         result = watch.outcome(view)
         if result is not None:
-            code = EXIT_READY if result == "ready" else EXIT_FAILED
+            code = Exit.OK if result == "ready" else Exit.FAILED
             output.finish(view, result, code, waited)
             return code
         output.update(view, waited)
         if now >= deadline:
-            output.finish(view, "timeout", EXIT_TIMEOUT, waited)
-            return EXIT_TIMEOUT
+            output.finish(view, "timeout", Exit.TIMED_OUT, waited)
+            return Exit.TIMED_OUT
         if stop_at is not None and now >= stop_at:
-            output.finish(view, "max_wait", EXIT_MAX_WAIT, waited)
-            return EXIT_MAX_WAIT
+            output.finish(view, "max_wait", Exit.STILL_LOADING, waited)
+            return Exit.STILL_LOADING
         time.sleep(max(0.0, min(polled + POLL_SECONDS, answer_by) - time.monotonic()))

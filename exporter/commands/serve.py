@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from exporter.commands.exits import UsageError
 from exporter.config import (
     Config,
     ConfigError,
@@ -24,11 +25,11 @@ from exporter.config import (
     parse_config,
     parse_duration,
 )
+from exporter.http.app import HttpServer, WebApp
+from exporter.http.webconfig import WebConfig, allowed_hosts, load_web_config
 from exporter.logsetup import LEVELS, setup_logging
 from exporter.runtime import Runtime
 from exporter.vocabulary import ProbeKind
-from exporter.web import HttpServer, WebApp
-from exporter.webconfig import WebConfig, allowed_hosts, load_web_config
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,6 @@ SINGLE_TARGET_FLAGS = (
     "log_source",
     "stall_after",
 )
-
-
-class UsageError(Exception):
-    """Flags that contradict each other: exit 2, like argparse's own errors."""
 
 
 class Commands:
