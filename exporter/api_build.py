@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from exporter import api
 from exporter.discovery import DiscoveredServer
-from exporter.sampler import Reading
+from exporter.sampler import Reading, health
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
 from exporter.sources.disk import DiskSample
@@ -54,7 +54,7 @@ def _source_reading(reading: Reading[Any], now: float) -> api.SourceReading:
         up=reading.ok,
         error=reading.error,
         # What a source says about a sample that succeeded but is incomplete.
-        note=getattr(reading.value, "note", None),
+        note=health(reading.value).note,
         duration_seconds=round(reading.duration_seconds, 6),
         age_seconds=round(now - reading.finished_at, 3),
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from exporter.sources import SourceKey
+from exporter.sources import FINE, Health, Sample, SourceKey
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ class Reading(Generic[T]):
         return self.value if self.ok else None
 
 
-def _is_up(value: object) -> bool:
-    """A sample may succeed yet say its number is unknowable (residency as `nobody`)."""
-    return bool(getattr(value, "up", True))
+def health(value: object) -> Health:
+    """What a sample says of itself (a loop's return value that is no sample says nothing)."""
+    return value.health() if isinstance(value, Sample) else FINE
 
 
 class Periodic:
@@ -241,9 +241,10 @@ class Sampler:
             value, error = fn(), None
         except Exception as exc:
             value, error = None, f"{type(exc).__name__}: {exc}"
-        ok = error is None and _is_up(value)
+        said = health(value)
+        ok = error is None and said.up
         if not ok:
-            error = error or getattr(value, "reason", None) or "source reported down"
+            error = error or said.reason or "source reported down"
         reading = Reading(
             source=source.name,
             target=target,

@@ -93,19 +93,10 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from exporter.logmarkers import EventKind, LogEvent, StepTimeline
-from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Step
+from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Signal, Step
 
 # Tie-break order when two signals report the same progress.
-PROGRESS_SOURCES = (
-    "weight_files",
-    "gpu_pcie",
-    "gpu_memory",
-    "page_cache",
-    "process_reads",
-    "process_read_chars",
-    "disk_reads",
-    "log_shards",
-)
+PROGRESS_SOURCES = tuple(Signal)
 
 ENDPOINT_FAILURES_FOR_LOAD = 3
 START_GRACE_INTERVALS = 2.0
@@ -125,8 +116,8 @@ CACHE_INDEPENDENT: tuple[str, ...] = (Phase.INITIALIZING, *FINE_STEPS)
 LOG_SKEW_SECONDS = 1.0  # a log line stamped this much before a load's start still belongs to it
 FATAL_WITHOUT_DETAIL = "the server's log reported a fatal error"
 
-_STORAGE = ("page_cache", "process_reads", "disk_reads")
-_WHOLE = ("gpu_memory", "process_read_chars")
+_STORAGE = (Signal.PAGE_CACHE, Signal.PROCESS_READS, Signal.DISK_READS)
+_WHOLE = (Signal.GPU_MEMORY, Signal.PROCESS_READ_CHARS)
 # Answers that prove something listens but is not ready yet (a 503-style server while it loads).
 _UP_NOT_READY = frozenset({ProbeResult.HTTP_ERROR, ProbeResult.BAD_RESPONSE, ProbeResult.TIMEOUT})
 _RECENT = 64
@@ -215,7 +206,7 @@ class TargetState:
     cache: Cache | None
     partial: bool
     seen_late: bool
-    progress_source: str | None  # the signal that last drove progress (PROGRESS_SOURCES)
+    progress_source: Signal | None  # the signal that last drove progress
     signals: Mapping[str, float | int | None]  # the raw evidence, for /api/v1/status
     last_record: LoadRecord | None
     step: Step | None  # the fine step the server's log says; None without log markers
@@ -265,7 +256,7 @@ class _Load:
     weights_began_seen: bool = False
     weights_ended_seen: bool = False
     progress: float | None = None
-    source: str | None = None
+    source: Signal | None = None
     basis: float | None = None
     cache: Cache | None = None
     resident_start: int | None = None
@@ -291,7 +282,7 @@ class _Load:
     fatal_at: float | None = None
     bytes_read: int | None = None
     weights_bytes: int | None = None
-    evidence: dict[str, _Evidence] = field(default_factory=dict)
+    evidence: dict[Signal, _Evidence] = field(default_factory=dict)
     rate: deque[tuple[float, float]] = field(default_factory=deque)
     expected: dict[Cache | None, Mapping[str, float]] = field(default_factory=dict)
 
@@ -719,10 +710,10 @@ class Tracker:
         if load.weights_bytes:
             load.cache = temperature(load.resident_start / load.weights_bytes)
 
-    def _evidence(self, load: _Load, obs: Observation) -> dict[str, _Evidence]:
+    def _evidence(self, load: _Load, obs: Observation) -> dict[Signal, _Evidence]:
         """Every progress estimate this tick can make, whether or not it drives progress."""
         weights = load.weights_bytes
-        out: dict[str, _Evidence] = {}
+        out: dict[Signal, _Evidence] = {}
         uncached = None
         if load.resident_start is not None and weights:
             uncached = max(0, weights - load.resident_start)
@@ -736,39 +727,40 @@ class Tracker:
         if storage_basis:
             if uncached is not None and obs.resident_bytes is not None:
                 growth = _capped(obs.resident_bytes - (load.resident_start or 0), None)
-                out["page_cache"] = _Evidence(growth / storage_basis, storage_basis)
+                out[Signal.PAGE_CACHE] = _Evidence(growth / storage_basis, storage_basis)
             if obs.process_read_bytes is not None:
                 reads = obs.process_read_bytes
                 if files is not None:
                     at_open = load.reads_at_open if load.reads_at_open is not None else reads
                     reads = _capped(reads - at_open, cap)
-                out["process_reads"] = _Evidence(reads / storage_basis, storage_basis)
+                out[Signal.PROCESS_READS] = _Evidence(reads / storage_basis, storage_basis)
             tree_unknown = obs.process_read_bytes is None and obs.process_read_chars is None
             if tree_unknown and obs.disk_read_bytes is not None and load.disk_base is not None:
                 reads = obs.disk_read_bytes - load.disk_base
-                out["disk_reads"] = _Evidence(reads / storage_basis, storage_basis)
+                out[Signal.DISK_READS] = _Evidence(reads / storage_basis, storage_basis)
         if obs.process_read_chars is not None and weights:
-            out["process_read_chars"] = _Evidence(obs.process_read_chars / weights, weights)
+            out[Signal.PROCESS_READ_CHARS] = _Evidence(obs.process_read_chars / weights, weights)
         files_basis = weights or (files.total_bytes if files is not None else None)
         if files is not None and files_basis:
-            out["weight_files"] = _Evidence(files.consumed_bytes / files_basis, files_basis)
+            out[Signal.WEIGHT_FILES] = _Evidence(files.consumed_bytes / files_basis, files_basis)
             if obs.gpu_rx_bytes is not None and load.rx_at_open is not None:
                 # Bytes reaching the GPUs since the first weight file opened: each rank's GPU
                 # receives its own slice, so the sum is the tree's, capped by the files held.
                 rx = _capped(obs.gpu_rx_bytes - load.rx_at_open, cap)
-                out["gpu_pcie"] = _Evidence(rx / files_basis, files_basis)
+                out[Signal.GPU_PCIE] = _Evidence(rx / files_basis, files_basis)
         if load.log_shards is not None:
             done, total = load.log_shards
-            out["log_shards"] = _Evidence(done / total, weights or None)
+            out[Signal.LOG_SHARDS] = _Evidence(done / total, weights or None)
         base = load.gpu_base
         if obs.process_gpu_bytes is not None and base is not None:
             expected = load.expected_gpu
             gpu_basis = expected - base if expected is not None and expected > base else weights
             if gpu_basis:
-                out["gpu_memory"] = _Evidence((obs.process_gpu_bytes - base) / gpu_basis, gpu_basis)
+                held = obs.process_gpu_bytes - base
+                out[Signal.GPU_MEMORY] = _Evidence(held / gpu_basis, gpu_basis)
         return out
 
-    def _driving(self, load: _Load, obs: Observation) -> tuple[str, ...]:
+    def _driving(self, load: _Load, obs: Observation) -> tuple[Signal, ...]:
         """Which signals may drive progress, given what residency says about this load.
 
         Where the weight files are in view, they drive; storage reads (capped by them, see
@@ -778,7 +770,7 @@ class Tracker:
         """
         if obs.files is not None:
             warm = load.cache is Cache.WARM
-            seen = ("weight_files", "gpu_pcie")
+            seen = (Signal.WEIGHT_FILES, Signal.GPU_PCIE)
             return seen if warm else (*seen, *_STORAGE)
         if load.resident_start is not None and load.weights_bytes:
             warm = load.cache is Cache.WARM
@@ -789,13 +781,13 @@ class Tracker:
             # the cache temperature is known, only storage reads count. read() bytes would also
             # count the interpreter reading its own libraries from the page cache.
             return _STORAGE
-        unknown = (*_STORAGE, "process_read_chars")
-        return unknown if any(s in load.evidence for s in unknown) else ("gpu_memory",)
+        unknown = (*_STORAGE, Signal.PROCESS_READ_CHARS)
+        return unknown if any(s in load.evidence for s in unknown) else (Signal.GPU_MEMORY,)
 
     def _advance_progress(self, load: _Load, obs: Observation) -> None:
-        best: tuple[str, _Evidence] | None = None
+        best: tuple[Signal, _Evidence] | None = None
         # Shards the log has counted are this load's whatever the cache says.
-        allowed = (*self._driving(load, obs), "log_shards")
+        allowed = (*self._driving(load, obs), Signal.LOG_SHARDS)
         for source in PROGRESS_SOURCES:
             ev = load.evidence.get(source)
             if source in allowed and ev is not None and (best is None or ev.ratio > best[1].ratio):

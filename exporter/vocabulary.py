@@ -106,6 +106,19 @@ class LogEncoding(StrEnum):
     CRI = "cri"
 
 
+class Signal(StrEnum):
+    """What drove a load's weights progress (`/api/v1/status` progress_source)."""
+
+    WEIGHT_FILES = "weight_files"  # the weight files consumed, file by file
+    GPU_PCIE = "gpu_pcie"  # bytes the tree's GPUs received since the first weight file
+    GPU_MEMORY = "gpu_memory"  # GPU memory the tree holds past its CUDA contexts
+    PAGE_CACHE = "page_cache"  # residency growth of the weight files
+    PROCESS_READS = "process_reads"  # storage bytes the tree read
+    PROCESS_READ_CHARS = "process_read_chars"  # bytes through read() (rchar)
+    DISK_READS = "disk_reads"  # the weights' devices, host-wide
+    LOG_SHARDS = "log_shards"  # the shards the server's log counted
+
+
 class Step(StrEnum):
     """The fine step a server's own log says it is in (`model_load_step{step}`)."""
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from exporter.sources import Sample
 from exporter.sources.backing import Layer
 from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
@@ -35,7 +36,7 @@ class DeviceReads:
 
 
 @dataclass(frozen=True)
-class DiskSample:
+class DiskSample(Sample):
     devices: tuple[DeviceReads, ...]
     # The devices the weights' filesystems read from directly (a loop device, not the disk under
     # its image: that one may read nothing where the image's page cache serves).

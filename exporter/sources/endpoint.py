@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from exporter import __version__
 from exporter.config import EndpointConfig
 from exporter.servers import SERVERS
+from exporter.sources import Sample
 from exporter.vocabulary import ProbeKind, ProbeResult, ServerKind
 
 MAX_BODY_BYTES = 1024 * 1024  # a 1-token completion or a model list is far smaller
@@ -41,7 +42,7 @@ _DECODERS: Mapping[str, int] = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib
 
 
 @dataclass(frozen=True)
-class ProbeSample:
+class ProbeSample(Sample):
     result: ProbeResult
     duration_seconds: float
     status_code: int | None

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
+from exporter.sources import Health, Sample
 from exporter.sources.nvml_pids import NvmlPidCheck
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
-class GpuSample:
+class GpuSample(Sample):
     driver_version: str
     devices: tuple[GpuDevice, ...]
     processes: tuple[GpuProcess, ...]  # compute processes on every GPU, PIDs as NVML gave them
@@ -93,6 +94,9 @@ class GpuSample:
     # Why the processes' PIDs cannot be matched to servers here (another PID namespace, or not
     # checkable); None when they can. `process_gpu_memory` attributes nothing while it is set.
     attribution_problem: str | None = None
+
+    def health(self) -> Health:
+        return Health(self.up, self.reason, self.note)
 
     @property
     def note(self) -> str | None:

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
+from exporter.sources import Health, Sample
 from exporter.vocabulary import LogEncoding, Step
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ _TERMINATORS = (b"\n", b"\r")
 
 
 @dataclass(frozen=True)
-class LogSample:
+class LogSample(Sample):
     """What the server's log said, up to this sample."""
 
     up: bool  # the log can be read (a missing file or a dead journalctl is not up)
@@ -77,6 +78,9 @@ class LogSample:
     lines_total: int  # line terminators read (`\n`, `\r`, `\r\n`); a change is movement
     bytes_total: int
     last_line_at: float | None  # unix time a line was last read
+
+    def health(self) -> Health:
+        return Health(self.up, self.reason)
 
 
 class _Lines:

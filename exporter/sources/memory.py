@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from exporter.sources import Sample
+
 _FIELDS = {
     "MemTotal": "total_bytes",
     "MemAvailable": "available_bytes",
@@ -13,7 +15,7 @@ _FIELDS = {
 
 
 @dataclass(frozen=True)
-class MemorySample:
+class MemorySample(Sample):
     total_bytes: int
     available_bytes: int
     page_cache_bytes: int

@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from exporter.sources import Health, Sample
 from exporter.sources.mounts import Mount, namespace_of, unescape
 from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
@@ -56,10 +57,13 @@ class MountReads:
 
 
 @dataclass(frozen=True)
-class NetFsSample:
+class NetFsSample(Sample):
     mounts: tuple[MountReads, ...]
     mounts_by_target: Mapping[str, tuple[tuple[str, str], ...]]  # (mount, mountpoint) keys
     unmeasured: tuple[str, ...]  # "MOUNTPOINT (fstype): why its reads are not counted"
+
+    def health(self) -> Health:
+        return Health(note=self.note)
 
     @property
     def note(self) -> str | None:

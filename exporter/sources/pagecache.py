@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NoReturn
 from exporter.asprocess import OnBehalf
 from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
 from exporter.safeio import PSEUDO_MAGIC, Refused, path_magic
+from exporter.sources import Health, Sample
 
 if TYPE_CHECKING:
     from exporter.sources.storage import WeightStorage
@@ -119,7 +120,7 @@ class FileResidency:
 
 
 @dataclass(frozen=True)
-class ResidencySample:
+class ResidencySample(Sample):
     files: int
     total_bytes: int
     resident_bytes: int | None
@@ -130,6 +131,9 @@ class ResidencySample:
     next_pass_due: float
     reason: str | None
     where: str | None = None  # where residency was measured when not on the files themselves
+
+    def health(self) -> Health:
+        return Health(self.up, self.reason)
 
     @property
     def up(self) -> bool:

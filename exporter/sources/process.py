@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from exporter.config import ProcessConfig
+from exporter.sources import Health, Sample
 
 _UNIT_SUFFIXES = (".service", ".scope")
 CMDLINE_SETTLE_SECONDS = 5.0
@@ -24,7 +25,7 @@ _CGROUP_LAYOUTS = ("", "unified", "systemd")
 
 
 @dataclass(frozen=True)
-class ProcessSample:
+class ProcessSample(Sample):
     found: bool
     pids: tuple[int, ...]
     root_pid: int | None
@@ -33,6 +34,9 @@ class ProcessSample:
     read_chars: int | None
     cmdline: str | None
     read_problem: str | None = None  # why the read counters are unknown
+
+    def health(self) -> Health:
+        return Health(note=self.note)
 
     @property
     def note(self) -> str | None:

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from exporter.config import WeightsConfig
+from exporter.sources import Health, Sample
 from exporter.sources.backing import MAX_DEPTH, Layer, describe
 from exporter.sources.below import (
     Below,
@@ -83,7 +84,7 @@ class MountStorage:
 
 
 @dataclass(frozen=True)
-class StorageDescription:
+class StorageDescription(Sample):
     """What holds one target's weights, and the rules its load's cache label follows.
 
     The label (DESIGN, "cache temperature"): `bypass` when reads of the weights go around the
@@ -100,6 +101,9 @@ class StorageDescription:
     in_memory: bool
     bypass: bool
     reason: str | None  # why the label is fixed, or why the weights are in memory
+
+    def health(self) -> Health:
+        return Health(note=self.note)
 
     def fixed_cache(self) -> Cache | None:
         """The load's cache label whatever residency says, or None when residency decides."""

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from exporter.asprocess import OnBehalf
 from exporter.config import WeightsConfig
+from exporter.sources import Health, Sample
 from exporter.sources.pagecache import WeightFile, WeightTree, discover
 from exporter.sources.process import ProcessSample
 
@@ -72,7 +73,7 @@ class FileUse:
 
 
 @dataclass(frozen=True)
-class WeightFilesSample:
+class WeightFilesSample(Sample):
     """The tree's use of its weight files, since its root process started."""
 
     visible: bool  # every process's descriptors and mappings could be read
@@ -88,6 +89,9 @@ class WeightFilesSample:
     held_files: int
     files: tuple[FileUse, ...]  # in the order they were first seen
     measured_at: float
+
+    def health(self) -> Health:
+        return Health(self.up, self.reason, self.note)
 
     @property
     def up(self) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from exporter.sources import Health, Sample
 from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
 
@@ -44,11 +45,14 @@ class ArcReads:
 
 
 @dataclass(frozen=True)
-class ZfsSample:
+class ZfsSample(Sample):
     pools: tuple[PoolReads, ...]
     arc: ArcReads | None
     pools_by_target: Mapping[str, tuple[str, ...]]
     unmeasured: tuple[str, ...]  # "what: why", for status
+
+    def health(self) -> Health:
+        return Health(note=self.note)
 
     @property
     def note(self) -> str | None:
