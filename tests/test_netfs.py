@@ -112,7 +112,7 @@ def test_nfs_reads_are_counted_per_mount_with_a_rate(host: FakeHost) -> None:
                    buffered_read_bytes_total=1207640230, direct_read_bytes_total=0),
     )  # fmt: skip
     assert first.mounts_by_target == {"m": (("192.168.1.1:/srv/test", str(point)),)}
-    assert first.read_bytes_of("m") == SERVER_READ and first.note is None
+    assert first.read_bytes_of("m") == SERVER_READ and first.health().note is None
 
     host.now += 2.0
     host.file("self/mountstats", mountstats(point, extra_server_bytes=480_000_000))
@@ -139,7 +139,7 @@ def test_a_mount_missing_from_mountstats_is_named_not_counted(host: FakeHost) ->
     host.file("self/mountstats", mountstats(host.root / "not-this-one"))
     sample = source(host, point).sample()
     assert sample.mounts == ()
-    assert sample.note == f"{point} (nfs4): not in mountstats"
+    assert sample.health().note == f"{point} (nfs4): not in mountstats"
     assert sample.read_bytes_of("m") is None
 
 
@@ -147,7 +147,7 @@ def test_weights_on_local_disk_read_no_network_counter(host: FakeHost) -> None:
     """No mountstats, llite or debugfs exists here: reading any of them would be a note."""
     point = host.mount("ext4", "/dev/vda", "local")
     sample = source(host, point).sample()
-    assert (sample.mounts, sample.note, sample.mounts_by_target) == ((), None, {"m": ()})
+    assert (sample.mounts, sample.health().note, sample.mounts_by_target) == ((), None, {"m": ()})
 
 
 def test_lustre_reads_from_llite_stats(host: FakeHost) -> None:
@@ -175,7 +175,7 @@ def test_lustre_mounted_twice_is_not_guessed(host: FakeHost) -> None:
         )
     sample = source(host, point).sample()
     assert sample.mounts == ()
-    assert "2 llite instances of lustre" in (sample.note or "")
+    assert "2 llite instances of lustre" in (sample.health().note or "")
 
 
 def test_lustre_stats_in_debugfs_count_too(host: FakeHost) -> None:
@@ -211,7 +211,7 @@ def test_cephfs_reads_from_the_client_metrics(
         )  # fmt: skip
     else:
         assert sample.mounts == ()
-        assert "2 ceph clients and no fsid in the mount source" in (sample.note or "")
+        assert "2 ceph clients and no fsid in the mount source" in (sample.health().note or "")
 
 
 def test_network_storage_is_described_and_its_residency_measured(host: FakeHost) -> None:

@@ -278,7 +278,7 @@ def test_fake_proc_vanished_and_unreadable_entries(tmp_path: Path) -> None:
     sample = finder.sample()
     assert (sample.read_bytes, sample.read_chars) == (None, None)
     assert sample.read_problem is not None and "pid 103" in sample.read_problem
-    assert sample.note == sample.read_problem
+    assert sample.health().note == sample.read_problem
 
 
 def test_cmdline_match_is_never_the_exporter_itself(tmp_path: Path) -> None:

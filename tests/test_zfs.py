@@ -72,7 +72,7 @@ def test_pool_reads_and_the_arc_hit_share_over_an_interval(host: FakeHost) -> No
         MISSES,
         None,
     )
-    assert first.read_bytes_of("m") == NREAD and first.note is None
+    assert first.read_bytes_of("m") == NREAD and first.health().note is None
 
     host.now += 2.0
     grow(host, hits=300, misses=100, nread=200 << 20)  # a warm-ish load: 75 % from the ARC
@@ -97,14 +97,14 @@ def test_a_pool_without_its_io_kstat_is_named(host: FakeHost) -> None:
     point = host.mount("zfs", "tank/models", "tank")
     sample = zfs_source(host, point).sample()
     assert sample.pools == () and sample.arc is not None
-    assert "spl/kstat/zfs/tank/io" in (sample.note or "")
+    assert "spl/kstat/zfs/tank/io" in (sample.health().note or "")
     assert sample.read_bytes_of("m") is None
 
 
 def test_no_kstat_is_read_while_no_weights_are_on_zfs(host: FakeHost) -> None:
     (host.proc / "spl/kstat/zfs/arcstats").unlink()  # would be a note if it were read
     sample = zfs_source(host, host.mount("xfs", "/dev/nvme0n1", "local")).sample()
-    assert (sample.pools, sample.arc, sample.note) == ((), None, None)
+    assert (sample.pools, sample.arc, sample.health().note) == ((), None, None)
 
 
 def test_on_zfs_residency_is_dropped_and_the_label_is_unknown(host: FakeHost) -> None:

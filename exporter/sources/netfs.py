@@ -63,11 +63,7 @@ class NetFsSample(Sample):
     unmeasured: tuple[str, ...]  # "MOUNTPOINT (fstype): why its reads are not counted"
 
     def health(self) -> Health:
-        return Health(note=self.note)
-
-    @property
-    def note(self) -> str | None:
-        return "; ".join(self.unmeasured) or None
+        return Health(note="; ".join(self.unmeasured) or None)
 
     def read_bytes_of(self, target: str) -> int | None:
         """Bytes read so far from the network mounts under one target's weights; None without

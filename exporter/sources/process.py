@@ -36,12 +36,8 @@ class ProcessSample(Sample):
     read_problem: str | None = None  # why the read counters are unknown
 
     def health(self) -> Health:
-        return Health(note=self.note)
-
-    @property
-    def note(self) -> str | None:
-        """What a status reader should know although the process was found."""
-        return self.read_problem
+        """The process found, but its read counters perhaps not: the status says why."""
+        return Health(note=self.read_problem)
 
 
 NOT_FOUND = ProcessSample(False, (), None, None, None, None, None)

@@ -103,7 +103,9 @@ class StorageDescription(Sample):
     reason: str | None  # why the label is fixed, or why the weights are in memory
 
     def health(self) -> Health:
-        return Health(note=self.note)
+        """What status shows beside a successful sample: the weight paths that could not be
+        looked at, else why the cache label is fixed."""
+        return Health(note="; ".join(self.unplaced) or self.reason)
 
     def fixed_cache(self) -> Cache | None:
         """The load's cache label whatever residency says, or None when residency decides."""
@@ -116,12 +118,6 @@ class StorageDescription(Sample):
     @property
     def kinds(self) -> tuple[StorageKind, ...]:
         return tuple(dict.fromkeys(m.kind for m in self.mounts))
-
-    @property
-    def note(self) -> str | None:
-        """What status shows beside a successful sample: the weight paths that could not be
-        looked at, else why the cache label is fixed (the sampler's `note`)."""
-        return "; ".join(self.unplaced) or self.reason
 
 
 @dataclass(frozen=True)

@@ -91,15 +91,7 @@ class WeightFilesSample(Sample):
     measured_at: float
 
     def health(self) -> Health:
-        return Health(self.up, self.reason, self.note)
-
-    @property
-    def up(self) -> bool:
-        return self.visible
-
-    @property
-    def note(self) -> str | None:
-        return self.reason
+        return Health(self.visible, self.reason, self.reason)
 
 
 @dataclass

@@ -52,11 +52,7 @@ class ZfsSample(Sample):
     unmeasured: tuple[str, ...]  # "what: why", for status
 
     def health(self) -> Health:
-        return Health(note=self.note)
-
-    @property
-    def note(self) -> str | None:
-        return "; ".join(self.unmeasured) or None
+        return Health(note="; ".join(self.unmeasured) or None)
 
     def read_bytes_of(self, target: str) -> int | None:
         """Bytes the pools under one target's weights read; None without any, or while one of
