@@ -101,6 +101,24 @@ def test_phases_progress_and_eta_follow_a_real_vllm_cold_then_warm(
                 "steps_seen_live": sorted({s["step"] for s in initializing if s.get("step")}),
                 "etas_while_starting": sorted({s["eta_seconds"] for s in starting}, key=str)[:5],
                 "log": states[-1].get("log"),
+                # The exporter's view around the weights, in seconds since vLLM's own line.
+                "around_the_weights": [
+                    {
+                        "since_begin_line": round(
+                            s["started_at"] + s["elapsed_seconds"] - began_log, 2
+                        ),
+                        "phase": s["phase"],
+                        "step": s.get("step"),
+                        "progress": s.get("progress_ratio"),
+                        "source": s.get("progress_source"),
+                        "idle_since": (s.get("weight_files") or {}).get("idle_since"),
+                    }
+                    for s in states
+                    if s.get("in_progress")
+                    and -2
+                    < s["started_at"] + s["elapsed_seconds"] - began_log
+                    < ended_log - began_log + 4
+                ],
             }
 
             assert record["outcome"] == "ready" and record["cache"] == cache, record
