@@ -29,16 +29,17 @@ Rules, because every number on the dashboard comes from them:
   tree's /proc/PID/fd, fdinfo and maps), they decide. The weights begin when a process of the
   tree first opens or maps a weight file, at that look: everything read before (imports, NCCL
   set-up) is start-up. Progress is the bytes of the weight files consumed, file by file
-  (`weight_files`), with two more signals that may push it, never past the files held so far:
-  storage bytes the tree read since that first open, and residency growth (not for warm loads,
+  (`weight_files`), with more signals that may push it: residency growth of the weight files
+  (their own pages, even of files opened and closed between two looks; not for warm loads,
   which read nothing from storage; llama.cpp maps its file whole and lets readahead fill it),
-  and PCIe bytes received by the tree's GPUs since then (`gpu_pcie`). The log's shard count
-  counts too. The weights end at 99.9 %, or once the tree held no weight file for 5 intervals
-  (backdated to the look that saw them all let go: a fast load opens and closes files between
-  two looks), or at 90 % once progress stopped rising for 5 intervals. A load first seen late
-  with no weight file held on arrival cannot say whether its weights are behind or ahead of it:
-  its phases are unknown, unless a weight file opens while watched. A look that fails mid-load
-  keeps the last view.
+  and, never past the files held so far, storage bytes the tree read since that first open and
+  PCIe bytes its GPUs received since then (`gpu_pcie`). The log's shard count does not: shards
+  differ in size, the files' bytes say it better. The weights end at 99.9 % (dated back to the
+  look that saw every file let go, when one did), or once the tree held no weight file for 5
+  intervals (from that look: a fast load opens and closes files between two looks), or at 90 %
+  once progress stopped rising for 5 intervals. A load first seen late with no weight file held
+  on arrival cannot say whether its weights are behind or ahead of it: its phases are unknown,
+  unless a weight file opens while watched. A look that fails mid-load keeps the last view.
 * Where they cannot be seen (another user's tree and no root), progress is the highest ratio
   among the counters that may drive it, clamped to 0..1, and never falls within a load. The
   signals, and what makes a ratio of 1.0:
@@ -786,8 +787,12 @@ class Tracker:
 
     def _advance_progress(self, load: _Load, obs: Observation) -> None:
         best: tuple[Signal, _Evidence] | None = None
-        # Shards the log has counted are this load's whatever the cache says.
-        allowed = (*self._driving(load, obs), Signal.LOG_SHARDS)
+        # Shards the log has counted are this load's whatever the cache says; but shards differ
+        # in size (vLLM's test checkpoint: 648, 24, 24 and 648 MB), so where the files are in
+        # view, their bytes say it better and the count would run ahead of them.
+        allowed = self._driving(load, obs)
+        if obs.files is None:
+            allowed = (*allowed, Signal.LOG_SHARDS)
         for source in PROGRESS_SOURCES:
             ev = load.evidence.get(source)
             if source in allowed and ev is not None and (best is None or ev.ratio > best[1].ratio):

@@ -1203,3 +1203,18 @@ def test_a_ready_server_whose_probes_fail_three_times_in_a_row_is_hung_not_loadi
     sim.tick(2)
     assert (sim.state.phase, sim.state.hung, sim.state.failed_probes) == ("ready", False, 0)
     assert len(sim.records) == 1  # no load: the process never changed
+
+
+def test_the_logs_shard_count_does_not_run_ahead_of_the_weight_files_bytes() -> None:
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(3)
+    sim.say(EventKind.WEIGHTS_BEGIN)
+    sim.hold(4 * GB)
+    sim.tick(2, consume=GB)
+    # Three of four shards done by the log's count, but they were the three small ones.
+    sim.say(EventKind.WEIGHTS_PROGRESS, done=3, total=4)
+    sim.tick()
+    assert sim.state.progress_ratio == pytest.approx(2 * GB / sim.weights)  # not 3/4
+    assert sim.state.progress_source == "weight_files"
