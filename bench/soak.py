@@ -299,7 +299,7 @@ def main() -> int:
         if exporter is not None:
             exporter.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                exporter.commands.wait(timeout=30)
+                exporter.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -287,7 +287,7 @@ def test_a_running_fakeserve_is_discovered_its_log_read_and_its_load_measured(
     name = f"fakeserve-Tiny-Fake-{port}"
 
     def ready() -> dict[str, Any] | None:
-        found = [t for t in exporter.commands.status()["targets"] if t["target"] == name]
+        found = [t for t in exporter.status()["targets"] if t["target"] == name]
         return found[0] if found and found[0].get("phase") == "ready" else None
 
     target = wait_for(ready, timeout=30)
