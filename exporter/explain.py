@@ -101,10 +101,9 @@ def report(
     )
     good = record.outcome is Outcome.READY and not record.partial
     rate = _read_rate(record, base) if good else None
-    expected = base.expected_seconds
-    slower = (
-        good and expected is not None and record.duration_seconds > SLOWER_THAN_EXPECTED * expected
-    )
+    expected, reason = base.expected_seconds, None
+    if good and expected is not None and record.duration_seconds > SLOWER_THAN_EXPECTED * expected:
+        reason = _reason(record, phases, rate, expected)
     return api.LoadReport(
         expected_seconds=expected,
         phases=phases,
@@ -112,7 +111,7 @@ def report(
         storage_bytes=record.bytes_read,
         storage_reads=reads,
         read_rate=rate,
-        reason=_reason(record, phases, rate, expected) if slower and expected else None,
+        reason=reason,
     )
 
 
@@ -131,16 +130,13 @@ def _page_cache_bytes(record: LoadRecord) -> int | None:
 
 
 def _read_rate(record: LoadRecord, base: Baseline) -> api.ReadRate | None:
-    known = base.rates
-    if record.cache is Cache.COLD:
-        source, cold, best, other = "storage", True, base.best_storage, known.cache_bytes_per_second
+    """Storage's rate for a cold load, the page cache's for a warm one; a mixed load read from
+    both at rates its own time cannot tell apart."""
+    cold = record.cache is Cache.COLD
+    if cold:
+        source, best, other = "storage", base.best_storage, base.rates.cache_bytes_per_second
     elif record.cache is Cache.WARM:
-        source, cold, best, other = (
-            "page_cache",
-            False,
-            base.best_cache,
-            known.storage_bytes_per_second,
-        )
+        source, best, other = "page_cache", base.best_cache, base.rates.storage_bytes_per_second
     else:
         return None
     value = load_rate(record, cold=cold, other=other)
@@ -160,10 +156,9 @@ def _reason(
 ) -> str:
     """The phase that explains most of the excess, against its median; the weights with the
     rate they came at."""
+    timed = {p.phase: (p.seconds, p.median_seconds) for p in phases if p.median_seconds is not None}
     over = {
-        p.phase: p.seconds - p.median_seconds
-        for p in phases
-        if p.median_seconds is not None and p.seconds > p.median_seconds
+        phase: seconds - median for phase, (seconds, median) in timed.items() if seconds > median
     }
     coarse = [p for p in PHASES if p in over]
     if not coarse:  # the excess is in no phase history timed: the load as a whole
@@ -174,9 +169,8 @@ def _reason(
         step = max(steps, key=over.__getitem__)
         if over[step] >= over[top] / 2:
             top = step
-    part = next(p for p in phases if p.phase == top)
     cache = None if top in CACHE_INDEPENDENT else record.cache
-    text = _took(NAMES.get(top, top), top in PLURAL, cache, part.seconds, part.median_seconds)
+    text = _took(NAMES.get(top, top), top in PLURAL, cache, *timed[top])
     if top == Phase.LOADING_WEIGHTS and rate is not None:
         text += f": {READ_FROM[rate.source]} delivered {_rate(rate.bytes_per_second)}"
         if rate.best_before_bytes_per_second:
@@ -184,13 +178,11 @@ def _reason(
     return text
 
 
-def _took(
-    name: str, plural: bool, cache: Cache | None, seconds: float, median: float | None
-) -> str:
-    """ "weights took 3.1x their cold median", "compile took 2.4x its median"."""
+def _took(name: str, plural: bool, cache: Cache | None, seconds: float, median: float) -> str:
+    """Like "weights took 3.1x their cold median" or "compile took 2.4x its median"."""
     which = f"{cache} " if cache is not None and cache is not Cache.UNKNOWN else ""
     median_of = f"{'their' if plural else 'its'} {which}median"
-    if median is None or median <= 0:
+    if median <= 0:  # a phase the earlier loads skipped
         return f"{name} took {seconds:.1f}s, {median_of} 0.0s"
     return f"{name} took {seconds / median:.1f}x {median_of}"
 
