@@ -136,9 +136,9 @@ def forecast_shown(line: str, forecast: dict[str, Any] | None) -> bool:
     """Whether a card's forecast line says what a status's restart_forecast does."""
     if forecast is None:
         return False
-    cached = f"{math.floor(forecast['resident_share'] * 100)} % of the weights cached"
     if forecast["seconds"] is None:
-        return line == f"a restart now: no forecast, {cached}: {forecast['reason']}"
+        return line == f"a restart now: no forecast: {forecast['reason']}"
+    cached = f"{math.floor(forecast['resident_share'] * 100)} % of the weights cached"
     return re.fullmatch(rf"a restart now: ~\d\S*s, {cached}", line) is not None
 
 
