@@ -23,7 +23,7 @@ from helpers.support import sample_value, wait_for
 pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARDS, SHARD = 3, 16 << 20  # 48 MiB: about a second at the usual rate, three throttled
+SHARDS, SHARD = 4, 16 << 20  # 64 MiB: 1.4 s at the usual rate, 4.2 s throttled
 USUAL, THROTTLED = 48e6, 16e6  # bytes per second
 # Short start-up and initialization, so that the weights decide the load's length.
 PACE = ("--startup-seconds", "0.2", "--import-bytes", "0", "--init-seconds", "0.3")
