@@ -918,12 +918,10 @@ class Runtime:
 
 
 def _counters_before(seen: Iterable[_Marked], state: TargetState) -> Counters | None:
-    """The last counters read before a load's start; None when none was (a load first seen
-    mid-way read bytes before the oldest kept)."""
+    """The last counters read before a load's start; None when none was (the exporter started
+    after it, or the counters were read too seldom to hold one from before it)."""
     start = state.started_at
-    if start is None or state.seen_late:
-        return None
-    before = [marked for marked in seen if marked.at <= start]
+    before = [marked for marked in seen if start is not None and marked.at <= start]
     return before[-1].counters if before else None
 
 

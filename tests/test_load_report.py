@@ -25,8 +25,11 @@ pytestmark = pytest.mark.system
 ROOT = Path(__file__).resolve().parent.parent
 SHARDS, SHARD = 4, 16 << 20  # 64 MiB: 1.4 s at the usual rate, 4.2 s throttled
 USUAL, THROTTLED = 48e6, 16e6  # bytes per second
-# Short start-up and initialization, so that the weights decide the load's length.
-PACE = ("--startup-seconds", "0.2", "--import-bytes", "0", "--init-seconds", "0.3")
+# A start-up long enough for the residency pass a load's start asks for to land before the
+# weights are read (else the bytes read between that pass and the tree's read counter, on a busy
+# CPU an interval or more apart, may make a cold load read as mixed), and a short
+# initialization, so that the weights decide the load's length.
+PACE = ("--startup-seconds", "1", "--import-bytes", "0", "--init-seconds", "0.3")
 RUNBOOK = (
     "`model-load-exporter history --explain --target sim` shows each phase against its median and "
     "how fast the weights came against the best before: a slow or shared disk, a page cache that "
@@ -93,11 +96,16 @@ def test_the_throttled_load_is_explained_by_its_weights(history: list[dict[str, 
 
 def test_the_bytes_came_from_the_device_under_the_weights(history: list[dict[str, Any]]) -> None:
     total = SHARDS * SHARD
+    assert any(load["report"]["storage_reads"] for load in history), history
     for load in history:
         report = load["report"]
         assert report["page_cache_bytes"] < 0.1 * total  # evicted before each load
         assert report["storage_bytes"] >= 0.9 * total
-        # The evicted shards were read from the block device under them, during the load.
+        # The evicted shards were read from the block device under them, during the load
+        # (where the device's counter was read before its start: a busy CPU may delay the first
+        # look at the new process past the readings kept).
+        if report["storage_reads"] is None:
+            continue
         (device,) = report["storage_reads"]
         assert device["kind"] == "disk" and device["read_bytes"] >= 0.9 * total, report
 
@@ -121,7 +129,8 @@ def test_the_report_by_its_id_and_from_history_explain(
     assert head.startswith(f"load {slow['id']}: sim, started ")
     assert why == f"  slower than expected: {slow['report']['reason']}"
     assert any(re.fullmatch(r"  weights +\S+  median \S+, \d+\.\dx", line) for line in rest), rest
-    assert any(re.fullmatch(r"  disk \S+: \S+ MiB read meanwhile \(host-wide\)", x) for x in rest)
+    disk = [x for x in rest if re.fullmatch(r"  disk \S+: \S+ MiB read meanwhile \(host-wide\)", x)]
+    assert len(disk) == len(slow["report"]["storage_reads"] or ()), rest
     assert re.fullmatch(r"  rate +\S+ MB/s from storage, best before \S+ MB/s", rest[-1]), rest
     from_file = cli(*explain, "--history.path", str(host.exporter.history))
     assert from_file.stdout == shown.stdout
