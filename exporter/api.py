@@ -212,6 +212,47 @@ def _wrong(hint: Any, value: object, where: str) -> DocumentError:
 
 
 @dataclass(frozen=True)
+class PhaseTime(Document):
+    """A phase or fine step of a finished load against its median over the loads before it."""
+
+    phase: str  # starting, loading_weights, initializing, or a fine step (compile, ...)
+    seconds: float
+    median_seconds: float | None  # None: no earlier load to compare with
+
+
+@dataclass(frozen=True)
+class StorageRead(Document):
+    """What one device, network mount or ZFS pool under the weights read while a load ran."""
+
+    kind: str  # disk, nfs, lustre, cephfs, zfs
+    name: str  # the block device, the mount point, the pool
+    read_bytes: int  # its counter at the load's end less at its start (host-wide)
+
+
+@dataclass(frozen=True)
+class ReadRate(Document):
+    """The rate a load's weights came at, against the best the loads before it saw there."""
+
+    source: str  # storage (a cold load) or page_cache (a warm one)
+    bytes_per_second: float
+    best_before_bytes_per_second: float | None  # None: no earlier load read from there
+
+
+@dataclass(frozen=True)
+class LoadReport(Document):
+    """Where a finished load's time went and why, against the loads before it
+    (exporter/explain.py); each part None where it has no basis."""
+
+    expected_seconds: float | None  # median duration of the earlier loads of its temperature
+    phases: tuple[PhaseTime, ...]
+    page_cache_bytes: int | None  # of the weights, in the page cache as the load began
+    storage_bytes: int | None  # read from storage by the server's process tree
+    storage_reads: tuple[StorageRead, ...] | None  # None: the counters at its start are unknown
+    read_rate: ReadRate | None
+    reason: str | None  # why it was slower than expected; None unless it was
+
+
+@dataclass(frozen=True)
 class Load(Document):
     """One finished load, as history keeps it (`tracker.LoadRecord`)."""
 
@@ -227,10 +268,16 @@ class Load(Document):
     gpu_bytes_at_weights_end: int | None
     seen_late: bool
     fatal: str | None  # the server's own fatal message, when its log gave one
+    id: int | None = field(default=None, metadata=OPTIONAL)  # /api/v1/loads/ID; None: not kept
+    report: LoadReport | None = field(default=None, metadata=OPTIONAL)
 
     @property
     def duration_seconds(self) -> float:
         return self.ended_at - self.started_at
+
+    def with_duration(self) -> dict[str, Any]:
+        """Its JSON with `duration_seconds`, for scripts (derived, so not read back)."""
+        return {**self.to_json(), "duration_seconds": self.duration_seconds}
 
 
 @dataclass(frozen=True)
@@ -241,10 +288,7 @@ class Loads(Document):
     loads: tuple[Load, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "loads": [{**load.to_json(), "duration_seconds": load.duration_seconds}
-                      for load in self.loads]
-        }  # fmt: skip
+        return {"loads": [load.with_duration() for load in self.loads]}
 
 
 # --- /api/v1/status: the parts -----------------------------------------------------------------

@@ -49,6 +49,11 @@ def loads_document(records: Iterable[LoadRecord]) -> api.Loads:
     return api.Loads(tuple(map(_load, records)))
 
 
+def load_document(record: LoadRecord) -> dict[str, Any]:
+    """/api/v1/loads/ID: one load, as /api/v1/loads shows it."""
+    return _load(record).with_duration()
+
+
 def _source_reading(reading: Reading[Any], now: float) -> api.SourceReading:
     return api.SourceReading(
         up=reading.ok,

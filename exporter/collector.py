@@ -218,6 +218,12 @@ EXPECTED = _gauge(
     "expected_duration_seconds", "Median duration of recent successful loads.", "target", "cache"
 )
 LAST_DURATION = _gauge("last_duration_seconds", "Duration of the last finished load.", "target")
+LAST_SLOWER = _gauge(
+    "last_load_slower_info",
+    "1 when the last finished load was slower than expected; reason: its report's one line.",
+    "target",
+    "reason",
+)
 RESTART_FORECAST = _gauge(
     "restart_forecast_seconds",
     "How long a restart begun now would take to be ready (residency now, past rates and phases).",
@@ -239,7 +245,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
-    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, RESTART_FORECAST,
+    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LAST_SLOWER,
+    RESTART_FORECAST,
     LOAD_DURATION, PHASE_DURATION,
 )  # fmt: skip
 
@@ -438,6 +445,8 @@ def _history(out: Scrape, snap: Snapshot) -> None:
         out.add(EXPECTED, [name, cache], seconds)
     for name, seconds in sorted(snap.last_durations.items()):
         out.add(LAST_DURATION, [name], seconds)
+    for name, reason in sorted(snap.slower_reasons.items()):
+        out.add(LAST_SLOWER, [name, reason], 1)
     for view in snap.targets:
         if view.forecast is not None:
             out.add(RESTART_FORECAST, [view.name], view.forecast.seconds)

@@ -113,19 +113,25 @@ def _sample(record: LoadRecord) -> _Sample | None:
     return _Sample(weights - resident, resident, seconds)
 
 
+def load_rate(record: LoadRecord, *, cold: bool, other: float | None) -> float | None:
+    """The rate one load's weights came at from storage (`cold`) or the page cache: None unless
+    it read mostly from there, its time less the minority part at the `other` rate if known."""
+    sample = _sample(record)
+    return _sample_rate(sample, cold=cold, other=other) if sample is not None else None
+
+
+def _sample_rate(s: _Sample, *, cold: bool, other: float | None) -> float | None:
+    total = s.uncached + s.cached
+    main, minority = (s.uncached, s.cached) if cold else (s.cached, s.uncached)
+    measured_it = s.cached <= COLD_SHARE * total if cold else s.cached >= WARM_SHARE * total
+    seconds = s.seconds - (minority / other if other else 0.0)
+    return main / seconds if measured_it and main > 0 and seconds > 0 else None
+
+
 def _rate(samples: Sequence[_Sample], *, cold: bool, other: float | None) -> float | None:
     """Median rate of the part the loads mostly read (storage for cold ones, the cache for warm
-    ones), their time less the minority part at the `other` rate when it is known."""
-    rates = []
-    for s in samples:
-        total = s.uncached + s.cached
-        main, minority = (s.uncached, s.cached) if cold else (s.cached, s.uncached)
-        measured_it = s.cached <= COLD_SHARE * total if cold else s.cached >= WARM_SHARE * total
-        if not measured_it:
-            continue
-        seconds = s.seconds - (minority / other if other else 0.0)
-        if main > 0 and seconds > 0:
-            rates.append(main / seconds)
+    ones)."""
+    rates = [r for r in (_sample_rate(s, cold=cold, other=other) for s in samples) if r]
     return statistics.median(rates) if rates else None
 
 

@@ -7,6 +7,9 @@ A failed write (a full disk) is different: what is stored stays readable, the re
 memory (a bounded few) and `retry()` writes it once the disk has room again; `up` says whether
 finished loads are being kept.
 
+Each load keeps its report (exporter/explain.py) as the JSON of the /api/v1 document it is, so it
+reads back as it was written, and `id` is the row's, stable for /api/v1/loads/ID.
+
 Retention: discovered targets are whatever any local user starts, so the store keeps at most
 `max_rows` loads, none that ended more than `max_age` before the newest (config
 `history_retention`); each write prunes.
@@ -24,13 +27,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from exporter.api import LoadReport
 from exporter.config import HistoryRetention
 from exporter.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -60,15 +64,18 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     ("CREATE INDEX IF NOT EXISTS loads_by_end ON loads (ended_at)",),
     ("ALTER TABLE loads ADD COLUMN resident_bytes_at_start INTEGER",),
+    ("ALTER TABLE loads ADD COLUMN report TEXT",),
 )
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
-    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start"
+    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start, report"
 )
+_SELECT = f"id, {_COLUMNS}"
 _NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
 
 _T = TypeVar("_T")
 _Row = tuple[
+    int,
     str,
     float,
     float,
@@ -82,6 +89,7 @@ _Row = tuple[
     int,
     str | None,
     int | None,
+    str | None,
 ]
 
 
@@ -152,7 +160,7 @@ class HistoryStore:
             while self._pending:
                 try:
                     db.execute(
-                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         _row(self._pending[0]),
                     )
                 except sqlite3.Error as exc:
@@ -189,11 +197,17 @@ class HistoryStore:
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         """Finished loads, newest first."""
         where, args = ("WHERE target = ?", (target,)) if target is not None else ("", ())
-        sql = f"SELECT {_COLUMNS} FROM loads {where} {_NEWEST_FIRST} LIMIT ?"
+        sql = f"SELECT {_SELECT} FROM loads {where} {_NEWEST_FIRST} LIMIT ?"
         rows: list[_Row] = self._run(
             lambda db: db.execute(sql, (*args, max(0, limit))).fetchall(), []
         )
         return [_record(row) for row in rows]
+
+    def load(self, load_id: int) -> LoadRecord | None:
+        """One finished load by its id (/api/v1/loads/ID), None when none has it."""
+        sql = f"SELECT {_SELECT} FROM loads WHERE id = ?"
+        row: _Row | None = self._run(lambda db: db.execute(sql, (load_id,)).fetchone(), None)
+        return _record(row) if row is not None else None
 
     def expected_duration(self, target: str, cache: Cache | None) -> float | None:
         """Median duration of the recent successful, non-partial loads of this target and cache
@@ -247,7 +261,7 @@ class HistoryStore:
             where = "AND cache IS ?"
             args.append(None if cache == Cache.UNKNOWN else str(cache))
         sql = (
-            f"SELECT {_COLUMNS} FROM loads WHERE target = ? {where} AND outcome = 'ready' "
+            f"SELECT {_SELECT} FROM loads WHERE target = ? {where} AND outcome = 'ready' "
             f"AND partial = 0 {_NEWEST_FIRST} LIMIT {EXPECTATION_LOADS}"
         )
         rows: list[_Row] = self._run(lambda db: db.execute(sql, args).fetchall(), [])
@@ -325,12 +339,13 @@ def _row(record: LoadRecord) -> tuple[object, ...]:
         int(record.seen_late),
         record.fatal,
         record.resident_bytes_at_start,
+        json.dumps(record.report.to_json()) if record.report is not None else None,
     )
 
 
 def _record(row: _Row) -> LoadRecord:
-    (target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late, fatal,
-     resident) = row  # fmt: skip
+    (load_id, target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late,
+     fatal, resident, report) = row  # fmt: skip
     try:
         parsed = json.loads(phases)
     except ValueError:
@@ -354,4 +369,18 @@ def _record(row: _Row) -> LoadRecord:
         seen_late=bool(late),
         fatal=fatal,
         resident_bytes_at_start=resident,
+        id=load_id,
+        report=_report(report),
     )
+
+
+def _report(text: str | None) -> LoadReport | None:
+    """A stored report as the API document it was written from; one this version cannot read
+    (edited by hand, or of a newer exporter without a key this one needs) is left out."""
+    if text is None:
+        return None
+    try:
+        return LoadReport.from_json(json.loads(text))
+    except ValueError as exc:  # bad JSON, or a DocumentError
+        log.debug("load history: a report that does not read: %s", exc)
+        return None

@@ -25,7 +25,8 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
@@ -35,6 +36,7 @@ from exporter.asprocess import Actor, OnBehalf
 from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.exitwatch import ExitWatch
+from exporter.explain import Counters, baseline, report, storage_reads
 from exporter.forecast import NO_RATES, Forecast, Rates, forecast, rates
 from exporter.history import EXPECTATION_LOADS, HistoryStore
 from exporter.loadstats import Histograms
@@ -92,8 +94,19 @@ LOG_OPEN_TIMEOUT = 5.0  # seconds opening a discovered server's log may take (a 
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
+# Distinct readings of the storage's read counters kept per target: more than the 2 intervals
+# and 1 s after its process started within which a load is seen from its start.
+READS_KEPT = 16
 # Every temperature, unknown too: where residency cannot be measured all loads are unknown.
 EXPECTED_CACHES = tuple(Cache)
+
+
+@dataclass(frozen=True)
+class _Marked:
+    """Read counters, and when the oldest of the readings they come from was taken."""
+
+    counters: Counters
+    at: float
 
 
 @dataclass
@@ -124,6 +137,11 @@ class TargetRuntime:
     # The weight files' first open and last let-go the loops last acted on.
     files_news: tuple[float | None, float | None] = (None, None)
     residency_seen: float | None = None  # when the residency pass the loops acted on ran
+    # The read counters of the devices, mounts and pools under the weights (explain.Counters)
+    # the last ticks saw (a load is first seen a tick or two after its process started), and
+    # as the current (or last) load began: None when unknown.
+    reads_seen: deque[_Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
+    reads_at_start: Counters | None = None
 
     @property
     def settled(self) -> bool:
@@ -167,6 +185,7 @@ class Runtime:
         self._expected: dict[tuple[str, Cache], float] = {}
         self._rates: dict[str, Rates] = {}  # what each target's past loads measured
         self._last: dict[str, float] = {}
+        self._slower: dict[str, str] = {}  # the last load's reason, when it was slower
         self._ticked = threading.Event()
         self._last_tick: float | None = None
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
@@ -484,15 +503,20 @@ class Runtime:
             observation, gpu_memory = self._observe(runtime, now, disk)
             if runtime.residency is not None:
                 runtime.residency.note_device_reads(self._storage_reads(runtime, disk))
+            reads = self._read_counters(runtime.config.name)
+            seen = runtime.reads_seen
+            if reads is not None and (not seen or seen[-1].at != reads.at):
+                seen.append(reads)
             record = runtime.tracker.observe(observation)
             if record is not None:
-                self._finish(record)
+                runtime.tracker.reported(self._finish(runtime, record, reads))
             state = runtime.tracker.state(now)
             if state.in_progress and state.started_at != runtime.started_at:
                 # A new load: its cache temperature needs a residency pass now, not when the
                 # CPU budget next allows one.
                 runtime.started_at = state.started_at
                 runtime.pcie_at_start = {}
+                runtime.reads_at_start = _counters_before(runtime.reads_seen, state)
                 if runtime.residency is not None:
                     runtime.residency.request_full_pass()
                     self.sampler.sample_soon(PAGECACHE, runtime.config.name)
@@ -772,7 +796,25 @@ class Runtime:
         )
         return observation, gpu_memory
 
-    def _finish(self, record: LoadRecord) -> None:
+    def _read_counters(self, name: str) -> _Marked | None:
+        """The read counter of each device, network mount and ZFS pool under a target's weights,
+        with the time of the oldest reading they come from; None before any reading."""
+        counters: dict[tuple[str, str], int] = {}
+        times = []
+        for reading in (self.sampler.latest(DISK), self.sampler.latest(NETFS),
+                        self.sampler.latest(ZFS)):  # fmt: skip
+            if reading is not None and reading.good is not None:
+                counters.update(reading.good.counters_of(name))
+                times.append(reading.finished_at)
+        return _Marked(counters, min(times)) if times else None
+
+    def _finish(
+        self, runtime: TargetRuntime, record: LoadRecord, reads: _Marked | None
+    ) -> LoadRecord:
+        """File a finished load with its report, built against history before it."""
+        during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
+        base = baseline(self.history, record.target, record.cache)
+        record = replace(record, report=report(record, base, during))
         log.info(
             "target %s: load %s after %.1fs (cache=%s%s)%s",
             record.target,
@@ -782,6 +824,8 @@ class Runtime:
             ", partial" if record.partial else "",
             f": {record.fatal}" if record.fatal else "",
         )
+        if record.report is not None and record.report.reason is not None:
+            log.info("target %s: slower than expected: %s", record.target, record.report.reason)
         self.history.add(record)
         if not record.partial:
             cache = record.cache or Cache.UNKNOWN
@@ -791,6 +835,12 @@ class Runtime:
             for phase, seconds in record.phase_seconds.items():
                 self.phase_durations.observe((record.target, phase), seconds)
         self._refresh_expectations()
+        reason = record.report.reason if record.report is not None else None
+        with self._lock:  # this load's, whether or not history could keep it
+            self._slower.pop(record.target, None)
+            if reason is not None:
+                self._slower[record.target] = reason
+        return record
 
     def _forecast(self, runtime: TargetRuntime) -> Forecast:
         """A restart begun now, from the residency now and what past loads measured."""
@@ -804,9 +854,13 @@ class Runtime:
         """Read history once per finished load (or new target), not once per scrape."""
         expected: dict[tuple[str, Cache], float] = {}
         last: dict[str, float] = {}
-        self._rates = {name: rates(self.history.loads(name, EXPECTATION_LOADS))
-                       for name in list(self.targets)}  # fmt: skip
-        for name in list(self.targets):
+        slower: dict[str, str] = {}
+        recent = {name: self.history.loads(name, EXPECTATION_LOADS) for name in list(self.targets)}
+        self._rates = {name: rates(loads) for name, loads in recent.items()}
+        for name, loads in recent.items():
+            newest = loads[0].report if loads else None
+            if newest is not None and newest.reason is not None:
+                slower[name] = newest.reason
             for cache in EXPECTED_CACHES:
                 value = self.history.expected_duration(name, cache)
                 if value is not None:
@@ -815,7 +869,7 @@ class Runtime:
             if last_value is not None:
                 last[name] = last_value
         with self._lock:
-            self._expected, self._last = expected, last
+            self._expected, self._last, self._slower = expected, last, slower
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -848,6 +902,7 @@ class Runtime:
                 phase_durations=self.phase_durations.snapshot(),
                 expected_durations=dict(self._expected),
                 last_durations=dict(self._last),
+                slower_reasons=dict(self._slower),
                 history_enabled=self.history.enabled,
                 history_problem=self.history.problem or self.history.write_problem,
                 config_reload_successful=self.reload_successful,
@@ -857,6 +912,17 @@ class Runtime:
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
         return self.history.loads(target, limit)
+
+    def load(self, load_id: int) -> LoadRecord | None:
+        return self.history.load(load_id)
+
+
+def _counters_before(seen: Iterable[_Marked], state: TargetState) -> Counters | None:
+    """The last counters read before a load's start; None when none was (the exporter started
+    after it, or the counters were read too seldom to hold one from before it)."""
+    start = state.started_at
+    before = [marked for marked in seen if start is not None and marked.at <= start]
+    return before[-1].counters if before else None
 
 
 def _storage_cache(storage: StorageDescription | None) -> Cache | None:

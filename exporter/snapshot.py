@@ -83,6 +83,9 @@ class Snapshot:
     config_reload_successful: bool
     history_up: bool | None = None  # None: history_path "" (off by choice, not broken)
     discovery_refused: Mapping[str, int] | None = None  # by reason; None: discovery off
+    # Why each target's last finished load was slower than expected (its report's reason),
+    # for the targets whose last load was.
+    slower_reasons: Mapping[str, str] = field(default_factory=dict)
 
     def host_reading(self, key: SourceKey[T]) -> Reading[T] | None:
         return _get(self.host, key)

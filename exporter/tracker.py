@@ -93,6 +93,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
+from exporter.api import LoadReport
 from exporter.logmarkers import EventKind, LogEvent, StepTimeline
 from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Signal, Step
 
@@ -183,6 +184,8 @@ class LoadRecord:
     seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
     fatal: str | None = None  # the server's own fatal message, when its log gave one
     resident_bytes_at_start: int | None = None  # weights in the page cache as it began
+    id: int | None = None  # history's row id, once stored and read back
+    report: LoadReport | None = None  # where its time went and why (exporter/explain.py)
 
     @property
     def duration_seconds(self) -> float:
@@ -347,6 +350,12 @@ class Tracker:
         self._last_obs = obs
         self._recent.append(obs)
         return record
+
+    def reported(self, record: LoadRecord) -> None:
+        """The last finished load with its report (exporter/explain.py), for what shows it."""
+        last = self._last_record
+        if last is not None and replace(last, report=record.report) == record:
+            self._last_record = record
 
     def state(self, now: float) -> TargetState:
         """What /metrics and /api/v1/status show for this target at `now`."""
@@ -925,21 +934,13 @@ class Tracker:
         return left
 
     def _expected(self, load: _Load) -> Mapping[str, float]:
-        """History's phase medians for this load's cache, read once per load and cache value.
-
-        The phases after the weights do not depend on the page cache, so where loads of this
-        temperature have none, loads of any temperature give them.
-        """
+        """History's phase medians for this load's cache (`expected_phases`), read once per
+        load and cache value."""
         history = self.expectations
         if history is None:
             return {}
         if load.cache not in load.expected:
-            same = history.expected_phase_seconds(self.target, load.cache or Cache.UNKNOWN)
-            anywhere = history.expected_phase_seconds(self.target, None)
-            load.expected[load.cache] = {
-                **{p: anywhere[p] for p in CACHE_INDEPENDENT if p in anywhere},
-                **same,
-            }
+            load.expected[load.cache] = expected_phases(history, self.target, load.cache)
         return load.expected[load.cache]
 
     def _signals(self, load: _Load | None) -> dict[str, float | int | None]:
@@ -969,6 +970,15 @@ class Tracker:
             )
             out.update({f"progress_{k}": ev.ratio for k, ev in load.evidence.items()})
         return out
+
+
+def expected_phases(history: Expectations, target: str, cache: Cache | None) -> dict[str, float]:
+    """History's phase medians for a load of this cache temperature: those of loads of the same
+    temperature, and for the phases after the weights (which do not depend on the page cache)
+    those of any temperature where the same temperature has none."""
+    same = history.expected_phase_seconds(target, cache or Cache.UNKNOWN)
+    anywhere = history.expected_phase_seconds(target, None)
+    return {**{p: anywhere[p] for p in CACHE_INDEPENDENT if p in anywhere}, **same}
 
 
 def _capped(value: int, cap: int | None) -> int:

@@ -130,7 +130,7 @@ def test_an_answer_that_is_no_object_is_one_line() -> None:
 @pytest.mark.parametrize(
     "path",
     ["report", "targets.0.restart_forecast_v2", "targets.0.storage.mounts.0.quota",
-     "targets.1.last_record.report", "host_sources.disk.cost", "targets.0.log.encoding"],
+     "targets.1.last_record.report.cost", "host_sources.disk.cost", "targets.0.log.encoding"],
 )  # fmt: skip
 def test_keys_of_a_newer_exporter_are_no_error(golden: dict[str, Any], path: str) -> None:
     newer = edited(golden, path, {"anything": [1, "two"]})
@@ -160,3 +160,22 @@ def test_loads_say_their_duration_and_read_back() -> None:
     assert api.Loads.from_json(json.loads(json.dumps(written))) == loads
     with pytest.raises(api.DocumentError, match=r"^loads\[0\]: no 'outcome'$"):
         api.Loads.from_json(edited(written, "loads.0.outcome", ...))
+
+
+def test_a_load_with_its_id_and_report_reads_back_and_one_without_has_neither_key() -> None:
+    report = api.LoadReport(
+        expected_seconds=100.0,
+        phases=(api.PhaseTime("loading_weights", 300.0, 90.0),),
+        page_cache_bytes=0,
+        storage_bytes=24 * 10**9,
+        storage_reads=(api.StorageRead("disk", "nvme0n1", 25 * 10**9),),
+        read_rate=api.ReadRate("storage", 80e6, 240e6),
+        reason="weights took 3.3x their cold median: storage delivered 80 MB/s against 240 MB/s",
+    )
+    slow = load("kimi", 0.0, 320.0, id=7, report=report)
+    written = api.Loads((slow, load("kimi", 400.0, 500.0))).to_json()
+    assert written["loads"][0]["id"] == 7 and written["loads"][0]["report"]["reason"]
+    assert {"id", "report"}.isdisjoint(written["loads"][1])  # what an older exporter wrote
+    assert api.Loads.from_json(json.loads(json.dumps(written))).loads[0] == slow
+    with pytest.raises(api.DocumentError, match=r"^loads\[0\]\.report\.read_rate: no 'source'$"):
+        api.Loads.from_json(edited(written, "loads.0.report.read_rate.source", ...))

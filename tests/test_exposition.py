@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter import api
 from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
 from exporter.config import LogConfig, parse_config
@@ -293,6 +294,10 @@ def golden_snapshot() -> Snapshot:
         phase_durations=phases.snapshot(),
         expected_durations={("qwen", Cache.WARM): 50.0, ("qwen", Cache.COLD): 610.0},
         last_durations={"qwen": 50.0},
+        slower_reasons={
+            "qwen": "weights took 3.1x their warm median: the page cache delivered 1.3 GB/s "
+            "against 3.9 GB/s"
+        },
         history_enabled=True,
         history_problem=None,
         config_reload_successful=True,
@@ -484,9 +489,25 @@ def status_snapshot() -> Snapshot:
             signals={"weights_bytes": 384 * GIB, "consumed_bytes": 96 * GIB, "shards": None},
         ),
     )
+    # Its report: the weights from the page cache at a third of the best rate before.
+    report = api.LoadReport(
+        expected_seconds=16.0,
+        phases=(
+            api.PhaseTime(Phase.STARTING, 0.5, 0.5),
+            api.PhaseTime(Phase.LOADING_WEIGHTS, 12.5, 4.0),
+            api.PhaseTime(Phase.INITIALIZING, 37.0, None),
+        ),
+        page_cache_bytes=15 * GIB,
+        storage_bytes=0,
+        storage_reads=(api.StorageRead("disk", "vda", 0),),
+        read_rate=api.ReadRate("page_cache", 15 * GIB / 12.5, 3.9e9),
+        reason="weights took 3.1x their warm median: the page cache delivered 1.3 GB/s against "
+        "3.9 GB/s",
+    )
     last = LoadRecord(
         "qwen", NOW - 900, NOW - 850, Outcome.READY, Cache.WARM, False,
         {"starting": 0.5, "loading_weights": 12.5, "initializing": 37.0}, 15 * GIB, 0, 14 * GIB,
+        report=report,
     )  # fmt: skip
     assert ready.discovered is not None
     ready = dataclasses.replace(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter import api
 from exporter.config import HistoryRetention
 from exporter.history import SCHEMA_VERSION, HistoryStore
 from exporter.tracker import LoadRecord
@@ -64,10 +65,41 @@ def test_round_trip_newest_first(store: HistoryStore) -> None:
     for r in (first, second, other):
         store.add(r)
     assert store.enabled and store.problem is None
+    # Read back with the row's id: the one /api/v1/loads/ID finds them by.
+    first, second, other = (replace(r, id=i) for i, r in enumerate((first, second, other), 1))
     assert store.loads() == [second, other, first]
     assert store.loads("kimi") == [second, first]
     assert store.loads("kimi", limit=1) == [second]
     assert store.loads("nobody") == []
+    assert [store.load(i) for i in (1, 2, 3, 4)] == [first, second, other, None]
+
+
+def test_a_load_keeps_its_report_as_the_document_it_is(store: HistoryStore) -> None:
+    report = api.LoadReport(
+        expected_seconds=600.0,
+        phases=(
+            api.PhaseTime("loading_weights", 1500.0, 500.0),
+            api.PhaseTime("compile", 9.0, None),
+        ),
+        page_cache_bytes=0,
+        storage_bytes=548 * 10**9,
+        storage_reads=(api.StorageRead("disk", "nvme0n1", 549 * 10**9),),
+        read_rate=api.ReadRate("storage", 365e6, 1.1e9),
+        reason="weights took 3.0x their cold median: storage delivered 365 MB/s against 1.1 GB/s",
+    )
+    store.add(replace(record(1600.0), report=report))
+    store.add(record(1.0, at=T0 + 5000))  # a load without a report reads back without one
+    assert [r.report for r in store.loads()] == [None, report]
+
+
+def test_a_report_this_version_cannot_read_is_left_out_not_an_error(
+    store: HistoryStore, tmp_path: Path
+) -> None:
+    store.add(record(10.0))
+    with sqlite3.connect(tmp_path / "history.sqlite") as db:
+        db.execute("UPDATE loads SET report = '{\"phases\": 7}'")
+    [kept] = store.loads()
+    assert kept.report is None and kept.duration_seconds == 10.0 and store.enabled
 
 
 def test_survives_reopen_and_creates_the_directory(tmp_path: Path) -> None:
@@ -76,7 +108,7 @@ def test_survives_reopen_and_creates_the_directory(tmp_path: Path) -> None:
     store.add(record(300.0, gpu=100))
     store.close()
     reopened = HistoryStore(str(path))
-    assert reopened.loads() == [record(300.0, gpu=100)]
+    assert reopened.loads() == [replace(record(300.0, gpu=100), id=1)]
     assert reopened.last_duration("kimi") == 300.0
     assert reopened.expected_weights_gpu_bytes("kimi") == 100
     with sqlite3.connect(path) as db:
@@ -155,7 +187,8 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
     assert store.loads()[0].seen_late and store.enabled
     assert store.loads()[0].resident_bytes_at_start == 7
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert store.loads()[-1].report is None  # no report was made of it
 
 
 def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) -> None:

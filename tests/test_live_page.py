@@ -9,6 +9,7 @@ screenshot of a load in progress.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -110,7 +111,10 @@ class PageWatch:
                 stalled: c.classList.contains('stalled'),
                 progress: parseFloat(c.querySelector('.bar').getAttribute('aria-valuenow')),
                 text: c.innerText,
-                recent: [...c.querySelectorAll('.recent tr')].map(r => r.textContent),
+                recent: [...c.querySelectorAll('.recent tr:not(.reason)')].map(r => r.textContent),
+                reasons: [...c.querySelectorAll('.recent tr.reason')].map(r => r.textContent),
+                links: [...c.querySelectorAll('.recent a')].map(a => a.getAttribute('href')),
+                forecast: c.querySelector('.forecast').textContent,
               };
             }"""
         )
@@ -126,6 +130,29 @@ class PageWatch:
                 return state
             time.sleep(0.1)
         raise AssertionError(f"page never showed it; last states {self.seen[-5:]}")
+
+
+def forecast_shown(line: str, forecast: dict[str, Any] | None) -> bool:
+    """Whether a card's forecast line says what a status's restart_forecast does."""
+    if forecast is None:
+        return False
+    if forecast["seconds"] is None:
+        return line == f"a restart now: no forecast: {forecast['reason']}"
+    cached = f"{math.floor(forecast['resident_share'] * 100)} % of the weights cached"
+    return re.fullmatch(rf"a restart now: ~\d\S*s, {cached}", line) is not None
+
+
+def assert_forecast_shown(watch: PageWatch, running: RunningExporter) -> None:
+    """The card shows the status's restart forecast (the page refreshes every second and a
+    residency pass may land between two refreshes: asked until one refresh agrees)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        forecast = running.status()["targets"][0].get("restart_forecast")
+        line = watch.card()["forecast"]
+        if forecast_shown(line, forecast):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the card shows {line!r}, the status {forecast}")
 
 
 def rgb(css: str) -> tuple[int, ...]:
@@ -174,11 +201,13 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
     watch = PageWatch(page, running.url)
     page.goto(running.url + "/")
     watch.until(lambda s: s["phase"] == "down" and len(s["recent"]) == 2)
+    assert_forecast_shown(watch, running)
     watch.seen.clear()  # from here on: the load under test
 
-    # About 4 s of weights, so the page (refreshed every second) sees the bar move several times.
+    # About 4 s of weights, so the page (refreshed every second) sees the bar move several times,
+    # and a stall that makes the load slower than expected: its report says why.
     slow = ("--read-rate", "16MB/s", "--cached-read-rate", "16MB/s", "--init-seconds", "1.5")
-    sim = Simulator(tmp_path, weights, port, *slow, "--stall-at", "0.6", "--stall-for", "3s")
+    sim = Simulator(tmp_path, weights, port, *slow, "--stall-at", "0.6", "--stall-for", "6s")
     feed = GpuFeed(nvml, running, sim.proc.pid)
     try:
         loading = watch.until(lambda s: s["phase"] == "loading_weights" and s["progress"] >= 30)
@@ -193,9 +222,17 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
         assert "No progress for" in stalled["text"]
         ready = watch.until(lambda s: s["phase"] == "ready", timeout=30)
         assert rgb(ready["color"]) != RED and ready["progress"] == 100
-        recent = watch.until(lambda s: len(s["recent"]) == 3, timeout=15)["recent"]
+        shown = watch.until(lambda s: len(s["recent"]) == 3 and s["reasons"], timeout=15)
+        recent = shown["recent"]
         assert recent[0] == "startedtookoutcomecachephases"
         assert all("ready" in row and "cold" in row for row in recent[1:]), recent
+        # The newest load's reason under it, as its report gives it; each load links to it.
+        newest, first_load = requests.get(f"{running.url}/api/v1/loads", timeout=5).json()["loads"]
+        reason = newest["report"]["reason"]
+        assert re.match(r"weights took \d+\.\dx their cold median: storage delivered", reason)
+        assert shown["reasons"] == [f"slower than expected: {reason}"]
+        assert shown["links"] == [f"api/v1/loads/{x['id']}" for x in (newest, first_load)]
+        assert_forecast_shown(watch, running)
     finally:
         feed.close()
         sim.stop()

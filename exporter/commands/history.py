@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit", type=_limit, default=DEFAULT_LIMIT, metavar="N", help="newest N loads (20)"
     )
     parser.add_argument("--json", action="store_true", help="the loads as /api/v1/loads JSON")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="each load's report: its phases against their medians, where its bytes came from, "
+        "its read rate, and why it was slower than expected when it was",
+    )
 
 
 def from_exporter(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -95,8 +101,12 @@ def run(args: argparse.Namespace) -> int:
     if not loads:
         print("no finished loads yet")
         return Exit.OK
+    parsed = api.Loads.from_json({"loads": loads}).loads
+    if args.explain:
+        print("\n\n".join("\n".join(explained(load)) for load in parsed))
+        return Exit.OK
     rows = []
-    for load in api.Loads.from_json({"loads": loads}).loads:
+    for load in parsed:
         outcome = load.outcome + (" (partial)" if load.partial else "")
         rows.append(
             [
@@ -110,3 +120,43 @@ def run(args: argparse.Namespace) -> int:
         )
     terminal.show(terminal.table(COLUMNS, rows, phase_column=3))
     return Exit.OK
+
+
+def explained(load: api.Load) -> list[str]:
+    """A load and its report as plain lines: the load first, then its report, indented."""
+    name = f"load {load.id}: " if load.id is not None else ""
+    started = terminal.local_time(load.started_at)
+    lines = [f"{name}{load.target}, started {started}: {terminal.load_summary(load)}"]
+    report = load.report
+    if report is None:
+        return [*lines, "  no report (kept by an exporter that wrote none)"]
+    if report.reason is not None:
+        lines.append(f"  slower than expected: {report.reason}")
+    if report.expected_seconds is not None:
+        which = f"{load.cache} " if load.cache else ""
+        lines.append(f"  expected {terminal.duration(report.expected_seconds)} "
+                     f"(median of the earlier {which}loads)")  # fmt: skip
+    for part in report.phases:
+        phase = terminal.PHASE_ABBREVIATIONS.get(part.phase, part.phase)
+        median = part.median_seconds
+        against = "no median yet" if median is None else f"median {terminal.duration(median)}"
+        ratio = f", {part.seconds / median:.1f}x" if median else ""
+        lines.append(f"  {phase:<10} {terminal.duration(part.seconds):>7}  {against}{ratio}")
+    sources = [
+        f"{terminal.size(count)} from {where}"
+        for count, where in ((report.storage_bytes, "storage"),
+                             (report.page_cache_bytes, "the page cache"))
+        if count is not None
+    ]  # fmt: skip
+    if sources:
+        lines.append(f"  read       {', '.join(sources)}")
+    for device in report.storage_reads or ():
+        lines.append(f"  {device.kind} {device.name}: {terminal.size(device.read_bytes)} read "
+                     "meanwhile (host-wide)")  # fmt: skip
+    rate = report.read_rate
+    if rate is not None:
+        where = "storage" if rate.source == "storage" else "the page cache"
+        best = rate.best_before_bytes_per_second
+        before = f", best before {terminal.rate(best)}" if best else ", none before"
+        lines.append(f"  rate       {terminal.rate(rate.bytes_per_second)} from {where}{before}")
+    return lines

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from exporter import api
-from exporter.api_build import loads_document, status_document
+from exporter.api_build import load_document, loads_document, status_document
 from exporter.collector import ExporterCollector
 from exporter.http import livepage
 from exporter.http.server import Limits, Server, somaxconn
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,4}\Z")  # ASCII digits only: "²".isdigit() is True
+_LOAD_ID = re.compile(r"[0-9]{1,18}\Z")  # a history row id (SQLite's are 64-bit)
+LOAD_PREFIX = "/api/v1/loads/"
 
 
 class WebApp:
@@ -81,6 +83,8 @@ class WebApp:
                 return _reply(start_response, "403 Forbidden", b"Cross-origin request refused\n")
             return self._reload_page(start_response)
         handler = self._get.get(path)
+        if handler is None and path.startswith(LOAD_PREFIX):
+            handler = self._load
         if handler is None:
             return _reply(start_response, "404 Not Found", b"Not found\n")
         if method not in ("GET", "HEAD"):
@@ -121,6 +125,17 @@ class WebApp:
             return _reply(start_response, "400 Bad Request", message)
         records = self.runtime.loads(target, int(text))
         return _json(start_response, loads_document(records).to_json())
+
+    def _load(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        """One finished load with its report, by the `id` /api/v1/loads gives it."""
+        text = environ.get("PATH_INFO", "").removeprefix(LOAD_PREFIX)
+        if not _LOAD_ID.match(text):
+            return _reply(start_response, "404 Not Found", b"Not found\n")
+        record = self.runtime.load(int(text))
+        if record is None:
+            message = f"no load {int(text)} in history\n".encode()
+            return _reply(start_response, "404 Not Found", message)
+        return _json(start_response, load_document(record))
 
     def _reload_page(self, start_response: StartResponse) -> Iterable[bytes]:
         if self._reload is None:

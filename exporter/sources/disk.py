@@ -47,10 +47,14 @@ class DiskSample(Sample):
 
     def read_bytes_of(self, target: str) -> int | None:
         """Bytes read so far by the devices behind one target's weights; None without any."""
-        names = set(self.devices_by_target.get(target, ()))
-        if not names:
+        if not self.devices_by_target.get(target):
             return None
-        return sum(d.read_bytes_total for d in self.devices if d.device in names)
+        return sum(self.counters_of(target).values())
+
+    def counters_of(self, target: str) -> dict[tuple[str, str], int]:
+        """Each device behind one target's weights, as ("disk", device), and its bytes read."""
+        names = set(self.devices_by_target.get(target, ()))
+        return {("disk", d.device): d.read_bytes_total for d in self.devices if d.device in names}
 
 
 class DiskSource(CounterSource):

@@ -72,6 +72,12 @@ class NetFsSample(Sample):
         counted = [m.read_bytes_total for m in self.mounts if m.key in keys]
         return sum(counted) if keys and len(counted) == len(keys) else None
 
+    def counters_of(self, target: str) -> dict[tuple[str, str], int]:
+        """Each counted mount under one target's weights, as (kind, mount point), and its
+        bytes read."""
+        keys = set(self.mounts_by_target.get(target, ()))
+        return {(m.kind, m.mountpoint): m.read_bytes_total for m in self.mounts if m.key in keys}
+
 
 @dataclass(frozen=True)
 class NfsBytes:

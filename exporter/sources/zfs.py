@@ -58,8 +58,13 @@ class ZfsSample(Sample):
         """Bytes the pools under one target's weights read; None without any, or while one of
         them is not counted."""
         names = set(self.pools_by_target.get(target, ()))
-        counted = [p.read_bytes_total for p in self.pools if p.pool in names]
-        return sum(counted) if names and len(counted) == len(names) else None
+        counted = self.counters_of(target)
+        return sum(counted.values()) if names and len(counted) == len(names) else None
+
+    def counters_of(self, target: str) -> dict[tuple[str, str], int]:
+        """Each pool under one target's weights, as ("zfs", pool), and its bytes read."""
+        names = set(self.pools_by_target.get(target, ()))
+        return {("zfs", p.pool): p.read_bytes_total for p in self.pools if p.pool in names}
 
 
 def parse_kstat_named(text: str) -> dict[str, int]:

@@ -1,0 +1,164 @@
+"""A finished load's report against the loads before it (exporter/explain.py), with history a
+real SQLite file: phases against their medians, bytes by where they came from, the read rate
+against the best before, and the one-line reason only for a load slower than expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exporter import api
+from exporter.explain import NO_BASELINE, baseline, report, storage_reads
+from exporter.history import HistoryStore
+from exporter.tracker import LoadRecord
+from exporter.vocabulary import Cache, Outcome
+
+GB = 10**9
+WEIGHTS = 100 * GB
+T0 = 1_750_000_000.0
+
+
+def load(
+    at: float,
+    weights_seconds: float,
+    *,
+    cache: Cache = Cache.COLD,
+    starting: float = 20.0,
+    initializing: float = 100.0,
+    steps: dict[str, float] | None = None,
+    outcome: Outcome = Outcome.READY,
+    partial: bool = False,
+) -> LoadRecord:
+    phases = {"starting": starting, "loading_weights": weights_seconds}
+    phases |= {"initializing": initializing, **(steps or {})}
+    duration = starting + weights_seconds + initializing
+    return LoadRecord(
+        target="kimi",
+        started_at=at,
+        ended_at=at + duration,
+        outcome=outcome,
+        cache=cache,
+        partial=partial,
+        phase_seconds=phases,
+        weights_bytes=WEIGHTS,
+        bytes_read=WEIGHTS if cache is not Cache.WARM else 0,
+        gpu_bytes_at_weights_end=None,
+        resident_bytes_at_start=WEIGHTS if cache is Cache.WARM else 0,
+    )
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> HistoryStore:
+    store = HistoryStore(str(tmp_path / "history.sqlite"))
+    # Two cold loads: storage delivered 240 MB/s, then 200 MB/s.
+    store.add(load(T0, WEIGHTS / 240e6))
+    store.add(load(T0 + 3600, WEIGHTS / 200e6))
+    return store
+
+
+def explained(history: HistoryStore, record: LoadRecord) -> api.LoadReport:
+    """The report as the runtime builds it: against history before the load, which it then
+    joins."""
+    result = report(record, baseline(history, "kimi", record.cache), None)
+    history.add(record)
+    return result
+
+
+def test_weights_at_a_third_of_the_storage_rate_are_the_reason(history: HistoryStore) -> None:
+    slow = explained(history, load(T0 + 7200, WEIGHTS / 80e6))
+    assert slow.reason == (
+        "weights took 2.7x their cold median: storage delivered 80 MB/s against 240 MB/s"
+    )  # 1250 s against the median of 417 s and 500 s; the best rate before, not the median
+    weights = next(p for p in slow.phases if p.phase == "loading_weights")
+    assert (weights.seconds, weights.median_seconds) == (1250.0, (WEIGHTS / 240e6 + 500.0) / 2)
+    assert slow.read_rate == api.ReadRate("storage", pytest.approx(80e6), pytest.approx(240e6))
+    assert slow.expected_seconds == pytest.approx(120.0 + (WEIGHTS / 240e6 + 500.0) / 2)
+    assert (slow.page_cache_bytes, slow.storage_bytes) == (0, WEIGHTS)
+    assert [p.phase for p in slow.phases] == ["starting", "loading_weights", "initializing"]
+
+
+def test_a_fine_step_that_holds_most_of_the_excess_is_named(tmp_path: Path) -> None:
+    store = HistoryStore(str(tmp_path / "h.sqlite"))
+    steps = {"compile": 40.0, "cuda_graph": 30.0}
+    for i in range(2):
+        store.add(load(T0 + 3600 * i, WEIGHTS / 240e6, steps=steps))
+    slow = explained(
+        store,
+        load(T0 + 9000, 417.0, initializing=500.0, steps={"compile": 280.0, "cuda_graph": 30.0}),
+    )  # initializing 400 s over its median, compile 240 s of them
+    assert slow.reason == "compile took 7.0x its median"
+    assert [p.phase for p in slow.phases][-2:] == ["compile", "cuda_graph"]
+
+
+def test_the_phases_after_the_weights_are_compared_with_any_temperature(
+    history: HistoryStore,
+) -> None:
+    """Initializing does not read the weight files: the first warm load's is held to the cold
+    loads' median; its weights have nothing to be compared with."""
+    warm = explained(history, load(T0 + 7200, WEIGHTS / 4e9, cache=Cache.WARM))
+    medians = {p.phase: p.median_seconds for p in warm.phases}
+    assert medians == {"starting": None, "loading_weights": None, "initializing": 100.0}
+    assert warm.expected_seconds is None and warm.reason is None
+
+
+def test_a_load_as_fast_as_usual_has_its_medians_and_no_reason(history: HistoryStore) -> None:
+    usual = explained(history, load(T0 + 7200, WEIGHTS / 220e6))
+    assert usual.reason is None
+    assert all(p.median_seconds is not None for p in usual.phases)
+    assert usual.read_rate is not None and usual.read_rate.best_before_bytes_per_second == 240e6
+
+
+def test_the_first_load_has_nothing_to_be_compared_with(tmp_path: Path) -> None:
+    first = explained(HistoryStore(str(tmp_path / "h.sqlite")), load(T0, WEIGHTS / 80e6))
+    assert first.expected_seconds is None and first.reason is None
+    assert all(p.median_seconds is None for p in first.phases)
+    assert first.read_rate == api.ReadRate("storage", pytest.approx(80e6), None)
+
+
+def test_a_warm_load_is_measured_against_the_page_cache(history: HistoryStore) -> None:
+    history.add(load(T0 + 7200, WEIGHTS / 4e9, cache=Cache.WARM))
+    warm = explained(history, load(T0 + 9000, WEIGHTS / 1e9, cache=Cache.WARM))
+    assert warm.read_rate == api.ReadRate("page_cache", pytest.approx(1e9), pytest.approx(4e9))
+    assert warm.page_cache_bytes == WEIGHTS
+    assert warm.reason == (
+        "weights took 4.0x their warm median: the page cache delivered 1.0 GB/s against 4.0 GB/s"
+    )
+
+
+def test_failed_and_partial_loads_get_no_rate_and_no_reason(history: HistoryStore) -> None:
+    for record in (
+        load(T0 + 7200, WEIGHTS / 50e6, outcome=Outcome.FAILED),
+        load(T0 + 9000, WEIGHTS / 50e6, partial=True),
+    ):
+        slow = explained(history, record)
+        assert slow.reason is None and slow.read_rate is None
+        assert slow.expected_seconds is not None  # still compared, phase by phase
+
+
+def test_a_slow_load_whose_phases_history_never_timed_is_slow_as_a_whole(tmp_path: Path) -> None:
+    store = HistoryStore(str(tmp_path / "h.sqlite"))
+    for i in range(2):  # first seen mid-way: exact durations, no phases
+        store.add(LoadRecord("kimi", T0 + i, T0 + i + 600, Outcome.READY, Cache.COLD, False, {},
+                             WEIGHTS, None, None, seen_late=True))  # fmt: skip
+    slow = explained(store, load(T0 + 3600, 1000.0))
+    assert slow.reason == "the load took 1.9x its cold median"
+
+
+def test_where_residency_is_not_what_serves_reads_no_page_cache_bytes() -> None:
+    bypass = report(load(T0, 500.0, cache=Cache.BYPASS), NO_BASELINE, None)
+    assert bypass.page_cache_bytes is None and bypass.read_rate is None
+    assert bypass.storage_bytes == WEIGHTS
+
+
+def test_storage_reads_from_counters_at_the_start_and_the_end() -> None:
+    start = {("disk", "nvme0n1"): 10 * GB, ("nfs", "/mnt/models"): 5 * GB, ("zfs", "tank"): 9 * GB}
+    end = {("disk", "nvme0n1"): 110 * GB, ("nfs", "/mnt/models"): 5 * GB, ("zfs", "tank"): GB,
+           ("disk", "sdb"): 3 * GB}  # fmt: skip
+    assert storage_reads(start, end) == (
+        api.StorageRead("disk", "nvme0n1", 100 * GB),
+        api.StorageRead("nfs", "/mnt/models", 0),
+    )  # tank's counter went back, sdb had none at the start: neither is guessed
+    assert storage_reads(None, end) is None
+    reads = storage_reads(start, end)
+    assert report(load(T0, 500.0), NO_BASELINE, reads).storage_reads == reads
