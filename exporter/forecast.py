@@ -11,7 +11,9 @@ overnight waits for storage. Both are knowable before the restart:
 * weights = bytes not in the page cache now / storage rate + bytes in it / page-cache rate, each
   rate the median over the past loads that measured it: a load that had at most COLD_SHARE of
   its weights cached read at the storage's rate, one with at least WARM_SHARE at the cache's
-  (once the other rate is known, each load's own other part is taken out of its time first).
+  (once the other rate is known, each load's own other part is taken out of its time first). A
+  weights phase timed at 0 s (over between two looks: llama.cpp maps a cached GGUF in a tenth of
+  a second) read faster than can be told: its rate is infinite, its bytes cost nothing.
 
 Absent, with the reason, when a part lacks a basis: no good load in history, bytes to read from
 storage but no load that read from it, or bytes in the cache but no load that came from it (a
@@ -20,6 +22,7 @@ share under NEGLIGIBLE_SHARE of the weights needs no rate).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -107,7 +110,7 @@ class _Sample:
 def _sample(record: LoadRecord) -> _Sample | None:
     weights, resident = record.weights_bytes, record.resident_bytes_at_start
     seconds = record.phase_seconds.get(Phase.LOADING_WEIGHTS)
-    if not weights or resident is None or not seconds:
+    if not weights or resident is None or seconds is None:
         return None
     resident = min(resident, weights)
     return _Sample(weights - resident, resident, seconds)
@@ -121,10 +124,12 @@ def _rate(samples: Sequence[_Sample], *, cold: bool, other: float | None) -> flo
         total = s.uncached + s.cached
         main, minority = (s.uncached, s.cached) if cold else (s.cached, s.uncached)
         measured_it = s.cached <= COLD_SHARE * total if cold else s.cached >= WARM_SHARE * total
-        if not measured_it:
+        if not measured_it or main <= 0:
             continue
         seconds = s.seconds - (minority / other if other else 0.0)
-        if main > 0 and seconds > 0:
+        if s.seconds <= 0:
+            rates.append(math.inf)  # in before it could be timed
+        elif seconds > 0:
             rates.append(main / seconds)
     return statistics.median(rates) if rates else None
 

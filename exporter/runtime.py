@@ -121,8 +121,8 @@ class TargetRuntime:
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
     last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
-    # The weight files' first open and last let-go the loops last acted on.
-    files_news: tuple[float | None, float | None] = (None, None)
+    # The weight files' first open, last let-go and whether all were consumed, as last acted on.
+    files_news: tuple[float | None, float | None, bool] = (None, None, False)
     residency_seen: float | None = None  # when the residency pass the loops acted on ran
 
     @property
@@ -599,13 +599,16 @@ class Runtime:
             runtime.started_at = None
 
     def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
-        """A weight file first opened, or every one let go: the phase moves, so tick now, not up
-        to an interval later; and when they are let go, measure residency now, which says
+        """A weight file first opened, every one let go, or every byte consumed (an mmap loader
+        keeps its map): the phase moves, so tick now, not up to an interval later (a server
+        whose start-up ends just after its weights, llama.cpp's, is ready by then and would be
+        seen an interval late); and when they are let go, measure residency now, which says
         whether the files were read whole (those opened and closed between two looks too)."""
         files = reading.good
         if files is None:
             return
-        news = (files.first_open_at, files.idle_since)
+        consumed = 0 < files.total_bytes <= files.consumed_bytes
+        news = (files.first_open_at, files.idle_since, consumed)
         if news == runtime.files_news:
             return
         runtime.files_news = news
