@@ -187,7 +187,7 @@ def main() -> int:
                     share = cpu_share(exporter, metrics, args.seconds)
                 finally:
                     exporter.terminate()
-                    exporter.commands.wait(timeout=30)
+                    exporter.wait(timeout=30)
                 shares.setdefault(f"model-load-exporter, {count} target(s)", []).append(share)
                 if node:
                     node_port = free_port()
