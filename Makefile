@@ -43,8 +43,22 @@ $(VLLM)/.installed:
 	$(VLLM)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-test-servers: $(BIN)/model-load-exporter $(VLLM)/.installed
-	MLE_VLLM_PYTHON=$(abspath $(VLLM)/bin/python) $(BIN)/pytest -ra -n 0 tests/servers
+# llama.cpp as llama-cpp-python bundles it, built from source by pip (about 10 minutes on two
+# cores; CPU only, no -march=native so the build runs on any x86-64), with gguf and numpy for
+# tests/fixtures/logs/tiny_gguf.py, which writes its models.
+LLAMACPP := .servers/llamacpp
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
+$(LLAMACPP)/.installed:
+	$(PYTHON) -m venv $(LLAMACPP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP)/bin/pip install --quiet --no-binary llama-cpp-python \
+		'llama-cpp-python[server]==$(LLAMACPP_VERSION)' gguf numpy
+	touch $@
+
+test-servers: $(BIN)/model-load-exporter $(VLLM)/.installed $(LLAMACPP)/.installed
+	MLE_VLLM_PYTHON=$(abspath $(VLLM)/bin/python) \
+		MLE_LLAMACPP_PYTHON=$(abspath $(LLAMACPP)/bin/python) $(BIN)/pytest -ra -n 0 tests/servers
 
 # Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
 dashboards: $(BIN)/model-load-exporter

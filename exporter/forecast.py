@@ -11,7 +11,9 @@ overnight waits for storage. Both are knowable before the restart:
 * weights = bytes not in the page cache now / storage rate + bytes in it / page-cache rate, each
   rate the median over the past loads that measured it: a load that had at most COLD_SHARE of
   its weights cached read at the storage's rate, one with at least WARM_SHARE at the cache's
-  (once the other rate is known, each load's own other part is taken out of its time first).
+  (once the other rate is known, each load's own other part is taken out of its time first). A
+  weights phase timed at 0 s (over between two looks: llama.cpp maps a cached GGUF in a tenth of
+  a second) read faster than can be told: its rate is infinite, its bytes cost nothing.
 
 Absent, with the reason, when a part lacks a basis: no good load in history, bytes to read from
 storage but no load that read from it, or bytes in the cache but no load that came from it (a
@@ -20,6 +22,7 @@ share under NEGLIGIBLE_SHARE of the weights needs no rate).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -107,7 +110,7 @@ class _Sample:
 def _sample(record: LoadRecord) -> _Sample | None:
     weights, resident = record.weights_bytes, record.resident_bytes_at_start
     seconds = record.phase_seconds.get(Phase.LOADING_WEIGHTS)
-    if not weights or resident is None or not seconds:
+    if not weights or resident is None or seconds is None:
         return None
     resident = min(resident, weights)
     return _Sample(weights - resident, resident, seconds)
@@ -115,17 +118,23 @@ def _sample(record: LoadRecord) -> _Sample | None:
 
 def load_rate(record: LoadRecord, *, cold: bool, other: float | None) -> float | None:
     """The rate one load's weights came at from storage (`cold`) or the page cache: None unless
-    it read mostly from there, its time less the minority part at the `other` rate if known."""
+    it read mostly from there and was timed, its time less the minority part at the `other` rate
+    if known."""
     sample = _sample(record)
-    return _sample_rate(sample, cold=cold, other=other) if sample is not None else None
+    rate = _sample_rate(sample, cold=cold, other=other) if sample is not None else None
+    return rate if rate is not None and math.isfinite(rate) else None
 
 
 def _sample_rate(s: _Sample, *, cold: bool, other: float | None) -> float | None:
     total = s.uncached + s.cached
     main, minority = (s.uncached, s.cached) if cold else (s.cached, s.uncached)
     measured_it = s.cached <= COLD_SHARE * total if cold else s.cached >= WARM_SHARE * total
+    if not measured_it or main <= 0:
+        return None
+    if s.seconds <= 0:
+        return math.inf  # in before it could be timed: its bytes cost nothing
     seconds = s.seconds - (minority / other if other else 0.0)
-    return main / seconds if measured_it and main > 0 and seconds > 0 else None
+    return main / seconds if seconds > 0 else None
 
 
 def _rate(samples: Sequence[_Sample], *, cold: bool, other: float | None) -> float | None:

@@ -19,8 +19,9 @@ readings checks every rule without sleeping (tests/test_pacing.py).
   its exit watched through a pidfd), nothing but that exit, a failing probe or evicted weights
   can change a phase; the first two wake every loop at once, so what only feeds gauges (disk,
   memory, GPU memory, residency, the process tree) and the tracker tick run every
-  QUIET_INTERVAL. A source whose last sample failed keeps the sample interval, so that its
-  recovery shows at once.
+  QUIET_INTERVAL; host memory, whose page cache shrinking brings a residency pass (an eviction),
+  every EVICTION_LOOK_SECONDS. A source whose last sample failed keeps the sample interval, so
+  that its recovery shows at once.
 * The storage under a target's weights changes with a mount, not a load: every
   STORAGE_REFRESH_SECONDS, or every interval while a path could not be placed.
 """
@@ -39,6 +40,11 @@ QUIET_INTERVAL = 30.0
 # per sample interval (a look of a TP-8 tree costs under a millisecond).
 FILE_LOOKS_PER_INTERVAL = 4
 STORAGE_REFRESH_SECONDS = 30.0
+# While quiet, host memory is still read this often: its page cache shrinking is how an eviction
+# of a serving model's weights is noticed (exporter/sources/memory.py), and DESIGN wants that in
+# the eviction alert within 60 s, of which Prometheus's scrape and rule evaluation (15 s each in
+# the shipped config) take up to 30.
+EVICTION_LOOK_SECONDS = 15.0
 _LOADING_FILES = frozenset({Phase.STARTING, Phase.LOADING_WEIGHTS})
 
 
@@ -94,6 +100,11 @@ class Pacing:
 
     def host_source(self, failing: bool) -> float:
         return self.source(self.quiet, failing)
+
+    def memory(self, failing: bool) -> float:
+        """Host memory feeds gauges and tells of evictions: never more than
+        EVICTION_LOOK_SECONDS apart (two reads of /proc, some 100 µs)."""
+        return min(self.host_source(failing), EVICTION_LOOK_SECONDS)
 
     def weight_files(self, phase: Phase | None, settled: bool, failing: bool) -> float:
         if phase in _LOADING_FILES:

@@ -70,7 +70,7 @@ from exporter.sources.gpu import (
     process_gpu_memory,
 )
 from exporter.sources.logs import LogSource, new_events
-from exporter.sources.memory import MemorySource
+from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
 from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.pagecache import (
@@ -134,8 +134,8 @@ class TargetRuntime:
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
     last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
-    # The weight files' first open and last let-go the loops last acted on.
-    files_news: tuple[float | None, float | None] = (None, None)
+    # The weight files' first open, last let-go and whether all were consumed, as last acted on.
+    files_news: tuple[float | None, float | None, bool] = (None, None, False)
     residency_seen: float | None = None  # when the residency pass the loops acted on ran
     # The read counters of the devices, mounts and pools under the weights (explain.Counters)
     # the last ticks saw (a load is first seen a tick or two after its process started), and
@@ -200,8 +200,13 @@ class Runtime:
         self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK))
         self.sampler.add(NETFS, "", self.netfs.sample, every=self._pace_of(NETFS))
         self.sampler.add(ZFS, "", self.zfs.sample, every=self._pace_of(ZFS))
-        memory = MemorySource(proc_root).sample
-        self.sampler.add(MEMORY, "", memory, every=self._pace_of(MEMORY))
+        self.sampler.add(
+            MEMORY,
+            "",
+            MemorySource(proc_root).sample,
+            every=lambda: self.pacing.memory(self._failing(MEMORY, "")),
+            after=self._after_memory,
+        )
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
         self.sampler.add(NVML, "", self.nvml.sample, every=self.pacing.loop)
         self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self.pacing.loop)
@@ -510,6 +515,7 @@ class Runtime:
             record = runtime.tracker.observe(observation)
             if record is not None:
                 runtime.tracker.reported(self._finish(runtime, record, reads))
+                self._measure_now(runtime)  # what the next restart would find
             state = runtime.tracker.state(now)
             if state.in_progress and state.started_at != runtime.started_at:
                 # A new load: its cache temperature needs a residency pass now, not when the
@@ -517,9 +523,7 @@ class Runtime:
                 runtime.started_at = state.started_at
                 runtime.pcie_at_start = {}
                 runtime.reads_at_start = _counters_before(runtime.reads_seen, state)
-                if runtime.residency is not None:
-                    runtime.residency.request_full_pass()
-                    self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+                self._measure_now(runtime)
             gpus = self.sampler.latest(NVML)
             if state.in_progress and gpus is not None:  # each GPU's first counter in the load
                 runtime.pcie_at_start = mark_pcie(
@@ -619,29 +623,54 @@ class Runtime:
             runtime.started_at = None
 
     def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
-        """A weight file first opened, or every one let go: the phase moves, so tick now, not up
-        to an interval later; and when they are let go, measure residency now, which says
+        """A weight file first opened, every one let go, or every byte consumed (an mmap loader
+        keeps its map): the phase moves, so tick now, not up to an interval later (a server
+        whose start-up ends just after its weights, llama.cpp's, is ready by then and would be
+        seen an interval late); and when they are let go, measure residency now, which says
         whether the files were read whole (those opened and closed between two looks too)."""
         files = reading.good
         if files is None:
             return
-        news = (files.first_open_at, files.idle_since)
+        consumed = 0 < files.total_bytes <= files.consumed_bytes
+        news = (files.first_open_at, files.idle_since, consumed)
         if news == runtime.files_news:
             return
         runtime.files_news = news
-        if files.idle_since is not None and runtime.residency is not None:
-            runtime.residency.request_full_pass()
-            self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+        if files.idle_since is not None:
+            self._measure_now(runtime)
         self.sampler.run_soon(TRACKER_LOOP)
 
+    def _measure_now(self, runtime: TargetRuntime) -> None:
+        """A residency pass now, whatever the CPU budget says: a load began (its cache
+        temperature), its files were let go (read whole?) or it ended (the serving residency,
+        else stale until the serving refresh, minutes away)."""
+        if runtime.residency is not None:
+            runtime.residency.request_full_pass()
+            self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+
+    def _after_memory(self, reading: Reading[MemorySample]) -> None:
+        """Pages left the host's page cache: a target's weights may be among them, so measure
+        its residency now, not at its next refresh (minutes while it serves)."""
+        memory = reading.good
+        if memory is None:
+            return
+        with self._lock:
+            runtimes = list(self.targets.values())
+        for runtime in runtimes:
+            residency = runtime.residency
+            if residency is not None and residency.note_departures(
+                memory.page_cache_departed_bytes
+            ):
+                self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+
     def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
-        """A fresh pass during a load may say the weights are in: tick now (passes are rare)."""
+        """A fresh pass during a load may say the weights are in, and any moves the restart
+        forecast: tick now (passes are rare)."""
         sample = reading.good
         if sample is None or sample.measured_at == runtime.residency_seen:
             return
         runtime.residency_seen = sample.measured_at
-        if runtime.cadence.phase in IN_PROGRESS:
-            self.sampler.run_soon(TRACKER_LOOP)
+        self.sampler.run_soon(TRACKER_LOOP)
 
     def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
         """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:

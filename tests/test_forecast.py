@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from exporter.forecast import NO_RATES, forecast, rates
@@ -81,3 +83,16 @@ def test_a_load_whose_residency_at_its_start_is_unknown_gives_no_rate() -> None:
     known = rates([load(None, 400.0)])
     assert known.loads == 1 and known.storage_bytes_per_second is None
     assert forecast(known, WEIGHTS, 0).seconds is None
+
+
+def test_a_warm_load_whose_weights_were_in_before_they_could_be_timed_costs_them_nothing() -> None:
+    """llama.cpp maps a cached GGUF between two looks: its weights phase is timed at 0 s."""
+    instant = load(WEIGHTS, 0.0, starting=1.0, initializing=0.2, cache=Cache.WARM)
+    known = rates([instant, load(0, WEIGHTS / STORAGE, starting=1.0, initializing=0.2)])
+    assert known.cache_bytes_per_second == math.inf
+    assert known.storage_bytes_per_second == pytest.approx(STORAGE)
+    assert forecast(known, WEIGHTS, WEIGHTS).seconds == pytest.approx(1.2)
+    half = forecast(known, WEIGHTS, WEIGHTS // 2).seconds
+    assert half == pytest.approx(1.2 + WEIGHTS / 2 / STORAGE)
+    # Storage too: a small model on a fast disk may be in between two looks.
+    assert rates([load(0, 0.0)]).storage_bytes_per_second == math.inf

@@ -71,7 +71,7 @@ def test_wait_exits_0_within_a_second_of_ready(finished_load: dict[str, Any]) ->
 def test_wait_in_a_pipe_prints_one_stable_line_per_phase(finished_load: dict[str, Any]) -> None:
     lines = finished_load["stdout"].splitlines()
     assert finished_load["stderr"] == ""
-    *progress, last = lines
+    *progress, last, forecast = lines
     phases = [line.split()[1] for line in progress]
     assert all(line.startswith("sim: ") for line in progress), lines
     # One line per change (no heartbeat within 30 s), in load order.
@@ -81,12 +81,19 @@ def test_wait_in_a_pipe_prints_one_stable_line_per_phase(finished_load: dict[str
     weights = next(line for line in progress if line.startswith("sim: loading_weights "))
     assert re.fullmatch(r"sim: loading_weights \d+ % .*elapsed \d+\.\ds", weights), weights
     assert re.fullmatch(r"sim: ready after \d+\.\ds, cold cache; waited \d+\.\ds", last), last
+    # Then what a restart would cost now: one cold load in history, the weights cached now, so
+    # no basis yet for the rate the cache delivers.
+    assert re.fullmatch(
+        r"sim: a restart now: no forecast, \d+ % of the weights cached: "
+        r"\d+% of the weights from the page cache \(no warm load in history\)",
+        forecast,
+    ), forecast
 
 
 def test_status_shows_every_target_in_a_table(host: Host, finished_load: dict[str, Any]) -> None:
     result = cli("status", "--exporter", host.exporter.url)
     assert result.returncode == 0, result.stderr
-    table, storage = result.stdout.split("\n\n")
+    table, forecasts, storage = result.stdout.split("\n\n")
     header, row = table.splitlines()
     assert header.split() == [
         "TARGET", "PHASE", "PROGRESS", "ETA", "ELAPSED", "CACHE", "ENDPOINT", "RESIDENT",
@@ -97,7 +104,10 @@ def test_status_shows_every_target_in_a_table(host: Host, finished_load: dict[st
         r" +- +ready after \d+\.\ds, cold cache, \d+\.\ds ago$",
         row,
     ), row
-    # Under the table, what holds the weights (a local filesystem here) and what it allows.
+    # Under the table, what a restart would cost now, or why that is not known yet.
+    assert re.fullmatch(r"sim: a restart now: (~\S+|no forecast), \d+ % of the weights cached.*",
+                        forecasts), forecasts  # fmt: skip
+    # Then what holds the weights (a local filesystem here) and what it allows.
     lines = storage.splitlines()
     assert re.fullmatch(r"sim storage: \w+ on \w+.*", lines[0]), lines
     assert lines[1].startswith("  reads: yes: disk: "), lines
@@ -162,8 +172,9 @@ def test_wait_exits_1_as_soon_as_the_server_crashes(host: Host) -> None:
     stdout, _ = proc.communicate()
     assert proc.returncode == 1, stdout
     assert 0 <= exited_at - crashed_at < READINESS_SECONDS + 0.5
-    last = stdout.splitlines()[-1]
+    *_, last, forecast = stdout.splitlines()
     assert re.fullmatch(r"sim: failed after \d+\.\ds, cold cache; waited \S+", last), last
+    assert forecast.startswith("sim: a restart now: "), forecast
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from exporter.pacing import FILE_LOOKS_PER_INTERVAL, QUIET_INTERVAL, Pacing, ProbeCadence
+from exporter.pacing import (
+    EVICTION_LOOK_SECONDS,
+    FILE_LOOKS_PER_INTERVAL,
+    QUIET_INTERVAL,
+    Pacing,
+    ProbeCadence,
+)
 from exporter.vocabulary import Phase, ProbeResult
 
 INTERVAL = 1.0
@@ -50,6 +56,7 @@ class Replay:
             "residency": lambda: p.source(t.settled, t.failing),
             "weight_files": lambda: p.weight_files(self.cadence.phase, t.settled, False),
             "disk": lambda: p.host_source(False),
+            "memory": lambda: p.memory(False),
         }
         self.due = {name: 0.0 for name in self.loops}
 
@@ -115,11 +122,15 @@ def test_a_whole_load_then_a_quiet_spell_then_an_exit() -> None:
     quiet = replay.run(300)
     assert quiet["tracker"] == quiet["residency"] == quiet["disk"] == quiet["weight_files"] == 10
     assert quiet["probe"] == 30
+    # Host memory tells of evictions: looked at often enough for the 60-s eviction alert.
+    assert quiet["memory"] == 300 / EVICTION_LOOK_SECONDS
+    assert EVICTION_LOOK_SECONDS < QUIET_INTERVAL
     # The exit: a new process, starting; every loop asks again at once and runs fast again.
     replay.set(phase=Phase.STARTING, watched=False, answer=ProbeResult.REFUSED)
     assert not replay.pacing.quiet
     after = replay.run(2)
     assert after["tracker"] == after["disk"] == after["residency"] == after["probe"] == 2
+    assert after["memory"] == 2
     assert after["weight_files"] == 2 * FILE_LOOKS_PER_INTERVAL
     assert replay.runs["tracker"][-2] == pytest.approx(replay.now - 2)  # at once, not in 30 s
 

@@ -10,6 +10,7 @@ import errno
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -26,6 +27,7 @@ from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
 from exporter.sources.pagecache import (
+    DEPARTED_SHARE_FOR_PASS,
     MIN_READS_FOR_PASS,
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
@@ -399,6 +401,58 @@ def test_device_reads_ask_for_a_pass_only_past_the_threshold(tmp_path: Path) -> 
     src.note_device_reads(MIN_READS_FOR_PASS - 1)
     clocks.now += 1.0
     assert src.sample() is second
+
+
+def test_pages_leaving_the_host_cache_bring_a_pass_while_some_weights_are_cached(
+    tmp_path: Path,
+) -> None:
+    """A serving target's residency follows an eviction once the host's page cache lost a
+    share of the weights' size; not for a host's smaller churn, and not while nothing of the
+    weights is cached (nothing to lose)."""
+    shard = tmp_path / "a.safetensors"
+    with open(shard, "wb") as f:
+        f.truncate(256 * MiB)  # sparse: its holes read as zero pages, cached like data
+    threshold = math.ceil(256 * MiB * DEPARTED_SHARE_FOR_PASS)
+    assert threshold > MIN_READS_FOR_PASS  # the share decides here, not the floor
+    clocks = FakeClocks(cost=0.001)
+    src = ResidencySource(
+        weights(tmp_path), 0.01, clocks.clock, clocks.cpu_clock,
+        refresh_after=lambda: SERVING_REFRESH_SECONDS,
+    )  # fmt: skip
+    evict(str(shard))
+    assert src.sample().resident_bytes == 0
+    assert not src.note_departures(7 << 30)  # nothing cached: no pass, a new baseline
+    read_part(shard, 8 * MiB)
+    src.request_full_pass()
+    warm = src.sample()
+    assert warm.resident_bytes == 8 * MiB
+    evict(str(shard))
+    clocks.now += 60.0
+    assert not src.note_departures((7 << 30) + threshold - 1)
+    assert src.sample() is warm  # serving: no pass on a hunch
+    assert src.note_departures((7 << 30) + threshold)
+    clocks.now += 1.0
+    evicted = src.sample()
+    assert (evicted.measured_at, evicted.resident_bytes) == (clocks.now, 0)
+    assert not src.note_departures(8 << 30)  # all gone already: nothing more to lose
+
+
+def test_a_departure_pass_keeps_to_the_cpu_budget(tmp_path: Path) -> None:
+    f = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
+    read_part(f, 4 * MiB)
+    clocks = FakeClocks(cost=0.1)  # 0.1 s a pass at a 1 % budget: the next is due 10 s later
+    src = ResidencySource(
+        weights(tmp_path), 0.01, clocks.clock, clocks.cpu_clock,
+        refresh_after=lambda: SERVING_REFRESH_SECONDS,
+    )  # fmt: skip
+    first = src.sample()
+    src.note_departures(0)
+    evict(str(f))
+    assert src.note_departures(MIN_READS_FOR_PASS)
+    clocks.now += 5.0
+    assert src.sample() is first
+    clocks.now += 5.0
+    assert src.sample().resident_bytes == 0  # asked for, and now within budget
 
 
 def test_request_full_pass_overrides_the_budget(tmp_path: Path) -> None:

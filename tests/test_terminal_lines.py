@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 
 import pytest
 from helpers.documents import load
 
+from exporter import api
 from exporter.commands import terminal
 from exporter.commands.client import ShownTarget
-from exporter.commands.wait import PlainOutput
+from exporter.commands.wait import JsonOutput, PlainOutput
 
 
 @pytest.mark.parametrize(
@@ -61,3 +63,40 @@ def test_wait_in_a_pipe_repeats_an_unchanged_state_every_30_seconds() -> None:
         "sim: loading_weights 50 %", "sim: loading_weights 50 %", "sim: loading_weights 50 %",
         "sim: initializing 50 %",
     ]  # fmt: skip
+
+
+def test_a_restart_forecast_reads_as_one_phrase_or_says_why_there_is_none() -> None:
+    known = api.RestartForecast(250.4, 0.624, None)
+    assert terminal.forecast_text(known) == "a restart now: ~4m10s, 62 % of the weights cached"
+    unknown = api.RestartForecast(None, 1.0, "100% of the weights from the page cache (no warm "
+                                  "load in history)")  # fmt: skip
+    assert terminal.forecast_text(unknown) == (
+        "a restart now: no forecast, 100 % of the weights cached: 100% of the weights from the "
+        "page cache (no warm load in history)"
+    )
+    unmeasured = api.RestartForecast(
+        None, None, "the weights' page-cache residency is not measured"
+    )
+    assert terminal.forecast_text(unmeasured) == (
+        "a restart now: no forecast: the weights' page-cache residency is not measured"
+    )
+    view = ShownTarget("kimi", "ready", restart_forecast=known)
+    assert terminal.forecast_line(view) == "kimi: a restart now: ~4m10s, 62 % of the weights cached"
+    assert terminal.forecast_line(ShownTarget("kimi", "ready")) is None  # an older exporter
+
+
+def test_wait_ends_with_the_outcome_then_what_a_restart_would_cost_now() -> None:
+    last = load("kimi", 100.0, 190.5, cache="cold", phase_seconds={"starting": 1.0})
+    forecast = api.RestartForecast(30.0, 1.0, None)
+    ready = ShownTarget("kimi", "ready", last_load=last, restart_forecast=forecast)
+    out = io.StringIO()
+    PlainOutput(out).finish(ready, "ready", 0, 91.0)
+    assert out.getvalue().splitlines() == [
+        "kimi: ready after 1m30s, cold cache; waited 1m31s",
+        "kimi: a restart now: ~30s, 100 % of the weights cached",
+    ]
+    out = io.StringIO()
+    JsonOutput(out).finish(ready, "ready", 0, 91.0)
+    record = json.loads(out.getvalue())
+    assert record["restart_forecast"] == {"seconds": 30.0, "resident_share": 1.0, "reason": None}
+    assert record["load_seconds"] == 90.5

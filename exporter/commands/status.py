@@ -36,8 +36,10 @@ def run(args: argparse.Namespace) -> int:
         return Exit.OK
     rows = terminal.status_rows(views, status.time)
     terminal.show(terminal.table(terminal.STATUS_COLUMNS, rows, phase_column=1))
+    forecasts = [line for line in map(terminal.forecast_line, views) if line is not None]
     storage = [line for view in views for line in terminal.storage_lines(view)]
-    if storage:
-        print()
-        print("\n".join(storage))
+    for block in (forecasts, storage):
+        if block:
+            print()
+            print("\n".join(block))
     return Exit.OK

@@ -154,6 +154,22 @@ def line(view: ShownTarget) -> str:
     return text
 
 
+def forecast_text(forecast: api.RestartForecast) -> str:
+    """`a restart now: ~4m10s, 62 % of the weights cached`: what a restart would cost before
+    anyone begins one (exporter/forecast.py); without a forecast, why there is none."""
+    share = forecast.resident_share
+    cached = f", {percent(share)} of the weights cached" if share is not None else ""
+    if forecast.seconds is None:
+        return f"a restart now: no forecast{cached}: {forecast.reason or 'no reason given'}"
+    return f"a restart now: ~{duration(forecast.seconds)}{cached}"
+
+
+def forecast_line(view: ShownTarget) -> str | None:
+    """`sim: a restart now: ...`; None from an exporter that makes no forecasts."""
+    known = view.restart_forecast
+    return None if known is None else f"{view.target}: {forecast_text(known)}"
+
+
 def still_line(view: ShownTarget) -> str:
     """What `wait --max-wait` leaves: "still loading: sim loading_weights 64 %, ETA 2m10s"."""
     if not view.in_progress:
@@ -222,6 +238,8 @@ def wait_panel(view: ShownTarget, waited: float) -> RenderableType:
         grid.add_row(
             "stalled", Text(f"no progress for {duration(view.seconds_since_progress)}", "red")
         )
+    if view.restart_forecast is not None and not view.in_progress:
+        grid.add_row("restart", forecast_text(view.restart_forecast).removeprefix("a restart "))
     if view.detail:
         grid.add_row("detail", view.detail)
     grid.add_row("waited", duration(waited))

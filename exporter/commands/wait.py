@@ -216,7 +216,7 @@ class PlainOutput:
         elif result == "max_wait":
             print(terminal.still_line(view), file=self._out, flush=True)
         else:
-            print(final_line(view, waited), file=self._out, flush=True)
+            print("\n".join(final_lines(view, waited)), file=self._out, flush=True)
 
     def close(self) -> None:
         """Nothing to tear down."""
@@ -259,7 +259,12 @@ class JsonOutput:
     def finish(self, view: ShownTarget, result: str, code: int, waited: float) -> None:
         load = view.last_load if result in ("ready", "failed") else None
         seconds = load.duration_seconds if load is not None else None
-        self._emit(view, waited, result=result, exit_code=code, load_seconds=seconds)
+        known = view.restart_forecast
+        forecast = known.to_json() if known is not None and load is not None else None
+        self._emit(
+            view, waited, result=result, exit_code=code, load_seconds=seconds,
+            restart_forecast=forecast,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Nothing to tear down."""
@@ -284,15 +289,21 @@ class LiveOutput:
         elif result == "max_wait":
             self._console.print(terminal.still_line(view), highlight=False)
         else:
+            outcome, *forecast = final_lines(view, waited)
             style = "bold green" if result == "ready" else "bold red"
-            self._console.print(final_line(view, waited), style=style, highlight=False)
+            self._console.print(outcome, style=style, highlight=False)
+            for line in forecast:
+                self._console.print(line, highlight=False)
 
     def close(self) -> None:
         self._live.stop()
 
 
-def final_line(view: ShownTarget, waited: float) -> str:
-    return f"{terminal.line(view)}; waited {terminal.duration(waited)}"
+def final_lines(view: ShownTarget, waited: float) -> list[str]:
+    """The outcome, then what the next restart would cost now that this load is over."""
+    forecast = terminal.forecast_line(view)
+    outcome = f"{terminal.line(view)}; waited {terminal.duration(waited)}"
+    return [outcome] if forecast is None else [outcome, forecast]
 
 
 def timeout_line(view: ShownTarget, waited: float) -> str:

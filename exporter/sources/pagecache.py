@@ -49,6 +49,10 @@ QUIET_REFRESH_SECONDS = 30.0
 SERVING_REFRESH_SECONDS = 300.0
 MIN_READS_FOR_PASS = 1 << 20  # device bytes read before residency is worth measuring again
 READS_SHARE_FOR_PASS = 0.001  # ... or this share of the weights, whichever is more
+# Bytes that left the host's page cache before a serving target's residency is worth measuring
+# again: this share of its weights (at least MIN_READS_FOR_PASS). An eviction of a fiftieth of a
+# 500 GB model is seen; a host's ordinary churn buys a pass per 5 GB that leaves, within budget.
+DEPARTED_SHARE_FOR_PASS = 0.01
 MINCORE_WINDOW = 1 << 30
 ADVICE = (
     "run as the files' owner or root; cachestat needs Linux >= 6.5 and must be allowed by seccomp"
@@ -580,10 +584,11 @@ class ResidencySource:
         self._storage = storage
         self._lock = threading.Lock()
         self._forced = threading.Event()
-        self._reads = threading.Event()
+        self._news = threading.Event()  # reads or departures since the last pass
         self._tree: WeightTree | None = None
         self._last: ResidencySample | None = None
         self._reads_at_pass: int | None = None  # device read counter when a pass was last asked
+        self._departed_at_pass: int | None = None  # the host's departures then (memory source)
         self._warned: str | None = None  # the reason last logged: each new one once
 
     def request_full_pass(self) -> None:
@@ -600,7 +605,7 @@ class ResidencySource:
         (the tracker tick); the request it raises is thread-safe.
         """
         if read_bytes_total is None:
-            self._reads.set()
+            self._news.set()
             return
         base = self._reads_at_pass
         if base is None or read_bytes_total < base:
@@ -608,17 +613,37 @@ class ResidencySource:
         last = self._last
         weights = last.total_bytes if last is not None else 0
         if read_bytes_total - base >= max(MIN_READS_FOR_PASS, weights * READS_SHARE_FOR_PASS):
-            self._reads.set()
+            self._news.set()
             self._reads_at_pass = read_bytes_total
+
+    def note_departures(self, departed_bytes_total: int) -> bool:
+        """Ask for a pass once more has left the host's page cache than DEPARTED_SHARE_FOR_PASS
+        of the weights, while some of them were cached: theirs may be among the pages that left.
+
+        Without this a serving target's residency waits SERVING_REFRESH_SECONDS, and its
+        eviction alert and restart forecast with it. `departed_bytes_total` is the memory
+        source's count (exporter/sources/memory.py); True when a pass was asked, so the caller
+        samples this source now. Called from one thread (the memory source's).
+        """
+        base, last = self._departed_at_pass, self._last
+        if last is None or not last.resident_bytes or base is None or departed_bytes_total < base:
+            self._departed_at_pass = departed_bytes_total  # a baseline, or nothing cached to lose
+            return False
+        threshold = max(MIN_READS_FOR_PASS, last.total_bytes * DEPARTED_SHARE_FOR_PASS)
+        if departed_bytes_total - base < threshold:
+            return False
+        self._departed_at_pass = departed_bytes_total
+        self._news.set()
+        return True
 
     def sample(self) -> ResidencySample:
         """A fresh full pass when requested, or when due and worth it; else the last measurement.
 
         Due: the CPU budget allows it. Worth it: the weights' devices showed reads since the last
-        pass (pages can only arrive through reads), or the last pass is `refresh_after()` old
-        (QUIET_REFRESH_SECONDS, or SERVING_REFRESH_SECONDS while the server is ready: pages also
-        leave under memory pressure, without reads of ours). An idle host so pays one pass per
-        refresh instead of one per budget period.
+        pass (pages can only arrive through reads), the host's page cache lost a share of the
+        weights' size (pages leave that way), or the last pass is `refresh_after()` old
+        (QUIET_REFRESH_SECONDS, or SERVING_REFRESH_SECONDS while the server is ready). An idle
+        host so pays one pass per refresh instead of one per budget period.
         """
         with self._lock:
             last = self._last
@@ -630,10 +655,10 @@ class ResidencySource:
                 # Files added, removed or replaced change their directory: worth a pass too.
                 changed = self._tree is None or self._tree.changed()
                 quiet = now < last.measured_at + self._refresh_after()
-                if not self._reads.is_set() and not changed and quiet:
+                if not self._news.is_set() and not changed and quiet:
                     return last
             self._forced.clear()
-            self._reads.clear()
+            self._news.clear()
             self._last = self._full_pass()
             return self._last
 

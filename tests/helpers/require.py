@@ -58,6 +58,12 @@ def _vllm() -> bool:
     return find_python() is not None
 
 
+def _llamacpp() -> bool:
+    from servers.llamacpp_server import find_python
+
+    return find_python() is not None
+
+
 def _tool(name: str) -> tuple[Callable[[], bool], str]:
     return (lambda: shutil.which(name) is not None), f"needs {name} (util-linux)"
 
@@ -78,6 +84,11 @@ NEEDS: dict[str, tuple[Callable[[], bool], str]] = {
         _vllm,
         "needs vLLM on CPU: `make test-servers` installs it into .servers/vllm"
         " (MLE_VLLM_PYTHON names another venv's python)",
+    ),
+    "llamacpp": (
+        _llamacpp,
+        "needs llama-cpp-python built from source: `make test-servers` installs it into"
+        " .servers/llamacpp (MLE_LLAMACPP_PYTHON names another venv's python)",
     ),
 }
 

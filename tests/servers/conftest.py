@@ -1,6 +1,7 @@
-"""Fixtures for the tests against real model servers: vLLM on CPU serving the test checkpoint.
+"""Fixtures for the tests against real model servers: vLLM on CPU serving the test checkpoint,
+and llama.cpp (llama-cpp-python built from source) serving a GGUF.
 
-`make test` leaves this folder out (pyproject's addopts); `make test-servers` installs vLLM and
+`make test` leaves this folder out (pyproject's addopts); `make test-servers` installs both and
 runs it. A vLLM start costs about two minutes on this 2-core machine, so each test starts only
 the servers it checks, and every test here gets a timeout that fits two starts at their limit.
 """
@@ -14,7 +15,7 @@ import pytest
 from helpers.require import require_all
 from helpers.support import free_port
 
-from servers import checkpoint
+from servers import checkpoint, llamacpp_server
 from servers.vllm_server import CHECKPOINTS, START_TIMEOUT, VllmServer, find_python, set_cache
 
 HERE = Path(__file__).parent
@@ -66,3 +67,18 @@ def start_vllm(
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def llamacpp_python() -> str:
+    """The llama.cpp venv's python; a skip without one (a failure under MLE_STRICT=1)."""
+    require_all("llamacpp")
+    python = llamacpp_server.find_python()
+    assert python is not None
+    return python
+
+
+@pytest.fixture(scope="session")
+def gguf_model(llamacpp_python: str) -> Path:
+    """The random-weight GGUF, written once into `.servers/checkpoints` and reused."""
+    return llamacpp_server.ensure_model(llamacpp_python)
