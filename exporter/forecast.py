@@ -87,14 +87,14 @@ def forecast(known: Rates, weights_bytes: int | None, resident_bytes: int | None
         return Forecast(None, share, "no load in history whose phases were all timed")
     uncached, cached = weights_bytes - resident_bytes, resident_bytes
     weights = 0.0
-    for part, rate, where in (
-        (uncached, known.storage_bytes_per_second, "storage (no cold load in history)"),
-        (cached, known.cache_bytes_per_second, "the page cache (no warm load in history)"),
+    for part, rate, missing in (
+        (uncached, known.storage_bytes_per_second, "no cold load in history to time storage"),
+        (cached, known.cache_bytes_per_second, "no warm load in history to time the page cache"),
     ):
         if part <= NEGLIGIBLE_SHARE * weights_bytes:
             continue
         if not rate:
-            return Forecast(None, share, f"{part / weights_bytes:.0%} of the weights from {where}")
+            return Forecast(None, share, missing)
         weights += part / rate
     total = known.starting_seconds + weights + known.initializing_seconds
     return Forecast(total, share, None, weights)

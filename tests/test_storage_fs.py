@@ -507,7 +507,9 @@ def test_a_direct_io_loader_bypasses_the_page_cache(tmp_path: Path) -> None:
             finder.sample()
             seen.append(files.sample())
 
-        flags = ("--loader", "read", "--direct", "--pidfile", str(pidfile))
+        # Initializing for 0.5 s (the last value given wins): looks 0.2 s apart see the files
+        # read whole before the process exits and takes its file view with it.
+        flags = ("--loader", "read", "--direct", "--pidfile", str(pidfile), "--init-seconds", "0.5")
         loads = [run_load(tmp_path, weights, procs, *flags, during=look) for _ in range(2)]
         after, truth = residency(weights)
     for load in loads:  # both read everything from the device: the cache never warms

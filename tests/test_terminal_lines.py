@@ -68,11 +68,10 @@ def test_wait_in_a_pipe_repeats_an_unchanged_state_every_30_seconds() -> None:
 def test_a_restart_forecast_reads_as_one_phrase_or_says_why_there_is_none() -> None:
     known = api.RestartForecast(250.4, 0.624, None)
     assert terminal.forecast_text(known) == "a restart now: ~4m10s, 62 % of the weights cached"
-    unknown = api.RestartForecast(None, 1.0, "100% of the weights from the page cache (no warm "
-                                  "load in history)")  # fmt: skip
+    unknown = api.RestartForecast(None, 1.0, "no warm load in history to time the page cache")
     assert terminal.forecast_text(unknown) == (
-        "a restart now: no forecast, 100 % of the weights cached: 100% of the weights from the "
-        "page cache (no warm load in history)"
+        "a restart now: no forecast, 100 % of the weights cached: no warm load in history to "
+        "time the page cache"
     )
     unmeasured = api.RestartForecast(
         None, None, "the weights' page-cache residency is not measured"
