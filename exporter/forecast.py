@@ -6,8 +6,11 @@ overnight waits for storage. Both are knowable before the restart:
 
     restart = starting + weights + initializing
 
-* starting and initializing: medians over this target's recent good loads of any temperature
-  (imports, NCCL set-up, compile and graphs do not read the weight files);
+* starting and initializing: medians over this target's recent good loads of the temperature the
+  residency now makes the restart (cold, mixed or warm), else of any temperature, as the tracker's
+  ETA takes them: imports, NCCL set-up, compile and graphs read no weight files, but imports come
+  faster from a warm cache, and an mmap loader (llama.cpp) still faults weights in after its
+  weights phase, in the warm-up of initializing;
 * weights = bytes not in the page cache now / storage rate + bytes in it / page-cache rate, each
   rate the median over the past loads that measured it: a load that had at most COLD_SHARE of
   its weights cached read at the storage's rate, one with at least WARM_SHARE at the cache's
@@ -24,13 +27,19 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from exporter.tracker import COLD_SHARE, WARM_SHARE, LoadRecord
-from exporter.vocabulary import Outcome, Phase
+from exporter.tracker import COLD_SHARE, WARM_SHARE, LoadRecord, temperature
+from exporter.vocabulary import Cache, Outcome, Phase
 
 NEGLIGIBLE_SHARE = 0.01
+
+
+class _Phases(NamedTuple):
+    starting: float | None
+    initializing: float | None
 
 
 @dataclass(frozen=True)
@@ -40,9 +49,20 @@ class Rates:
 
     storage_bytes_per_second: float | None
     cache_bytes_per_second: float | None
-    starting_seconds: float | None
+    starting_seconds: float | None  # over loads of any temperature
     initializing_seconds: float | None
     loads: int  # the good loads they come from
+    # The same medians over the loads of one temperature, where it has any.
+    by_cache: Mapping[Cache, _Phases] = field(default_factory=dict)
+
+    def phases(self, cache: Cache) -> _Phases:
+        """Starting and initializing for a load of this temperature: its own loads' medians,
+        else those of any temperature."""
+        own = self.by_cache.get(cache, _Phases(None, None))
+        return _Phases(
+            own.starting if own.starting is not None else self.starting_seconds,
+            own.initializing if own.initializing is not None else self.initializing_seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -67,12 +87,18 @@ def rates(loads: Sequence[LoadRecord]) -> Rates:
         _rate(samples, cold=True, other=cache),
         _rate(samples, cold=False, other=storage),
     )
+    anywhere = _phases(good)
     return Rates(
         storage_bytes_per_second=storage,
         cache_bytes_per_second=cache,
-        starting_seconds=_median(r.phase_seconds.get(Phase.STARTING) for r in good),
-        initializing_seconds=_median(r.phase_seconds.get(Phase.INITIALIZING) for r in good),
+        starting_seconds=anywhere.starting,
+        initializing_seconds=anywhere.initializing,
         loads=len(good),
+        by_cache={
+            c: _phases([r for r in good if r.cache is c])
+            for c in {r.cache for r in good}
+            if c is not None
+        },
     )
 
 
@@ -83,7 +109,8 @@ def forecast(known: Rates, weights_bytes: int | None, resident_bytes: int | None
     share = min(1.0, resident_bytes / weights_bytes)
     if known.loads == 0:
         return Forecast(None, share, "no finished load of this target in history")
-    if known.starting_seconds is None or known.initializing_seconds is None:
+    starting, initializing = known.phases(temperature(share))
+    if starting is None or initializing is None:
         return Forecast(None, share, "no load in history whose phases were all timed")
     uncached, cached = weights_bytes - resident_bytes, resident_bytes
     weights = 0.0
@@ -96,7 +123,7 @@ def forecast(known: Rates, weights_bytes: int | None, resident_bytes: int | None
         if not rate:
             return Forecast(None, share, missing)
         weights += part / rate
-    total = known.starting_seconds + weights + known.initializing_seconds
+    total = starting + weights + initializing
     return Forecast(total, share, None, weights)
 
 
@@ -142,6 +169,13 @@ def _rate(samples: Sequence[_Sample], *, cold: bool, other: float | None) -> flo
     ones)."""
     rates = [r for r in (_sample_rate(s, cold=cold, other=other) for s in samples) if r]
     return statistics.median(rates) if rates else None
+
+
+def _phases(loads: Sequence[LoadRecord]) -> _Phases:
+    return _Phases(
+        _median(r.phase_seconds.get(Phase.STARTING) for r in loads),
+        _median(r.phase_seconds.get(Phase.INITIALIZING) for r in loads),
+    )
 
 
 def _median(values: Iterable[float | None]) -> float | None:

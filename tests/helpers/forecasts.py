@@ -37,16 +37,20 @@ def table(restarts: list[Restart]) -> str:
     return "\n".join(rows)
 
 
-def forecast_at(entry: Callable[[], dict[str, Any]], share: float) -> dict[str, Any]:
+def forecast_at(
+    entry: Callable[[], dict[str, Any]], share: float, *, made: bool = True
+) -> dict[str, Any]:
     """The target's restart_forecast (from `entry()`, its /api/v1/status entry) once it is made
-    from a residency of about `share`: a pass after the test changed the page cache."""
+    from a residency of about `share`: a pass after the test changed the page cache. Not `made`:
+    once that residency is measured, with or without a forecast (none before history has one)."""
 
     seen: list[dict[str, Any]] = []
 
     def current() -> bool:
         seen.append(entry().get("restart_forecast") or {})
         measured = seen[-1].get("resident_share")
-        return measured is not None and abs(measured - share) < 0.05 and bool(seen[-1]["seconds"])
+        ok = measured is not None and abs(measured - share) < 0.05
+        return ok and (bool(seen[-1]["seconds"]) or not made)
 
     try:
         wait_for(current, timeout=15, interval=0.1)
