@@ -2,13 +2,17 @@
 
     .venv/bin/python bench/exporter_cpu.py [--seconds 60] [--size 8GiB] [--targets 1,4]
                                            [--rounds 1] [--dir /var/tmp] [--small-pages]
+                                           [--baseline CHECKOUT]
 
 Writes the shards (cached, since they were just written), starts one `simulate` server per target
 on them (all targets share the one weights directory) and waits until they are ready, then runs
 the exporter (pidfile process matching, so the ready cadence applies: a probe every
 `ready_interval`, 10 s) for --seconds while a scraper fetches /metrics every 15 s as Prometheus
-would, once per target count. `prometheus-node-exporter` is measured the same way after each,
-interleaved, since absolute shares swing 3x on a shared machine: compare the ratios.
+would, once per target count. `prometheus-node-exporter` is measured the same way at the same
+time, over the same window, since absolute shares swing 3x on a shared machine: compare the
+ratios.
+With --baseline, another checkout of the exporter (a git worktree at an older commit) runs beside
+this one over the same window, so a change's cost shows as a ratio in one run.
 Target: one ready server at 1-s sampling costs under 0.3 % of a core and at most half of
 node_exporter.
 """
@@ -71,24 +75,30 @@ def reread_random(path: Path) -> None:
         os.close(fd)
 
 
-def cpu_share(proc: subprocess.Popen[bytes], metrics_url: str, seconds: float) -> float:
-    """CPU seconds per wall second of proc (and its children) while it is scraped every 15 s."""
+def cpu_shares(
+    measured: dict[str, tuple[subprocess.Popen[bytes], str]], seconds: float
+) -> dict[str, float]:
+    """CPU seconds per wall second of each process (name: process, metrics URL), all over the
+    same window while each is scraped every 15 s: a neighbour's load hits them alike."""
     stop = threading.Event()
 
-    def scrape() -> None:
+    def scrape(url: str) -> None:
         while not stop.is_set():
-            requests.get(metrics_url, timeout=10)
+            requests.get(url, timeout=10)
             stop.wait(SCRAPE_EVERY)
 
-    before = on_cpu_seconds(proc.pid)
+    before = {name: on_cpu_seconds(proc.pid) for name, (proc, _) in measured.items()}
     started = time.monotonic()
-    scraper = threading.Thread(target=scrape, daemon=True)
-    scraper.start()
+    scrapers = [
+        threading.Thread(target=scrape, args=(url,), daemon=True) for _, url in measured.values()
+    ]
+    for scraper in scrapers:
+        scraper.start()
     time.sleep(seconds)
-    used = on_cpu_seconds(proc.pid) - before
+    used = {name: on_cpu_seconds(proc.pid) - before[name] for name, (proc, _) in measured.items()}
     wall = time.monotonic() - started
     stop.set()
-    return used / wall
+    return {name: seconds_on_cpu / wall for name, seconds_on_cpu in used.items()}
 
 
 def on_cpu_seconds(pid: int) -> float:
@@ -101,9 +111,10 @@ def on_cpu_seconds(pid: int) -> float:
 
 
 def start_exporter(
-    work: Path, weights: Path, ports: list[int], pidfiles: list[Path], count: int
+    repo: Path, work: Path, weights: Path, ports: list[int], pidfiles: list[Path], count: int
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """The exporter watching the first `count` servers, one target each, 1-s sampling."""
+    """The exporter of checkout `repo` (`-m exporter` imports from the working directory)
+    watching the first `count` servers, one target each, 1-s sampling."""
     targets = [
         {
             "name": f"bench-{i}",
@@ -119,7 +130,7 @@ def start_exporter(
     exporter = subprocess.Popen(
         [sys.executable, "-m", "exporter", f"--config.file={config}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        cwd=REPO, stdout=subprocess.DEVNULL,
+        cwd=repo, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     metrics = f"http://127.0.0.1:{port}/metrics"
     wait_http(metrics)
@@ -148,12 +159,20 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=1, help="repeat, report medians")
     parser.add_argument(
+        "--baseline", type=Path, help="another checkout of the exporter to measure beside this one"
+    )
+    parser.add_argument(
         "--small-pages",
         action="store_true",
         help="re-read the shards in random mode so the cache holds 4 KiB pages, not large "
         "folios: the worst case for cachestat, and what a real server's mmap reads leave",
     )
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "exporter" / "__main__.py").is_file():
+        raise SystemExit(f"--baseline {args.baseline}: not a checkout of model-load-exporter")
+    checkouts = {"model-load-exporter": REPO}
+    if args.baseline is not None:
+        checkouts[f"baseline {args.baseline.name}"] = args.baseline.resolve()
     size = parse_size(args.size)
     counts = [int(n) for n in args.targets.split(",")]
     work = Path(tempfile.mkdtemp(prefix="mle-bench-cpu-", dir=args.dir))
@@ -180,30 +199,30 @@ def main() -> int:
         node = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
         shares: dict[str, list[float]] = {}
         for _ in range(args.rounds):
-            # Interleaved, so a neighbour's load on this shared machine hits both alike.
             for count in counts:
-                exporter, metrics = start_exporter(work, weights, ports, pidfiles, count)
-                try:
-                    share = cpu_share(exporter, metrics, args.seconds)
-                finally:
-                    exporter.terminate()
-                    exporter.wait(timeout=30)
-                shares.setdefault(f"model-load-exporter, {count} target(s)", []).append(share)
+                measured = {
+                    f"{name}, {count} target(s)": start_exporter(
+                        repo, work, weights, ports, pidfiles, count
+                    )
+                    for name, repo in checkouts.items()
+                }
                 if node:
                     node_port = free_port()
                     node_proc = subprocess.Popen(
                         [node, f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     )  # fmt: skip
-                    try:
-                        node_url = f"http://127.0.0.1:{node_port}/metrics"
+                    node_url = f"http://127.0.0.1:{node_port}/metrics"
+                    measured["node_exporter (defaults)"] = (node_proc, node_url)
+                try:
+                    if node:
                         wait_http(node_url)
-                        time.sleep(2)
-                        share = cpu_share(node_proc, node_url, args.seconds)
-                    finally:
-                        node_proc.terminate()
-                        node_proc.wait(timeout=30)
-                    shares.setdefault("node_exporter (defaults)", []).append(share)
+                    for name, share in cpu_shares(measured, args.seconds).items():
+                        shares.setdefault(name, []).append(share)
+                finally:
+                    for proc, _ in measured.values():
+                        proc.terminate()
+                        proc.wait(timeout=30)
         medians = {name: statistics.median(values) for name, values in shares.items()}
         node_share = medians.get("node_exporter (defaults)")
         print(
