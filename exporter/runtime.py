@@ -129,7 +129,6 @@ class TargetRuntime:
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
-    forecast: Forecast | None = None  # a restart begun now
     pcie_at_start: PcieMarks = field(default_factory=dict)  # each GPU's counter as the load began
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
@@ -532,9 +531,8 @@ class Runtime:
             if runtime.cadence.set_phase(state.phase):
                 moved = True
             self._note_hung(runtime, state)
-            outlook = self._forecast(runtime)
             with self._lock:
-                runtime.state, runtime.gpu_memory, runtime.forecast = state, gpu_memory, outlook
+                runtime.state, runtime.gpu_memory = state, gpu_memory
         if self.pacing.note((runtime.settled for runtime in runtimes), moved):
             self.sampler.wake_all()
         self._ticked.set()
@@ -664,13 +662,15 @@ class Runtime:
                 self.sampler.sample_soon(PAGECACHE, runtime.config.name)
 
     def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
-        """A fresh pass during a load may say the weights are in, and any moves the restart
-        forecast: tick now (passes are rare)."""
+        """A fresh pass during a load may say the weights are in: tick now (passes are rare).
+        A settled target's pass changes no phase, and the restart forecast is made from the
+        latest pass at each snapshot: no tick (evictions while serving bring passes often)."""
         sample = reading.good
         if sample is None or sample.measured_at == runtime.residency_seen:
             return
         runtime.residency_seen = sample.measured_at
-        self.sampler.run_soon(TRACKER_LOOP)
+        if not runtime.settled:
+            self.sampler.run_soon(TRACKER_LOOP)
 
     def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
         """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:
@@ -871,10 +871,12 @@ class Runtime:
                 self._slower[record.target] = reason
         return record
 
-    def _forecast(self, runtime: TargetRuntime) -> Forecast:
-        """A restart begun now, from the residency now and what past loads measured."""
-        residency = self.sampler.value(PAGECACHE, runtime.config.name)
-        known = self._rates.get(runtime.config.name, NO_RATES)
+    def _forecast(self, name: str, readings: dict[str, Reading[Any]]) -> Forecast:
+        """A restart begun now, from the residency the snapshot shows and what past loads
+        measured (called holding the lock, which guards the rates)."""
+        reading = readings.get(PAGECACHE.name)
+        residency = reading.good if reading is not None else None
+        known = self._rates.get(name, NO_RATES)
         if residency is None:
             return forecast(known, None, None)
         return forecast(known, residency.total_bytes, residency.resident_bytes)
@@ -885,7 +887,7 @@ class Runtime:
         last: dict[str, float] = {}
         slower: dict[str, str] = {}
         recent = {name: self.history.loads(name, EXPECTATION_LOADS) for name in list(self.targets)}
-        self._rates = {name: rates(loads) for name, loads in recent.items()}
+        known = {name: rates(loads) for name, loads in recent.items()}
         for name, loads in recent.items():
             newest = loads[0].report if loads else None
             if newest is not None and newest.reason is not None:
@@ -899,6 +901,7 @@ class Runtime:
                 last[name] = last_value
         with self._lock:
             self._expected, self._last, self._slower = expected, last, slower
+            self._rates = known
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -917,7 +920,7 @@ class Runtime:
                     dict(rt.gpu_memory),
                     rt.discovered,
                     pcie_at_start=rt.pcie_at_start,
-                    forecast=rt.forecast,
+                    forecast=self._forecast(name, by_target.get(name, {})),
                     log_finding=rt.log_finding,
                 )
                 for name, rt in self.targets.items()
