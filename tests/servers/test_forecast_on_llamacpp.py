@@ -8,15 +8,21 @@ before a warm, a cold and a half-evicted (mixed: the second half of the file dro
 must each be within 20 % of how long that restart then took: from the process's start to the
 first answer of /v1/models, polled by the test itself. The table lands in
 .servers/reports/forecast-on-llamacpp.json.
+
+The same server then explains a slow load: two cold loads at THROTTLE, a third with the disk read
+at a third of it; the third's report says its weights took about 3x their cold median and that
+storage delivered about a third of the rate before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+import requests
 from helpers.filesystems import scratch
 from helpers.forecasts import TOLERANCE, Restart, forecast_at, table
 from helpers.support import RunningExporter, free_port, wait_for
@@ -33,6 +39,9 @@ THROTTLE = 100_000_000  # bytes per second from the disk: about 11 s for a cold 
 # At 200 ms those steps alone moved a warm forecast by 20 %; at 100 ms by half that.
 SAMPLE_INTERVAL = "100ms"
 REPORT = SERVERS / "reports" / "forecast-on-llamacpp.json"
+SLOW_REASON = re.compile(
+    r"weights took (\d+\.\d)x their cold median: storage delivered (\S+) MB/s against (\S+) MB/s"
+)
 
 
 def evict_second_half(path: Path) -> None:
@@ -45,60 +54,70 @@ def evict_second_half(path: Path) -> None:
         os.close(fd)
 
 
+class Llama:
+    """A real llama.cpp server watched by an exporter with history (through a pidfile), loaded
+    to ready and stopped, one load at a time."""
+
+    def __init__(self, start_exporter: Any, python: str, model: Path, tmp_path: Path) -> None:
+        self.python, self.model, self.tmp = python, model, tmp_path
+        self.port, self.pidfile = free_port(), tmp_path / "server.pid"
+        self.exporter: RunningExporter = start_exporter(
+            {
+                "sample_interval": SAMPLE_INTERVAL,
+                "history_path": str(tmp_path / "history.sqlite"),
+                "targets": [
+                    {
+                        "name": "llama",
+                        "endpoint": {"url": f"http://127.0.0.1:{self.port}", "probe": "models"},
+                        "weights": {"paths": [str(model)]},
+                        "process": {"pidfile": str(self.pidfile)},
+                    }
+                ],
+            }
+        )
+        self.loads: list[dict[str, Any]] = []  # each load's label, truth and phases, in order
+
+    def entry(self) -> dict[str, Any]:
+        return dict(self.exporter.status()["targets"][0])
+
+    def load(self, procs: Path) -> tuple[str, float]:
+        """One load to ready in the blkio cgroup of `procs`, then stopped: the exporter's cache
+        label and how long it took, from the process's start to the first /v1/models answer."""
+        server = LlamaCppServer(
+            self.python, self.model, self.port, self.tmp / "llama.log", self.pidfile, procs
+        )
+        try:
+            ready_at = server.wait_ready()
+            started = process_start_time(server.proc.pid)
+            assert started is not None
+            wait_for(lambda: self.entry().get("phase") == "ready", timeout=10)
+        finally:
+            assert server.stop() in (0, -15), server.tail()
+        wait_for(lambda: self.entry().get("phase") in ("down", "failed"), timeout=10)
+        last = self.exporter.runtime.loads("llama", 1)[0]
+        phases = {str(p): round(t, 3) for p, t in last.phase_seconds.items()}
+        self.loads.append({"cache": str(last.cache), "truth": ready_at - started, "phases": phases})
+        return str(last.cache), ready_at - started
+
+    def cold_load(self, procs: Path) -> tuple[str, float]:
+        """A load with the GGUF evicted, begun once the exporter has measured that."""
+        evict(str(self.model))
+        forecast_at(self.entry, 0.0, made=False)
+        return self.load(procs)
+
+
 def test_forecasts_before_warm_cold_and_mixed_llamacpp_restarts_are_within_20_percent(
     llamacpp_python: str, gguf_model: Path, tmp_path: Path, start_exporter: Any
 ) -> None:
-    port, pidfile = free_port(), tmp_path / "server.pid"
-    running: RunningExporter = start_exporter(
-        {
-            "sample_interval": SAMPLE_INTERVAL,
-            "history_path": str(tmp_path / "history.sqlite"),
-            "targets": [
-                {
-                    "name": "llama",
-                    "endpoint": {"url": f"http://127.0.0.1:{port}", "probe": "models"},
-                    "weights": {"paths": [str(gguf_model)]},
-                    "process": {"pidfile": str(pidfile)},
-                }
-            ],
-        }
-    )
-
-    def entry() -> dict[str, Any]:
-        return dict(running.status()["targets"][0])
-
+    llama = Llama(start_exporter, llamacpp_python, gguf_model, tmp_path)
     with scratch(tmp_path / "scratch") as s:
         procs = s.throttle(lsblk_whole_disk(gguf_model), THROTTLE)
-
-        def load() -> tuple[str, float]:
-            """One load to ready, then stopped: the exporter's cache label and its duration (its
-            phases as the exporter timed them go to the report)."""
-            server = LlamaCppServer(
-                llamacpp_python, gguf_model, port, tmp_path / "llama.log", pidfile, procs
-            )
-            try:
-                ready_at = server.wait_ready()
-                started = process_start_time(server.proc.pid)
-                assert started is not None
-                wait_for(lambda: entry().get("phase") == "ready", timeout=10)
-            finally:
-                assert server.stop() in (0, -15), server.tail()
-            wait_for(lambda: entry().get("phase") in ("down", "failed"), timeout=10)
-            last = running.runtime.loads("llama", 1)[0]
-            phases = {str(p): round(t, 3) for p, t in last.phase_seconds.items()}
-            loads.append({"cache": str(last.cache), "truth": ready_at - started, "phases": phases})
-            return str(last.cache), ready_at - started
-
-        loads: list[dict[str, Any]] = []
-
         # The loads for history begin as the restarts do, once the exporter has measured the page
         # cache the test prepared: not while it still files the load before (a warm start is
         # under a second of Python, and two cores shared with that work slowed it by 25 %).
-        evict(str(gguf_model))
-        forecast_at(entry, 0.0, made=False)
-        assert load()[0] == "cold"
-        forecast_at(entry, 1.0, made=False)
-        assert load()[0] == "warm"
+        assert llama.cold_load(procs)[0] == "cold"
+        forecast_at(llama.entry, 1.0, made=False)
+        assert llama.load(procs)[0] == "warm"
         restarts = []
         for cache, share, prepare in (
             ("warm", 1.0, lambda: prewarm(str(gguf_model))),
@@ -106,16 +125,42 @@ def test_forecasts_before_warm_cold_and_mixed_llamacpp_restarts_are_within_20_pe
             ("mixed", 0.5, lambda: evict_second_half(gguf_model)),
         ):
             prepare()
-            known = forecast_at(entry, share)
-            label, seconds = load()
+            known = forecast_at(llama.entry, share)
+            label, seconds = llama.load(procs)
             assert label == cache, (label, cache)
             restarts.append(Restart(cache, known["seconds"], known["resident_share"], seconds))
     print("\n" + table(restarts))
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    document = {
-        "throttle_bytes_per_second": THROTTLE,
-        "table": table(restarts).splitlines(),
-        "loads": loads,  # the two in history first, then the three restarts
-    }
-    REPORT.write_text(json.dumps(document, indent=2) + "\n")
+    write_report(
+        forecast=table(restarts).splitlines(),
+        forecast_loads=llama.loads,  # the two in history first, then the three restarts
+    )
     assert all(abs(r.error) <= TOLERANCE for r in restarts), table(restarts)
+
+
+def test_a_load_from_storage_throttled_to_a_third_is_explained_by_its_report(
+    llamacpp_python: str, gguf_model: Path, tmp_path: Path, start_exporter: Any
+) -> None:
+    llama = Llama(start_exporter, llamacpp_python, gguf_model, tmp_path)
+    with scratch(tmp_path / "scratch") as s:
+        disk = lsblk_whole_disk(gguf_model)
+        usual, third = s.throttle(disk, THROTTLE), s.throttle(disk, THROTTLE // 3)
+        for procs in (usual, usual, third):
+            assert llama.cold_load(procs)[0] == "cold"
+    url = f"{llama.exporter.url}/api/v1/loads"
+    slow, *earlier = requests.get(url, timeout=5).json()["loads"]
+    report = slow["report"]
+    write_report(slow_load={"reason": report["reason"], "loads": llama.loads})
+    assert all(x["report"]["reason"] is None for x in earlier), earlier
+    match = SLOW_REASON.fullmatch(report["reason"] or "")
+    assert match, report
+    assert 2.4 <= float(match[1]) <= 3.6, report["reason"]  # the weights, read at a third
+    rate, best = float(match[2]), float(match[3])
+    assert 0.25 < rate / best < 0.45 and 0.6 * THROTTLE / 1e6 < best < 1.1 * THROTTLE / 1e6, report
+
+
+def write_report(**parts: Any) -> None:
+    """Merge `parts` into the report file the closing note quotes."""
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    document = json.loads(REPORT.read_text()) if REPORT.exists() else {}
+    document.update(parts, throttle_bytes_per_second=THROTTLE)
+    REPORT.write_text(json.dumps(document, indent=2) + "\n")
