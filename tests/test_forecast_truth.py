@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from helpers.forecasts import TOLERANCE, Restart, forecast_at, table
 from helpers.processes import Simulator, evict_dir
-from helpers.support import RunningExporter, free_port, wait_for
+from helpers.support import RunningExporter, free_port, sim_target, wait_for
 
 from exporter.cachectl import evict, prewarm
 from exporter.sim.shards import generate_shards
@@ -44,14 +44,7 @@ def watched(
     running: RunningExporter = start_exporter(
         {
             "history_path": str(tmp_path / "history.sqlite"),
-            "targets": [
-                {
-                    "name": "sim",
-                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
-                    "weights": {"paths": [str(weights)]},
-                    "process": {"pidfile": str(tmp_path / "server.pid")},
-                }
-            ],
+            "targets": [sim_target(port, weights, tmp_path / "server.pid")],
         }
     )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helpers.processes import Simulator, evict_dir
-from helpers.support import RunningExporter, free_port, wait_for
+from helpers.support import RunningExporter, free_port, sim_target, wait_for
 from test_dashboard_prometheus import SIM, AlertStates, Prometheus
 
 from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
@@ -44,14 +44,7 @@ def test_an_eviction_while_serving_reaches_the_alert_within_a_minute(
         {
             "sample_interval": "200ms",
             "history_path": str(tmp_path / "history.sqlite"),  # the load: a basis to forecast
-            "targets": [
-                {
-                    "name": "sim",
-                    "endpoint": {"url": f"http://127.0.0.1:{port}", "timeout": "1s"},
-                    "weights": {"paths": [str(weights)]},
-                    "process": {"pidfile": str(tmp_path / "server.pid")},
-                }
-            ],
+            "targets": [sim_target(port, weights, tmp_path / "server.pid")],
         },
         quiet_interval=QUIET_INTERVAL,
     )
