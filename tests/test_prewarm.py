@@ -89,11 +89,13 @@ def test_evict_drops_the_files_from_the_page_cache(model: Path) -> None:
     result = cli("prewarm", "--evict", str(model))
     assert result.returncode == 0, result.stderr
     assert [fincore(p) for p in shards(model)] == [0, 0, 0]
-    assert re.fullmatch(
+    # What was resident as the command began: DAMON may have taken a page or two since the check.
+    said = re.fullmatch(
         r"evicted 3 files, 24\.0 MiB in \S+; "
-        r"resident before 24\.0 MiB \(100 %\), now 0 B \(0 %\)\n",
+        r"resident before (\S+) MiB \((\d+) %\), now 0 B \(0 %\)\n",
         result.stdout,
-    ), result.stdout
+    )
+    assert said and 22.0 <= float(said[1]) <= 24.0 and int(said[2]) >= 90, result.stdout
 
 
 def test_memory_guard_refuses_more_than_available_memory(tmp_path: Path) -> None:

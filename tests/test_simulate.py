@@ -477,9 +477,11 @@ def test_four_ranks_start_after_the_imports_and_each_consume_a_quarter_of_every_
         loaded_in_turn(mine, [p.name for p in paths], lambda s: s.mapped or s.positions)
         loading = [seen for seen in mine if seen.mapped or seen.positions]
         if loader == "read":
-            # Each offset seen ends a piece of this rank's quarter of a tensor: it seeks to its
-            # slice and reads it, and reads about a quarter of the weights in all.
-            rank = next(r for r in range(4) if slice_of(paths, r, loading))
+            # Each offset seen starts or ends a piece of this rank's quarter of a tensor: it seeks
+            # to its slice and reads it, and reads about a quarter of the weights in all. The
+            # ranks start one after another in rank order, so their pids sort as their ranks.
+            rank = pids.index(pid)
+            assert slice_of(paths, rank, loading), (rank, [s.positions for s in loading])
             before = [seen.rchar for seen in mine if seen.ended < opened[rank]]
             assert 0.24 * 32 * MiB <= mine[-1].rchar - before[-1] <= 0.27 * 32 * MiB
         else:  # its quarter of each shard at least (the kernel may map whole folios around it)
@@ -497,15 +499,17 @@ def test_four_ranks_start_after_the_imports_and_each_consume_a_quarter_of_every_
 
 
 def slice_of(paths: list[Path], rank: int, looks: list[Look]) -> bool:
-    """Whether every file offset seen is the end of one of `rank`'s pieces (or of the header, or
-    0: opened, nothing read yet, which a look on a busy machine may catch)."""
-    ends = set()
+    """Whether every file offset seen is the start or the end of one of `rank`'s pieces (a look
+    on a busy machine may fall between its seek and its read), of the header, or 0 (opened,
+    nothing read yet)."""
+    bounds = set()
     for path in paths:
         layout = layout_of(path)
-        ends |= {(path.name, 0), (path.name, layout.header_end)}
-        ends |= {(path.name, p.offset + p.length) for p in layout.pieces(rank, 4)}
+        bounds |= {(path.name, 0), (path.name, layout.header_end)}
+        for p in layout.pieces(rank, 4):
+            bounds |= {(path.name, p.offset), (path.name, p.offset + p.length)}
     seen = {(name, pos) for look in looks for name, pos in look.positions.items()}
-    return bool(seen) and seen <= ends
+    return bool(seen) and seen <= bounds
 
 
 def ranks_loading(child: Sim, count: int) -> list[psutil.Process]:
