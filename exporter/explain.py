@@ -80,15 +80,17 @@ def baseline(history: HistoryStore, target: str, cache: Cache | None) -> Baselin
 
 def storage_reads(start: Counters | None, end: Counters) -> tuple[api.StorageRead, ...] | None:
     """What each device, mount or pool read between the load's start and end; None when the
-    counters at the start are unknown. A counter that went back (a device made anew) is left
-    out rather than guessed."""
+    counters at the start are unknown, or none of them can be compared (read before the
+    storage under the weights was described): "nothing read" would be a guess. A counter that
+    went back (a device made anew) or had none at the start is left out rather than guessed."""
     if start is None:
         return None
-    return tuple(
+    reads = tuple(
         api.StorageRead(kind, name, end[(kind, name)] - start[(kind, name)])
         for kind, name in sorted(end)
         if (kind, name) in start and end[(kind, name)] >= start[(kind, name)]
     )
+    return reads if reads or not end else None
 
 
 def report(

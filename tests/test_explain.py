@@ -160,5 +160,8 @@ def test_storage_reads_from_counters_at_the_start_and_the_end() -> None:
         api.StorageRead("nfs", "/mnt/models", 0),
     )  # tank's counter went back, sdb had none at the start: neither is guessed
     assert storage_reads(None, end) is None
+    # Counters from before the storage was described share nothing with the end's: unknown.
+    assert storage_reads({}, end) is None and storage_reads({("disk", "sda"): GB}, end) is None
+    assert storage_reads({}, {}) == ()  # no storage counted at all: nothing read from any
     reads = storage_reads(start, end)
     assert report(load(T0, 500.0), NO_BASELINE, reads).storage_reads == reads

@@ -11,7 +11,7 @@ first answer of /v1/models, polled by the test itself. The table lands in
 
 The same server then explains a slow load: two cold loads at THROTTLE, a third with the disk read
 at a third of it; the third's report says its weights took about 3x their cold median and that
-storage delivered about a third of the rate before.
+storage delivered about a third of the rate before (.servers/reports/slow-load-on-llamacpp.json).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ THROTTLE = 100_000_000  # bytes per second from the disk: about 11 s for a cold 
 # llama.cpp's log has no stamps: a phase boundary it marks is known to the log's read interval.
 # At 200 ms those steps alone moved a warm forecast by 20 %; at 100 ms by half that.
 SAMPLE_INTERVAL = "100ms"
-REPORT = SERVERS / "reports" / "forecast-on-llamacpp.json"
+REPORTS = SERVERS / "reports"
 SLOW_REASON = re.compile(
     r"weights took (\d+\.\d)x their cold median: storage delivered (\S+) MB/s against (\S+) MB/s"
 )
@@ -131,8 +131,9 @@ def test_forecasts_before_warm_cold_and_mixed_llamacpp_restarts_are_within_20_pe
             restarts.append(Restart(cache, known["seconds"], known["resident_share"], seconds))
     print("\n" + table(restarts))
     write_report(
-        forecast=table(restarts).splitlines(),
-        forecast_loads=llama.loads,  # the two in history first, then the three restarts
+        "forecast-on-llamacpp.json",
+        table=table(restarts).splitlines(),
+        loads=llama.loads,  # the two in history first, then the three restarts
     )
     assert all(abs(r.error) <= TOLERANCE for r in restarts), table(restarts)
 
@@ -149,7 +150,7 @@ def test_a_load_from_storage_throttled_to_a_third_is_explained_by_its_report(
     url = f"{llama.exporter.url}/api/v1/loads"
     slow, *earlier = requests.get(url, timeout=5).json()["loads"]
     report = slow["report"]
-    write_report(slow_load={"reason": report["reason"], "loads": llama.loads})
+    write_report("slow-load-on-llamacpp.json", reason=report["reason"], loads=llama.loads)
     assert all(x["report"]["reason"] is None for x in earlier), earlier
     match = SLOW_REASON.fullmatch(report["reason"] or "")
     assert match, report
@@ -158,9 +159,8 @@ def test_a_load_from_storage_throttled_to_a_third_is_explained_by_its_report(
     assert 0.25 < rate / best < 0.45 and 0.6 * THROTTLE / 1e6 < best < 1.1 * THROTTLE / 1e6, report
 
 
-def write_report(**parts: Any) -> None:
-    """Merge `parts` into the report file the closing note quotes."""
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    document = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-    document.update(parts, throttle_bytes_per_second=THROTTLE)
-    REPORT.write_text(json.dumps(document, indent=2) + "\n")
+def write_report(name: str, **parts: Any) -> None:
+    """A report in .servers/reports/ for the closing note, with the throttle it ran under."""
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    document = {"throttle_bytes_per_second": THROTTLE, **parts}
+    (REPORTS / name).write_text(json.dumps(document, indent=2) + "\n")
