@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -300,9 +300,20 @@ def test_serve_does_not_import_the_client_commands_nor_rich_nor_the_simulator() 
     assert result.stdout.strip() == "[]", result.stderr
 
 
-def restart(elapsed: float, began: float) -> dict[str, Any]:
-    """The previous run's ready for 0.6 s (the exporter has not seen the restart), then the new
-    load: starting until 1.2 s, ready after that."""
+def restart() -> Callable[[float, float], dict[str, Any]]:
+    """A script whose clock starts at its first answer (the client's start-up may take longer
+    than the script on a busy machine): the previous run's ready for 0.6 s (the exporter has not
+    seen the restart), then the new load, starting until 1.2 s, ready after that."""
+    first: list[float] = []
+
+    def script(elapsed: float, began: float) -> dict[str, Any]:
+        first.append(elapsed)
+        return restarting(elapsed - first[0], began + first[0])
+
+    return script
+
+
+def restarting(elapsed: float, began: float) -> dict[str, Any]:
     state: dict[str, Any] = {"phase": "ready", "last_record": load("sim", began - 100, began - 40)}
     if elapsed >= 0.6:
         state.update(phase="starting", elapsed_seconds=elapsed - 0.6)
@@ -312,7 +323,7 @@ def restart(elapsed: float, began: float) -> dict[str, Any]:
 
 
 def test_wait_does_not_take_the_previous_runs_ready_for_this_one() -> None:
-    server = ScriptedExporter(restart)
+    server = ScriptedExporter(restart())
     try:
         result = cli("wait", "--exporter", server.url, "--target", "sim", timeout=10)
     finally:
