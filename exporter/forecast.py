@@ -38,30 +38,33 @@ NEGLIGIBLE_SHARE = 0.01
 
 
 class _Phases(NamedTuple):
+    """Median seconds of the phases around the weights."""
+
     starting: float | None
     initializing: float | None
 
 
+_UNTIMED = _Phases(None, None)
+
+
 @dataclass(frozen=True)
 class Rates:
-    """What this target's past loads measured: bytes per second, and seconds of the phases that
-    do not depend on the cache."""
+    """What this target's past loads measured: bytes per second, and the phase medians over
+    loads of any temperature and over those of each temperature that has some."""
 
     storage_bytes_per_second: float | None
     cache_bytes_per_second: float | None
-    starting_seconds: float | None  # over loads of any temperature
-    initializing_seconds: float | None
     loads: int  # the good loads they come from
-    # The same medians over the loads of one temperature, where it has any.
+    anywhere: _Phases = _UNTIMED
     by_cache: Mapping[Cache, _Phases] = field(default_factory=dict)
 
     def phases(self, cache: Cache) -> _Phases:
         """Starting and initializing for a load of this temperature: its own loads' medians,
         else those of any temperature."""
-        own = self.by_cache.get(cache, _Phases(None, None))
+        own = self.by_cache.get(cache, _UNTIMED)
         return _Phases(
-            own.starting if own.starting is not None else self.starting_seconds,
-            own.initializing if own.initializing is not None else self.initializing_seconds,
+            own.starting if own.starting is not None else self.anywhere.starting,
+            own.initializing if own.initializing is not None else self.anywhere.initializing,
         )
 
 
@@ -70,10 +73,9 @@ class Forecast:
     seconds: float | None
     resident_share: float | None  # of the weights in the page cache now
     reason: str | None  # why there is no forecast, or None
-    weights_seconds: float | None = None
 
 
-NO_RATES = Rates(None, None, None, None, 0)
+NO_RATES = Rates(None, None, 0)
 
 
 def rates(loads: Sequence[LoadRecord]) -> Rates:
@@ -87,13 +89,11 @@ def rates(loads: Sequence[LoadRecord]) -> Rates:
         _rate(samples, cold=True, other=cache),
         _rate(samples, cold=False, other=storage),
     )
-    anywhere = _phases(good)
     return Rates(
         storage_bytes_per_second=storage,
         cache_bytes_per_second=cache,
-        starting_seconds=anywhere.starting,
-        initializing_seconds=anywhere.initializing,
         loads=len(good),
+        anywhere=_phases(good),
         by_cache={
             c: _phases([r for r in good if r.cache is c])
             for c in {r.cache for r in good}
@@ -124,7 +124,7 @@ def forecast(known: Rates, weights_bytes: int | None, resident_bytes: int | None
             return Forecast(None, share, missing)
         weights += part / rate
     total = starting + weights + initializing
-    return Forecast(total, share, None, weights)
+    return Forecast(total, share, None)
 
 
 @dataclass(frozen=True)
