@@ -22,13 +22,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
-from helpers.filesystems import scratch
+from helpers.filesystems import fincore_bytes, scratch
 from helpers.forecasts import TOLERANCE, Restart, forecast_at, table
 from helpers.support import RunningExporter, free_port, wait_for
 from test_disk import lsblk_whole_disk
 
 from exporter.cachectl import evict, prewarm
+from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
+from exporter.sources import MEMORY
 from exporter.sources.process import process_start_time
 from servers.llamacpp_server import LlamaCppServer
 from servers.vllm_server import SERVERS
@@ -58,7 +61,9 @@ class Llama:
     """A real llama.cpp server watched by an exporter with history (through a pidfile), loaded
     to ready and stopped, one load at a time."""
 
-    def __init__(self, start_exporter: Any, python: str, model: Path, tmp_path: Path) -> None:
+    def __init__(
+        self, start_exporter: Any, python: str, model: Path, tmp_path: Path, **kwargs: Any
+    ) -> None:
         self.python, self.model, self.tmp = python, model, tmp_path
         self.port, self.pidfile = free_port(), tmp_path / "server.pid"
         self.exporter: RunningExporter = start_exporter(
@@ -73,7 +78,8 @@ class Llama:
                         "process": {"pidfile": str(self.pidfile)},
                     }
                 ],
-            }
+            },
+            **kwargs,
         )
         self.loads: list[dict[str, Any]] = []  # each load's label, truth and phases, in order
 
@@ -157,6 +163,64 @@ def test_a_load_from_storage_throttled_to_a_third_is_explained_by_its_report(
     assert 2.4 <= float(match[1]) <= 3.6, report["reason"]  # the weights, read at a third
     rate, best = float(match[2]), float(match[3])
     assert 0.25 < rate / best < 0.45 and 0.6 * THROTTLE / 1e6 < best < 1.1 * THROTTLE / 1e6, report
+
+
+def test_an_evict_while_llamacpp_serves_leaves_its_mapped_weights_resident_as_measured(
+    llamacpp_python: str, gguf_model: Path, tmp_path: Path, start_exporter: Any
+) -> None:
+    """What the real server shows of eviction while serving: llama.cpp serves from its mapping
+    of the GGUF, and mapped pages are not dropped by an fadvise eviction (`prewarm --evict`), so
+    the weights stay resident (fincore) and the exporter, at its real quiet pace, goes on saying
+    so at its next memory look: no false eviction, the forecast still a warm restart. (Reclaim
+    under memory pressure does take mapped pages; tests/test_serving_eviction.py shows a real
+    eviction reaching the shipped alert within a minute, with a real Prometheus.)"""
+    llama = Llama(
+        start_exporter, llamacpp_python, gguf_model, tmp_path, quiet_interval=QUIET_INTERVAL
+    )
+    runtime = llama.exporter.runtime
+    with scratch(tmp_path / "scratch") as s:
+        procs = s.throttle(lsblk_whole_disk(gguf_model), THROTTLE)
+        assert llama.cold_load(procs)[0] == "cold"
+        forecast_at(llama.entry, 1.0, made=False)
+        assert llama.load(procs)[0] == "warm"  # history: both rates
+        server = LlamaCppServer(
+            llama.python, gguf_model, llama.port, tmp_path / "llama.log", llama.pidfile, procs
+        )
+        try:
+            server.wait_ready()
+            wait_for(lambda: runtime.quiet, timeout=30)
+            warm = forecast_at(llama.entry, 1.0)
+
+            def memory_look() -> float | None:
+                reading = runtime.sampler.latest(MEMORY)
+                return reading.finished_at if reading is not None else None
+
+            looked = memory_look()
+            wait_for(
+                lambda: memory_look() != looked, timeout=EVICTION_LOOK_SECONDS + 5, interval=0.05
+            )
+            evict(str(gguf_model))
+            looked = memory_look()
+            wait_for(
+                lambda: memory_look() != looked, timeout=EVICTION_LOOK_SECONDS + 5, interval=0.05
+            )
+            truth = fincore_bytes(gguf_model)
+            after = dict(llama.entry()["restart_forecast"])
+            quiet = runtime.quiet
+            assert server.ready()
+        finally:
+            assert server.stop() in (0, -15), server.tail()
+    size = gguf_model.stat().st_size
+    write_report(
+        "evict-while-serving-on-llamacpp.json",
+        fincore_share_after=round(truth / size, 4),
+        forecast_before=warm,
+        forecast_after=after,
+    )
+    assert truth >= 0.99 * size  # the mapping kept them
+    assert after["resident_share"] == pytest.approx(truth / size, abs=0.01), (after, truth)
+    assert after["seconds"] == pytest.approx(warm["seconds"], rel=0.2)  # still a warm restart
+    assert quiet
 
 
 def write_report(name: str, **parts: Any) -> None:
