@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from helpers.filesystems import fincore_bytes
 from helpers.hostile import ExporterProcess
-from helpers.support import free_port
+from helpers.processes import evict_dir
+from helpers.support import free_port, wait_for
 
+from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
 from servers.vllm_server import SERVERS, START_TIMEOUT, VllmServer
 
 REPORT = SERVERS / "reports" / "exporter-on-vllm.json"
@@ -144,3 +147,48 @@ def test_phases_progress_and_eta_follow_a_real_vllm_cold_then_warm(
         exporter.stop()
         REPORT.parent.mkdir(parents=True, exist_ok=True)
         REPORT.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def test_an_eviction_while_vllm_serves_is_measured_within_a_minute(
+    start_vllm: Callable[..., VllmServer], llama_checkpoint: Path, tmp_path: Path
+) -> None:
+    """vLLM copies its weights out of the safetensors and lets the files go, so an eviction
+    while it serves really empties the page cache of them (fincore). The exporter, with no
+    config and at its real quiet pace, must measure that within a minute (the eviction alert's
+    bar; tests/test_serving_eviction.py takes it on to the shipped rule in a real Prometheus),
+    and its restart forecast with it."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"history_path": str(tmp_path / "history.sqlite")}))
+    exporter = ExporterProcess([f"--config.file={config}"])
+    shards = sorted(llama_checkpoint.glob("*.safetensors"))
+    size = sum(s.stat().st_size for s in shards)
+
+    def target() -> dict[str, Any]:
+        targets = exporter.get("/api/v1/status").json()["targets"]
+        return dict(targets[0]) if targets else {}
+
+    def share() -> float | None:
+        return (target().get("restart_forecast") or {}).get("resident_share")
+
+    try:
+        exporter.wait_listening()
+        start_vllm("warm", wait=True)
+        wait_for(lambda: target().get("phase") == "ready", timeout=60)
+        wait_for(lambda: (share() or 0) >= 0.9, timeout=30)
+        # Into quiet mode (every loop at its quiet pace once the target settled, a tick later)
+        # and past a memory look: the eviction lands at no convenient moment of ours.
+        time.sleep(QUIET_INTERVAL + EVICTION_LOOK_SECONDS / 2)
+        evict_dir(llama_checkpoint)
+        began = time.monotonic()
+        truth = sum(fincore_bytes(s) for s in shards) / size
+        wait_for(lambda: abs((share() or 0) - truth) <= 0.05, timeout=60, interval=0.2)
+        measured = time.monotonic() - began
+    finally:
+        exporter.stop()
+    reports = SERVERS / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    (reports / "eviction-on-vllm.json").write_text(
+        json.dumps({"fincore_share_after": truth, "measured_after_seconds": measured}) + "\n"
+    )
+    assert truth < 0.1, truth  # the files were let go: the eviction took them
+    assert measured < EVICTION_LOOK_SECONDS + 5 < 60, measured  # the next memory look did it
