@@ -17,7 +17,7 @@ TOOLS = sorted([*(REPO / "bench").glob("*.py"), *(REPO / "scripts").glob("*.py")
 
 def test_every_tool_is_found() -> None:
     names = {f"{p.parent.name}/{p.name}" for p in TOOLS}
-    assert {"bench/prewarm.py", "scripts/check_image.py"} <= names
+    assert {"bench/prewarm.py", "scripts/check_image.py", "bench/fleet.py"} <= names
 
 
 @pytest.mark.parametrize("path", TOOLS, ids=lambda p: f"{p.parent.name}/{p.name}")
