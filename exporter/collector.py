@@ -267,13 +267,16 @@ class Scrape:
         if value is not None:
             self._family(spec).add_metric([_label(v) for v in labels], value)  # type: ignore[attr-defined]
 
-    def histogram(self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts) -> None:
-        buckets = [
-            (f"{float(le)}", c) for le, c in zip(LOAD_BUCKETS, counts.cumulative, strict=True)
-        ]
-        buckets.append(("+Inf", counts.count))
+    def histogram(
+        self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts, buckets: bool = True
+    ) -> None:
+        """One histogram; without `buckets` only its +Inf bucket, _count and _sum (3 series
+        instead of 23: rates and means still work, quantiles need the buckets)."""
+        bounds = zip(LOAD_BUCKETS, counts.cumulative, strict=True) if buckets else ()
+        series = [(f"{float(le)}", c) for le, c in bounds]
+        series.append(("+Inf", counts.count))
         family = self._family(spec)
-        family.add_metric([_label(v) for v in labels], buckets, counts.sum)  # type: ignore[attr-defined]
+        family.add_metric([_label(v) for v in labels], series, counts.sum)  # type: ignore[attr-defined]
 
     def families(self) -> Iterator[Metric]:
         for spec in CATALOG:
@@ -453,7 +456,7 @@ def _history(out: Scrape, snap: Snapshot) -> None:
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):
-        out.histogram(PHASE_DURATION, labels, counts)
+        out.histogram(PHASE_DURATION, labels, counts, buckets=snap.metrics.phase_buckets)
 
 
 HOST: tuple[HostFn, ...] = (

@@ -940,6 +940,7 @@ class Runtime:
                 config_reload_successful=self.reload_successful,
                 history_up=self.history.up if self.history.configured else None,
                 discovery_refused=self.refusals.counts() if self.discoverer else None,
+                metrics=self.config.metrics,
             )
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter import api
 from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
-from exporter.config import LogConfig, parse_config
+from exporter.config import LogConfig, MetricsConfig, parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import Histograms
@@ -402,6 +402,34 @@ def test_histogram_buckets_are_cumulative_and_upper_bounds_inclusive() -> None:
     count = sample_of(families, "model_load_duration_seconds_count", target="qwen")
     total = sample_of(families, "model_load_duration_seconds_sum", target="qwen")
     assert (count, total) == (4, 5.0 + 5.0001 + 7200.0 + 8000.0)
+
+
+def test_phase_buckets_only_behind_their_flag() -> None:
+    """By default a phase costs 3 series (+Inf, _count, _sum: the dashboard's mean per phase);
+    `metrics.phase_buckets` adds its 20 buckets, and changes nothing else."""
+    snapshot = golden_snapshot()
+    default, detailed = (
+        list(text_string_to_metric_families(exposition(s)))
+        for s in (snapshot, dataclasses.replace(snapshot, metrics=MetricsConfig(True)))
+    )
+    phases = [f for f in default if f.name == "model_load_phase_duration_seconds"]
+    buckets = {(s.labels["phase"], s.labels["le"]) for s in phases[0].samples if "le" in s.labels}
+    observed = {labels[1] for labels in snapshot.phase_durations}
+    assert buckets == {(phase, "+Inf") for phase in observed}
+    assert len(phases[0].samples) == 3 * len(observed)
+    detail = [f for f in detailed if f.name == "model_load_phase_duration_seconds"]
+    assert len(detail[0].samples) == 23 * len(observed)
+    for family in (detail[0], phases[0]):
+        initializing = {
+            (s.name, s.labels.get("le")): s.value
+            for s in family.samples
+            if s.labels["phase"] == "initializing"
+        }
+        name = family.name
+        assert initializing[(f"{name}_bucket", "+Inf")] == initializing[(f"{name}_count", None)]
+        assert initializing[(f"{name}_sum", None)] == 37.5
+    others = [f for f in default if f.name != "model_load_phase_duration_seconds"]
+    assert others == [f for f in detailed if f.name != "model_load_phase_duration_seconds"]
 
 
 def sample_of(families: dict[str, Any], name: str, **labels: str) -> float:

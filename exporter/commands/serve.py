@@ -134,6 +134,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--history.path", dest="history_path", metavar="PATH", help='SQLite file; "" disables'
     )
+    p.add_argument(
+        "--metrics.phase-buckets",
+        dest="phase_buckets",
+        action="store_true",
+        help="buckets of model_load_phase_duration_seconds too (config: metrics.phase_buckets)",
+    )
     p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
     p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), default="logfmt")
 
@@ -188,6 +194,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         config = dataclasses.replace(config, sample_interval=interval)
     if args.history_path is not None:
         config = dataclasses.replace(config, history_path=args.history_path)
+    if args.phase_buckets:
+        metrics = dataclasses.replace(config.metrics, phase_buckets=True)
+        config = dataclasses.replace(config, metrics=metrics)
     return config
 
 
