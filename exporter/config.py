@@ -191,6 +191,9 @@ class MetricsConfig:
     # The buckets of model_load_phase_duration_seconds (20 per phase and step; the dashboard
     # reads only _sum and _count, which are always there).
     phase_buckets: bool = False
+    # Histograms also as native histograms, one series per label set, to a Prometheus that asks
+    # for protobuf (>= 2.40 with --enable-feature=native-histograms); text scrapes unchanged.
+    native_histograms: bool = False
 
 
 @dataclass(frozen=True)
@@ -617,8 +620,11 @@ def _retention(data: object, where: str) -> HistoryRetention:
 def _metrics(data: object, where: str) -> MetricsConfig:
     if data is None:
         return MetricsConfig()
-    r = _Reader(data, where, ("phase_buckets",))
-    return MetricsConfig(phase_buckets=r.flag("phase_buckets", False))
+    r = _Reader(data, where, ("phase_buckets", "native_histograms"))
+    return MetricsConfig(
+        phase_buckets=r.flag("phase_buckets", False),
+        native_histograms=r.flag("native_histograms", False),
+    )
 
 
 def parse_config(

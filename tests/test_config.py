@@ -180,6 +180,7 @@ MALFORMED: list[tuple[str, object, str]] = [
     ("zero retention rows", {"history_retention": {"max_rows": 0}}, "history_retention.max_rows: expected a whole number"),
     ("unknown metrics key", {"metrics": {"buckets": True}}, "metrics: unknown key 'buckets'"),
     ("phase buckets not a flag", {"metrics": {"phase_buckets": "yes"}}, "metrics.phase_buckets: expected true or false"),
+    ("native not a flag", {"metrics": {"native_histograms": 1}}, "metrics.native_histograms: expected true or false"),
     ("missing weights path", _target(weights={"paths": ["/nonexistent/model"]}), "targets[0].weights.paths[0]: /nonexistent/model does not exist"),
     ("weights paths not a list", _target(weights={"paths": 3}), "targets[0].weights.paths"),
     ("two process matchers", _target(process={"pidfile": "/run/x.pid", "cmdline": "x"}), "set exactly one of"),
@@ -356,19 +357,22 @@ def test_the_trust_bounds_parse_into_the_discovery_config() -> None:
 @pytest.mark.parametrize(
     ("document", "flags", "expected"),
     [
-        ({}, [], False),
-        ({"metrics": {"phase_buckets": True}}, [], True),
-        (None, ["--metrics.phase-buckets"], True),
+        ({}, [], (False, False)),
+        ({"metrics": {"phase_buckets": True}}, [], (True, False)),
+        ({"metrics": {"native_histograms": True}}, [], (False, True)),
+        (None, ["--metrics.phase-buckets"], (True, False)),
+        (None, ["--metrics.native-histograms"], (False, True)),
     ],
 )
-def test_phase_buckets_from_the_file_or_the_flag(
-    tmp_path: Path, document: dict[str, Any] | None, flags: list[str], expected: bool
+def test_metrics_options_from_the_file_or_the_flags(
+    tmp_path: Path, document: dict[str, Any] | None, flags: list[str], expected: tuple[bool, bool]
 ) -> None:
-    """The deep dive's detail is off by default, on from the config file or the flag."""
+    """The deep dive's detail and native histograms are off by default, on from the config
+    file or a flag."""
     argv = ["serve", *flags, "--target=t", "--endpoint=http://127.0.0.1:1"]
     if document is not None:
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump({**document, "discovery": {"enabled": True}}))
         argv = ["serve", f"--config.file={path}"]
     config = config_from_args(build_parser("serve").parse_args(argv))
-    assert config.metrics.phase_buckets is expected
+    assert (config.metrics.phase_buckets, config.metrics.native_histograms) == expected

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from exporter import api
 from exporter.api_build import load_document, loads_document, status_document
 from exporter.collector import ExporterCollector
-from exporter.http import livepage
+from exporter.http import livepage, protobuf
 from exporter.http.server import Limits, Server, somaxconn
 from exporter.http.webconfig import WebConfig
 from exporter.runtime import Runtime
@@ -94,6 +94,12 @@ class WebApp:
     def _metrics_page(
         self, environ: dict[str, Any], start_response: StartResponse
     ) -> Iterable[bytes]:
+        if self.runtime.config.metrics.native_histograms and protobuf.wants_protobuf(
+            environ.get("HTTP_ACCEPT", "")
+        ):
+            snapshot = self.runtime.snapshot()
+            body = protobuf.render(ExporterCollector(lambda: snapshot, native=True).collect())
+            return _reply(start_response, "200 OK", body, protobuf.CONTENT_TYPE)
         # prometheus_client's app refuses HEAD; the server drops the body of a HEAD answer.
         return self._metrics({**environ, "REQUEST_METHOD": "GET"}, start_response)
 
