@@ -30,7 +30,6 @@ the default range and step, `$instance` and `$target` at "All"), median of 3, in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import re
@@ -42,7 +41,6 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -85,8 +83,9 @@ from exporter.vocabulary import Cache, Outcome, Phase, ProbeResult, ServerKind, 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from helpers.support import free_port  # noqa: E402
 from test_dashboard import RULES, committed  # noqa: E402
-from test_dashboard_prometheus import fast_rules, grafana_queries  # noqa: E402
+from test_dashboard_prometheus import fast_rules, grafana_queries, grafana_regex  # noqa: E402
 
 GIB = 1 << 30
 SHIPPED_SCRAPE = 15.0  # seconds: prometheus/prometheus.yml's scrape and evaluation interval
@@ -500,8 +499,7 @@ class Prometheus:
         del job["static_configs"]
         job["file_sd_configs"] = [{"files": [str(sd)]}]
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        with socket_port() as port:
-            self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.tsdb = workdir / "tsdb"
         self.proc = subprocess.Popen(
             ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
@@ -559,15 +557,6 @@ class Prometheus:
             self.proc.wait()
 
 
-@contextlib.contextmanager
-def socket_port() -> Iterator[int]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
-
-
 @dataclass
 class Watch:
     """Prometheus's own numbers sampled over the run: rule evaluation times, peak memory."""
@@ -602,11 +591,42 @@ class Watch:
         }
 
 
-def panel_latencies(prometheus: Prometheus, scrape: float, filled: float) -> dict[str, float]:
+def variable_defaults(prometheus: Prometheus, all_hosts: bool) -> dict[str, str]:
+    """$instance and $target as Grafana sets them when the dashboard opens: a variable whose
+    `current` is All gets its allValue, one without a `current` its first value (natural sort,
+    regex-escaped); `all_hosts`: All for both, as a user who picks every host."""
+    dashboard = committed()
+    values: dict[str, str] = {}
+    for variable in dashboard["templating"]["list"]:
+        name = variable["name"]
+        if variable["type"] != "query":
+            continue
+        if all_hosts or variable.get("current", {}).get("value") == "$__all":
+            values[name] = variable["allValue"]
+            continue
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"])
+        assert match is not None, variable["query"]
+        series = match[1]
+        for known, value in values.items():
+            series = series.replace(f"${known}", value)
+        found = prometheus.api(f"label/{match[2]}/values", **{"match[]": series})
+        values[name] = grafana_regex(min(found, key=natural))
+    return values
+
+
+def natural(text: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def panel_latencies(
+    prometheus: Prometheus, scrape: float, filled: float, variables: dict[str, str]
+) -> dict[str, float]:
     """Each panel's queries one after another as Grafana sends them; median of REPEATS."""
     range_seconds = min(GRAFANA_STEPS * scrape, filled)
     step = range_seconds / GRAFANA_STEPS
-    queries = grafana_queries(committed(), ".*", ".*", scrape, f"{round(range_seconds)}s")
+    queries = grafana_queries(
+        committed(), variables["instance"], variables["target"], scrape, f"{round(range_seconds)}s"
+    )
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(REPEATS):
         totals: dict[str, float] = defaultdict(float)
@@ -648,7 +668,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(min(5.0, args.seconds - elapsed))
             watch.look(prometheus)
         filled = time.monotonic() - filled_from
-        panels = panel_latencies(prometheus, args.scrape, filled)
+        variables = variable_defaults(prometheus, args.all_hosts)
+        panels = panel_latencies(prometheus, args.scrape, filled, variables)
         watch.look(prometheus)
         stored = prometheus.bytes_per_sample()
     finally:
@@ -665,6 +686,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **stored,
         "rule_groups": watch.rule_groups,
         "panels": panels,
+        "variables": variables,
         "scrape_seconds": args.scrape,
         "filled_seconds": round(filled),
         "dashboard_range_filled": round(min(1.0, filled / (GRAFANA_STEPS * args.scrape)), 3),
@@ -679,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=240, help="scraping after all are up")
     parser.add_argument(
         "--scrape", type=float, default=1.0, help="scrape and rule interval, s (15: life's pace)"
+    )
+    parser.add_argument(
+        "--all-hosts", action="store_true", help="panels with Host and Target at All"
     )
     parser.add_argument("--dir", default="/var/tmp", help="where Prometheus keeps its TSDB")
     parser.add_argument("--json", type=Path, help="write the results here too")
