@@ -432,6 +432,37 @@ def test_phase_buckets_only_behind_their_flag() -> None:
     assert others == [f for f in detailed if f.name != "model_load_phase_duration_seconds"]
 
 
+# docs/costs.md#a-fleet: what one target costs by default, besides 23 series per (cache
+# temperature, outcome) its finished loads had and 3 per phase or fine step they went through.
+TARGET_BUDGET = 64
+HISTOGRAMS = ("model_load_duration_seconds", "model_load_phase_duration_seconds")
+
+
+def test_a_target_stays_within_its_budget() -> None:
+    """A tensor-parallel-8 target whose log is read, loading, with every per-target source
+    (the golden's kimi-k2, on 8 GPUs, with the sources the runtime has that it lacks)."""
+    snapshot = golden_snapshot()
+    kimi = snapshot.targets[0]
+    readings = {**kimi.readings}
+    for key in (STORAGE, WEIGHT_FILES):
+        readings[key.name] = reading(key, None, "kimi-k2")  # type: ignore[arg-type]
+    kimi = dataclasses.replace(
+        kimi, readings=readings, gpu_memory=dict.fromkeys(range(8), 60 * GIB)
+    )
+    snapshot = dataclasses.replace(snapshot, targets=(kimi, *snapshot.targets[1:]))
+    series = [
+        (family.name, sample)
+        for family in text_string_to_metric_families(exposition(snapshot))
+        for sample in family.samples
+        if sample.labels.get("target") == "kimi-k2"
+    ]
+    per_file = [s for name, s in series if name == "model_load_weights_file_resident_bytes"]
+    histograms = [s for name, s in series if name in HISTOGRAMS]
+    assert len(per_file) == 2  # per_file: true, opted into per weight file
+    assert len(histograms) == 23 + 0  # one (cache, outcome): its failed cold load; no phases
+    assert len(series) - len(per_file) - len(histograms) <= TARGET_BUDGET
+
+
 def sample_of(families: dict[str, Any], name: str, **labels: str) -> float:
     family = families[name.removesuffix("_count").removesuffix("_sum")]
     [value] = [
