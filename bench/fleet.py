@@ -54,6 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.collector import ExporterCollector
 from exporter.config import TargetConfig, parse_config
 from exporter.forecast import Forecast
+from exporter.http import protobuf
 from exporter.loadstats import Histograms
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
@@ -366,14 +367,20 @@ def render(snapshot: Snapshot) -> bytes:
     return generate_latest(registry)
 
 
+def render_native(snapshot: Snapshot) -> bytes:
+    """What the exporter answers with metrics.native_histograms to a protobuf scrape."""
+    return protobuf.render(ExporterCollector(lambda: snapshot, native=True).collect())
+
+
 # -- serving them ----------------------------------------------------------------------------
 
 
 class Fleet:
     """Every host's exposition, re-rendered each interval by one thread, served on one port."""
 
-    def __init__(self, hosts: int, targets: int, speed: float) -> None:
-        self.hosts, self.speed = hosts, speed
+    def __init__(self, hosts: int, targets: int, speed: float, native: bool) -> None:
+        self.hosts, self.speed, self.native = hosts, speed, native
+        self.served: list[bytes] = []  # the protobuf pages when native, else the text pages
         self.epoch, self.wall0 = time.time(), time.monotonic()
         self.lives = [HostLife(v, targets, self.epoch) for v in range(min(hosts, VARIANTS))]
         self.pages: list[bytes] = []
@@ -389,9 +396,10 @@ class Fleet:
                 if match is None or int(match[1]) >= fleet.hosts:
                     self.send_error(404)
                     return
-                body = fleet.pages[int(match[1]) % len(fleet.pages)]
+                body = fleet.served[int(match[1]) % len(fleet.served)]
                 self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                kind = protobuf.CONTENT_TYPE if fleet.native else "text/plain; version=0.0.4"
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -411,6 +419,7 @@ class Fleet:
         now = self.now()
         self.snapshots = [life.snapshot(now) for life in self.lives]
         self.pages = [render(s) for s in self.snapshots]
+        self.served = [render_native(s) for s in self.snapshots] if self.native else self.pages
 
     def keep_fresh(self, every: float, stop: threading.Event) -> None:
         while not stop.wait(every):
@@ -438,8 +447,11 @@ def series_counts(fleet: Fleet) -> dict[str, Any]:
     for page, snap in zip(fleet.pages, fleet.snapshots, strict=True):
         by_target: dict[str, Counter[str]] = defaultdict(Counter)
         for family in text_string_to_metric_families(page.decode()):
+            native = fleet.native and family.type == "histogram"
             for sample in family.samples:
-                by_target[sample.labels.get("target", "")][family.name] += 1
+                # A native histogram is one series per label set: its _count sample stands in.
+                if not native or sample.name.endswith("_count"):
+                    by_target[sample.labels.get("target", "")][family.name] += 1
         hosts.append(sum(sum(c.values()) for c in by_target.values()))
         for view in snap.targets:
             count = sum(by_target[view.name].values())
@@ -485,6 +497,7 @@ class Prometheus:
     """Debian's prometheus with the shipped rules and scrape job, over the fleet's file_sd."""
 
     def __init__(self, workdir: Path, fleet: Fleet, scrape: float, speed: float) -> None:
+        native = ["--enable-feature=native-histograms"] if fleet.native else []
         every = f"{round(scrape * 1000)}ms"
         rules = workdir / "model-load.yml"
         rules.write_text(fast_rules(RULES.read_text(), speed))
@@ -504,7 +517,7 @@ class Prometheus:
         self.proc = subprocess.Popen(
             ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
              f"--storage.tsdb.path={self.tsdb}", "--storage.tsdb.retention.time=2h",
-             "--web.enable-admin-api", "--log.level=warn",
+             "--web.enable-admin-api", "--log.level=warn", *native,
              f"--web.listen-address={self.url.removeprefix('http://')}"],
             stdout=subprocess.DEVNULL, stderr=(workdir / "prometheus.log").open("w"),
         )  # fmt: skip
@@ -650,7 +663,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stop = threading.Event()
     prometheus = None
     try:
-        fleet = Fleet(args.hosts, args.targets, speed)
+        fleet = Fleet(args.hosts, args.targets, speed, args.native)
         started = time.perf_counter()
         fleet.refresh()
         render_seconds = time.perf_counter() - started
@@ -680,6 +693,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "hosts": args.hosts,
         "targets": args.targets,
+        "native_histograms": args.native,
         **counts,
         "head_series": int(watch.head_series),
         "prometheus_rss_bytes": int(watch.rss_peak),
@@ -704,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--all-hosts", action="store_true", help="panels with Host and Target at All"
+    )
+    parser.add_argument(
+        "--native", action="store_true", help="metrics.native_histograms, and Prometheus asking"
     )
     parser.add_argument("--dir", default="/var/tmp", help="where Prometheus keeps its TSDB")
     parser.add_argument("--json", type=Path, help="write the results here too")
