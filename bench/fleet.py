@@ -24,7 +24,8 @@ Measured: series per target (by state, and by metric family) and per host, Prome
 series and resident memory (peak), bytes per sample (a head snapshot's block: chunk bytes over its
 samples), each rule group's last evaluation time (its worst over the run after the first
 evaluations), and every dashboard panel's queries as Grafana sends them (instant at now, range at
-the default range and step, `$instance` and `$target` at "All"), median of 3, in seconds.
+the default range and step, `$instance` and `$target` as the dashboard opens), median of 3, in
+seconds.
 """
 
 from __future__ import annotations
@@ -96,7 +97,6 @@ MODELS = 24  # models served across the fleet (the recording rules group by mode
 GPUS = 8  # H200s per host
 STALL_AFTER = 300.0  # seconds, the default stall_after
 WARMUP_EVALUATIONS = 3  # rule evaluations left out of the worst (the first ones compile)
-REPEATS = 3  # runs of each panel's queries; the median is reported
 
 
 # -- the hosts: targets living through loads --------------------------------------------------
@@ -632,29 +632,40 @@ def natural(text: str) -> list[Any]:
 
 
 def panel_latencies(
-    prometheus: Prometheus, scrape: float, filled: float, variables: dict[str, str]
-) -> dict[str, float]:
-    """Each panel's queries one after another as Grafana sends them; median of REPEATS."""
+    prometheus: Prometheus, scrape: float, filled: float, variables: dict[str, str], repeats: int
+) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Each panel's queries one after another as Grafana sends them, the median of `repeats`;
+    a panel Prometheus refuses to draw (too many samples, a timeout) is None, with the reason."""
     range_seconds = min(GRAFANA_STEPS * scrape, filled)
     step = range_seconds / GRAFANA_STEPS
     queries = grafana_queries(
         committed(), variables["instance"], variables["target"], scrape, f"{round(range_seconds)}s"
     )
     times: dict[str, list[float]] = defaultdict(list)
-    for _ in range(REPEATS):
+    errors: dict[str, str] = {}
+    for _ in range(repeats):
         totals: dict[str, float] = defaultdict(float)
         for panel, _ref, expr, instant in queries:
+            if panel in errors:
+                continue
             end = time.time()
             started = time.perf_counter()
-            if instant:
-                prometheus.api("query", query=expr, time=end)
-            else:
-                prometheus.api("query_range", query=expr, start=end - range_seconds, end=end,
-                               step=f"{step:.3f}")  # fmt: skip
+            try:
+                if instant:
+                    prometheus.api("query", query=expr, time=end)
+                else:
+                    prometheus.api("query_range", query=expr, start=end - range_seconds, end=end,
+                                   step=f"{step:.3f}")  # fmt: skip
+            except (RuntimeError, requests.RequestException) as exc:
+                errors[panel] = f"{time.perf_counter() - started:.1f} s: {exc}"[-300:]
             totals[panel] += time.perf_counter() - started
         for panel, seconds in totals.items():
             times[panel].append(seconds)
-    return {panel: round(statistics.median(s), 4) for panel, s in times.items()}
+    panels = {
+        panel: None if panel in errors else round(statistics.median(s), 4)
+        for panel, s in times.items()
+    }
+    return panels, errors
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -682,7 +693,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             watch.look(prometheus)
         filled = time.monotonic() - filled_from
         variables = variable_defaults(prometheus, args.all_hosts)
-        panels = panel_latencies(prometheus, args.scrape, filled, variables)
+        panels, errors = panel_latencies(prometheus, args.scrape, filled, variables, args.repeats)
         watch.look(prometheus)
         stored = prometheus.bytes_per_sample()
     finally:
@@ -700,6 +711,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **stored,
         "rule_groups": watch.rule_groups,
         "panels": panels,
+        "panel_errors": errors,
         "variables": variables,
         "scrape_seconds": args.scrape,
         "filled_seconds": round(filled),
@@ -722,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--native", action="store_true", help="metrics.native_histograms, and Prometheus asking"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each panel (median)")
     parser.add_argument("--dir", default="/var/tmp", help="where Prometheus keeps its TSDB")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
