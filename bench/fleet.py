@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shutil
@@ -537,6 +538,10 @@ class Prometheus:
                 out[sample.name].append((sample.labels, sample.value))
         return out
 
+    def rules(self, group: str) -> list[dict[str, Any]]:
+        groups = self.api("rules")["groups"]
+        return [rule for g in groups if g["name"] == group for rule in g["rules"]]
+
     def up_hosts(self) -> int:
         try:
             result = self.api("query", query='count(up{job="model-load"} == 1)')["result"]
@@ -575,6 +580,8 @@ class Watch:
     """Prometheus's own numbers sampled over the run: rule evaluation times, peak memory."""
 
     durations: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    rule_seconds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    cpu_seconds: float = 0.0
     rss_peak: float = 0.0
     head_series: float = 0.0
 
@@ -590,6 +597,14 @@ class Watch:
             group = labels["rule_group"].rsplit(";", 1)[-1]
             if evaluations.get(labels["rule_group"], 0) > WARMUP_EVALUATIONS:
                 self.durations[group].append(seconds)
+                for rule in prometheus.rules(group):
+                    self.rule_seconds[rule["name"]].append(rule["evaluationTime"])
+        self.cpu_seconds = own["process_cpu_seconds_total"][0][1]
+
+    @property
+    def rules(self) -> dict[str, float]:
+        """Each rule's median evaluation time (Prometheus's own, from /api/v1/rules)."""
+        return {name: round(statistics.median(seen), 4) for name, seen in self.rule_seconds.items()}
 
     @property
     def rule_groups(self) -> dict[str, dict[str, float]]:
@@ -671,6 +686,7 @@ def panel_latencies(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     speed = SHIPPED_SCRAPE / args.scrape
     workdir = Path(tempfile.mkdtemp(prefix="fleet-", dir=args.dir))
+    wall0 = time.monotonic()
     stop = threading.Event()
     prometheus = None
     try:
@@ -710,6 +726,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prometheus_rss_bytes": int(watch.rss_peak),
         **stored,
         "rule_groups": watch.rule_groups,
+        "rules": watch.rules,
+        "prometheus_cpu_share": round(watch.cpu_seconds / (time.monotonic() - wall0), 3),
+        "load_average": os.getloadavg()[0],
         "panels": panels,
         "panel_errors": errors,
         "variables": variables,
