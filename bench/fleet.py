@@ -1,7 +1,7 @@
 """Benchmark: a fleet of GPU hosts on a real Prometheus: series, rules and dashboard at size.
 
-    .venv/bin/python bench/fleet.py --hosts 1000 --targets 8 --seconds 240 [--scrape 15]
-                                    [--json FILE]
+    .venv/bin/python bench/fleet.py --hosts 1000 [--targets 8] [--seconds 300] [--scrape 15]
+                                    [--native] [--all-hosts] [--repeats 3] [--json FILE]
 
 One process serves the /metrics of every host on one port, one path per host
 (`/host/N/metrics`); Prometheus (Debian's `prometheus`) finds them through a file_sd list that
@@ -22,10 +22,10 @@ steps (the per-step work over every series, what dominates a range query, stays 
 
 Measured: series per target (by state, and by metric family) and per host, Prometheus's head
 series and resident memory (peak), bytes per sample (a head snapshot's block: chunk bytes over its
-samples), each rule group's last evaluation time (its worst over the run after the first
-evaluations), and every dashboard panel's queries as Grafana sends them (instant at now, range at
-the default range and step, `$instance` and `$target` as the dashboard opens), median of 3, in
-seconds.
+samples), each rule group's evaluation time (median and worst after its first evaluations) and
+each rule's, and every dashboard panel's queries as Grafana sends them (instant at now, range at
+the default range and step, `$instance` and `$target` as the dashboard opens), the median of
+`--repeats`, in seconds. bench/README.md says more; docs/costs.md has the numbers.
 """
 
 from __future__ import annotations
