@@ -83,6 +83,7 @@ from exporter.sources.process import ProcessFinder, ProcessSample
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
+from exporter.startupwindow import ADVICE_LOADS, StartupAdvice, advise
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
@@ -185,6 +186,7 @@ class Runtime:
         self._rates: dict[str, Rates] = {}  # what each target's past loads measured
         self._last: dict[str, float] = {}
         self._slower: dict[str, str] = {}  # the last load's reason, when it was slower
+        self._advice: dict[str, StartupAdvice] = {}  # the startupProbe window each would need
         self._ticked = threading.Event()
         self._last_tick: float | None = None
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
@@ -822,6 +824,8 @@ class Runtime:
             files=_file_view(files, process),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
+            process_cpu_seconds=process.cpu_seconds if process else None,
+            process_state=process.state if process else None,
         )
         return observation, gpu_memory
 
@@ -888,6 +892,7 @@ class Runtime:
         slower: dict[str, str] = {}
         recent = {name: self.history.loads(name, EXPECTATION_LOADS) for name in list(self.targets)}
         known = {name: rates(loads) for name, loads in recent.items()}
+        advice = {name: advise(self.history.loads(name, ADVICE_LOADS)) for name in recent}
         for name, loads in recent.items():
             newest = loads[0].report if loads else None
             if newest is not None and newest.reason is not None:
@@ -901,7 +906,7 @@ class Runtime:
                 last[name] = last_value
         with self._lock:
             self._expected, self._last, self._slower = expected, last, slower
-            self._rates = known
+            self._rates, self._advice = known, advice
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -922,6 +927,7 @@ class Runtime:
                     pcie_at_start=rt.pcie_at_start,
                     forecast=self._forecast(name, by_target.get(name, {})),
                     log_finding=rt.log_finding,
+                    startup_advice=self._advice.get(name),
                 )
                 for name, rt in self.targets.items()
             )

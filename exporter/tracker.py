@@ -91,11 +91,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+from exporter.activity import ActivityWatch
 from exporter.api import LoadReport
 from exporter.logmarkers import EventKind, LogEvent, StepTimeline
-from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Signal, Step
+from exporter.vocabulary import (
+    IN_PROGRESS,
+    Activity,
+    Cache,
+    Outcome,
+    Phase,
+    ProbeResult,
+    Signal,
+    Step,
+)
 
 # Tie-break order when two signals report the same progress.
 PROGRESS_SOURCES = tuple(Signal)
@@ -165,6 +175,8 @@ class Observation:
     # go around the page cache), unknown (the page cache is not what serves them), warm (in
     # memory by construction, tmpfs), or None: residency decides.
     storage_cache: Cache | None = None
+    process_cpu_seconds: float | None = None  # CPU time the tree used (not a progress signal)
+    process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,12 @@ class TargetState:
     # Ready, its process running, and ENDPOINT_FAILURES_FOR_LOAD probes in a row failed: no
     # new process, so no load, but the endpoint stopped answering (the ModelServerHung alert).
     hung: bool = False
+    # Seconds since each measured signal last moved (exporter/activity.py): what a stall's
+    # reason is made of. A signal not measured is absent.
+    activity: Mapping[str, float] = field(default_factory=dict)
+    cpu_share: float | None = None  # the tree's CPU over the last 10 s, share of one core
+    process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
+    exited_at: float | None = None  # the watched process was seen gone then; None: running
 
 
 class Expectations(Protocol):
@@ -316,6 +334,7 @@ class Tracker:
         self._failed_probes = 0  # distinct failed probes in a row
         self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
+        self._activity = ActivityWatch()
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
@@ -347,9 +366,32 @@ class Tracker:
                 record = self._finish(load, probe.time, Outcome.READY)  # when it answered
         else:
             self._settle(obs)
+        self._watch_activity(obs)
         self._last_obs = obs
         self._recent.append(obs)
         return record
+
+    def _watch_activity(self, obs: Observation) -> None:
+        """Each signal's own movement, for the stall's reason (the stall rule is `_moved`'s)."""
+        load = self._load
+        weights: float | None = None
+        if obs.files is not None:
+            weights = obs.files.consumed_bytes
+        elif load is not None and load.progress is not None and load.basis is not None:
+            weights = load.progress * load.basis
+        reads = obs.process_read_bytes
+        if reads is None and obs.process_read_chars is None:
+            reads = obs.disk_read_bytes  # the tree cannot be read: the weights' devices
+        self._activity.update(
+            obs.time,
+            {
+                Activity.WEIGHT_BYTES: weights,
+                Activity.STORAGE_READS: reads,
+                Activity.LOG_LINES: obs.log_lines,
+                Activity.GPU_MEMORY: obs.process_gpu_bytes,
+                Activity.CPU: obs.process_cpu_seconds if obs.process_found else None,
+            },
+        )
 
     def reported(self, record: LoadRecord) -> None:
         """The last finished load with its report (exporter/explain.py), for what shows it."""
@@ -383,6 +425,7 @@ class Tracker:
                 fatal=load.fatal if load and phase is Phase.FAILED else None,
                 failed_probes=self._failed_probes,
                 hung=self._hung(),
+                **self._watched(now),
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
@@ -413,7 +456,19 @@ class Tracker:
             step=load.steps.step if self._logged else None,
             fatal=None,
             failed_probes=self._failed_probes,
+            **self._watched(now),
         )
+
+    def _watched(self, now: float) -> dict[str, Any]:
+        """The TargetState fields of what the process visibly does, for any phase."""
+        obs = self._last_obs
+        found = obs is not None and obs.process_found
+        return {
+            "activity": self._activity.quiet_seconds(now),
+            "cpu_share": self._activity.cpu_share(),
+            "process_state": obs.process_state if obs is not None and found else None,
+            "exited_at": self._proc_gone_at,
+        }
 
     def _hung(self) -> bool:
         obs = self._last_obs
