@@ -125,12 +125,14 @@ def alive(view: TargetView, now: float, interval: float) -> Verdict:
             return Verdict(True, "no basis yet: endpoint not answering, no process to watch")
         return Verdict(True, "no basis yet: no server process seen yet")
     at = f" at {_percent(state.progress_ratio)}" if state.progress_ratio is not None else ""
+    # Still moving: within 10 s (3 intervals), and never longer than the stall's own limit.
+    window = min(max(ACTIVE_SECONDS, 3 * interval), view.config.stall_after)
     if state.stalled:
         since = _duration(state.seconds_since_progress or 0.0)
         head = f"stalled in {phase}{at}: nothing moved for {since}"
-        return Verdict(False, _line(head, activity(state, interval)))
+        return Verdict(False, _line(head, activity(state, window)))
     head = f"{phase}{at}"
-    return Verdict(True, _line(head, activity(state, interval)))
+    return Verdict(True, _line(head, activity(state, window)))
 
 
 def ready(view: TargetView) -> Verdict:
@@ -158,10 +160,10 @@ class Watched(Protocol):
     def process_state(self) -> str | None: ...
 
 
-def activity(state: Watched, interval: float) -> list[str]:
+def activity(state: Watched, window: float) -> list[str]:
     """`no weight bytes for 2m10s`, `log lines still move`, `CPU busy (98 % of a core)`, the
-    tree's telling state: the measured signals only, stopped ones first."""
-    window = max(ACTIVE_SECONDS, 3 * interval)
+    tree's telling state: the measured signals only, stopped ones first; a signal that moved
+    within `window` seconds still moves."""
     stopped, moving = [], []
     for signal, (quiet_words, moving_words) in _WORDS.items():
         seconds = state.activity.get(signal)
