@@ -27,7 +27,6 @@ from exporter.untrusted import clean
 from exporter.vocabulary import Activity, Phase
 
 ACTIVE_SECONDS = 10.0  # a signal that moved this recently (or within 3 intervals) still moves
-BUSY_SHARE = 0.05  # the tree's CPU at this share of one core or more is busy, below it idle
 MAX_LINE = 300  # kubelet keeps a probe's body for its event; a line, not a page
 
 # Each signal once it stopped ("... for 2m10s") and while it moves.
@@ -176,10 +175,12 @@ def activity(state: Watched, window: float) -> list[str]:
     parts = stopped
     if moving:
         parts.append(", ".join(moving) + " still move")
-    share = state.cpu_share
-    if share is not None:
-        word = "busy" if share >= BUSY_SHARE else "idle"
-        parts.append(f"CPU {word} ({share * 100:.0f} % of a core)")
+    cpu_quiet, share = state.activity.get(Activity.CPU), state.cpu_share
+    if cpu_quiet is not None and cpu_quiet >= window:
+        parts.append(f"CPU idle for {_duration(cpu_quiet)}")
+    elif cpu_quiet is not None:
+        busy = f" ({share * 100:.0f} % of a core)" if share is not None else ""
+        parts.append(f"CPU busy{busy}")
     told = _STATES.get(state.process_state or "")
     if told is not None:
         parts.append(told)
