@@ -75,7 +75,9 @@ Rules, because every number on the dashboard comes from them:
   `starting`, and the server's own log, where there is one, gives the exact boundaries and wins.
 * A tick "moved" when any byte signal changed by 1 MiB or more since the previous tick, the probe
   result changed, or the phase changed; CPU time is deliberately not a signal. Stalled = in
-  progress and nothing moved for `stall_after`.
+  progress and nothing moved for `stall_after`. Beside that rule, each signal's own movement
+  (weight bytes, storage reads, log lines, GPU memory, the tree's CPU: exporter/activity.py) is
+  followed for the stall's reason only: it never raises or clears a stall.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
   driving signal, so the weights ETA (remaining weights / throughput) has no basis before the
   weights begin. ETA = that + the medians history has for the phases still ahead, from loads of
