@@ -200,7 +200,7 @@ def _failed(fatal: str | None, exited_at: float | None, now: float) -> str:
         parts.append(f"process exited {_ago(now - exited_at)} ago")
     if fatal:
         parts.append(f"the server's log: {clean(fatal, MAX_LINE)}")
-    return _line("load failed", parts or ["the server gave up"])
+    return _line("load failed", parts)
 
 
 def _line(head: str, parts: list[str]) -> str:

@@ -15,6 +15,11 @@ SIGSTOP mid-weights 503 within `stall_after` plus one period, 200 within one per
 after SIGKILL 503 within one period; and the startupProbe advice beside the true p99 of the cold
 loads (from each process's start to the first answer of /v1/models, polled by the test). The
 numbers land in .servers/reports/probes-on-llamacpp.json.
+
+llama.cpp mlocks the mapping of its GGUF, and the kernel fills it inside that one call whether
+the process is stopped or not: after SIGSTOP the weights go on arriving until the mapping is
+whole. So the 503 is timed from when the file's residency (fincore, the kernel's truth) stopped
+growing, and never comes before `stall_after` after the stop.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from helpers.filesystems import scratch
+from helpers.filesystems import fincore_bytes, scratch
 from helpers.kubelet import Prober
 from helpers.support import RunningExporter, free_port, wait_for
 from test_disk import lsblk_whole_disk
@@ -121,6 +126,20 @@ class Life:
         return self.loads[-1]
 
 
+def last_growth(path: Path, prober: Prober, since: float, timeout: float) -> float:
+    """When the file's page-cache residency last grew, polled every 0.1 s from `since` until
+    the prober's first failure after it."""
+    deadline = time.monotonic() + timeout
+    resident, grew_at = fincore_bytes(path), since
+    while prober.first(False, since) is None:
+        assert time.monotonic() < deadline, summary(prober)[-5:]
+        now, value = time.time(), fincore_bytes(path)
+        if value > resident:
+            resident, grew_at = value, now
+        time.sleep(0.1)
+    return grew_at
+
+
 def summary(prober: Prober) -> list[list[Any]]:
     """Each probe: seconds since the first, status, the line."""
     seen = prober.seen()
@@ -146,7 +165,11 @@ def test_alive_follows_the_real_llamacpp_through_its_life(
         stopped_at = time.time()
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
-            dead = prober.wait_for(False, stopped_at, STALL_AFTER + PERIOD + 10)
+            # llama.cpp mlocks its mapping: the kernel goes on reading the file into it inside
+            # that one call, stopped or not, until the mapping is whole. The truth of when the
+            # weights stopped moving is the file's residency (fincore), polled until the 503.
+            quiet_at = last_growth(gguf_model, prober, stopped_at, STALL_AFTER + PERIOD + 30)
+            dead = prober.wait_for(False, stopped_at, 1)
         finally:
             continued_at = time.time()
             os.kill(server.proc.pid, signal.SIGCONT)
@@ -157,7 +180,8 @@ def test_alive_follows_the_real_llamacpp_through_its_life(
         life.finish(server, prober, started, "cold, stopped mid-weights")
         before = prober.between(0, stopped_at + STALL_AFTER - LAG)
         assert before and all(p.code == 200 for p in before), [p.body for p in before]
-        assert dead.at - stopped_at <= STALL_AFTER + PERIOD + LAG, dead.at - stopped_at
+        assert dead.at - quiet_at <= STALL_AFTER + PERIOD + LAG, (dead.at - quiet_at, quiet_at)
+        assert dead.at - stopped_at >= STALL_AFTER  # never before the stall time
         assert dead.body.startswith("stalled in loading_weights at "), dead.body
         assert "no weight bytes" in dead.body and "stopped (SIGSTOP" in dead.body, dead.body
         assert back.at - continued_at <= PERIOD + LAG, back.at - continued_at
@@ -166,6 +190,8 @@ def test_alive_follows_the_real_llamacpp_through_its_life(
         life.loads[-1].update(
             truth=ready_at - started, measured=first.duration_seconds, cache=str(first.cache),
             stopped_after=stopped_at - started, failed_probe_after_stop=dead.at - stopped_at,
+            weights_moved_after_stop=quiet_at - stopped_at,
+            failed_probe_after_weights_stopped=dead.at - quiet_at,
             first_success_after_sigcont=back.at - continued_at, failed_line=dead.body,
         )  # fmt: skip
         assert first.cache == "cold"
