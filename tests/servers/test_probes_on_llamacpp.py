@@ -173,8 +173,8 @@ def test_alive_follows_the_real_llamacpp_through_its_life(
         finally:
             continued_at = time.time()
             os.kill(server.proc.pid, signal.SIGCONT)
+        ready_at = server.wait_ready()  # polled from SIGCONT on: the truth of its readiness
         back = prober.wait_for(True, continued_at, 10)
-        ready_at = server.wait_ready()
         wait_for(lambda: life.entry().get("phase") == "ready", timeout=10)
         life.serve(server)
         life.finish(server, prober, started, "cold, stopped mid-weights")
@@ -182,7 +182,10 @@ def test_alive_follows_the_real_llamacpp_through_its_life(
         assert before and all(p.code == 200 for p in before), [p.body for p in before]
         assert dead.at - quiet_at <= STALL_AFTER + PERIOD + LAG, (dead.at - quiet_at, quiet_at)
         assert dead.at - stopped_at >= STALL_AFTER  # never before the stall time
-        assert dead.body.startswith("stalled in loading_weights at "), dead.body
+        # Stopped mid-weights; the kernel may have filled the mapping meanwhile: then the
+        # weights are in and the stall is the initializing that cannot run.
+        assert dead.body.startswith(("stalled in loading_weights at ",
+                                     "stalled in initializing at 100 %")), dead.body  # fmt: skip
         assert "no weight bytes" in dead.body and "stopped (SIGSTOP" in dead.body, dead.body
         assert back.at - continued_at <= PERIOD + LAG, back.at - continued_at
         assert all(p.code == 200 for p in prober.between(back.at)), summary(prober)[-8:]
