@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from exporter.asprocess import Actor, Rights, RightsError, rights_of
+from exporter.asprocess import Actor, Borrowed, Rights, RightsError, rights_of
 from exporter.config import DISCOVERY_SERVERS, EndpointConfig, WeightsConfig
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
@@ -233,24 +233,28 @@ class Discoverer:
         return tops
 
     def _server(self, pid: int, start_ticks: int, argv: tuple[str, ...]) -> DiscoveredServer | None:
+        try:
+            rights = rights_of(pid, self._proc_root)
+        except ProcessLookupError:
+            return None
+        except Borrowed as exc:
+            self.refusals.note("borrowed_rights", (pid, start_ticks), "pid %d: %s", pid, exc.why)
+            return None
         known = self._known.get((pid, start_ticks))
         if known is not None and (known.weights or not _awaits_weights(known)):
             return known
         try:
-            return self._describe(pid, start_ticks, argv)
+            return self._describe(pid, start_ticks, argv, rights)
         except Exception as exc:  # one bad process must not end the pass for the others
             log.debug("describing pid %d failed", pid, exc_info=True)
             self.refusals.note("error", (pid, start_ticks), "pid %d skipped: %s", pid, exc)
             return None
 
     def _describe(
-        self, pid: int, start_ticks: int, argv: tuple[str, ...]
+        self, pid: int, start_ticks: int, argv: tuple[str, ...], rights: Rights
     ) -> DiscoveredServer | None:
         key = (pid, start_ticks)
         base = f"{self._proc_root}/{pid}"
-        rights = rights_of(pid, self._proc_root)
-        if rights is None:
-            return None  # gone
         if self._users is not None and rights.uid not in self._users:
             self.refusals.note("user", key, "pid %d: uid %d is not in discovery.users",
                                pid, rights.uid)  # fmt: skip

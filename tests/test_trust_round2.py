@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import base64
 import os
+import secrets
 import shutil
 import socket
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import bcrypt
 import pytest
 import yaml
-from helpers.fakeservers import world_dir
+from helpers.cgroups import cgroups, hierarchies, joining
+from helpers.fakeservers import SYSTEM_PYTHON, FakeServers, world_dir
 from helpers.hostile import ExporterProcess
-from helpers.users import NOBODY, as_nobody
+from helpers.support import free_port, sample_value, wait_for
+from helpers.users import NOBODY, SETPRIV, as_nobody
+from test_trust import found, refused, targets
 
+from exporter.asprocess import Borrowed, rights_of
 from exporter.history import HistoryStore
 
 pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv")]
@@ -44,6 +51,48 @@ def shared_dir() -> Iterator[Path]:
     path = world_dir("round2-")
     yield path
     shutil.rmtree(path)
+
+
+SECRET = "DB_PASSWORD=hunter2-root-only"
+
+
+@pytest.fixture
+def root_dir() -> Iterator[Path]:
+    """A directory only root may enter: a weight file and a log with a secret in it."""
+    path = world_dir("root-only-")
+    path.chmod(0o700)
+    (path / "hidden-00001-of-00001.safetensors").write_bytes(b"\0" * 8192)
+    log = path / "app.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 12-01 10:00:00 [api_server.py:1] vLLM API server version 0.32\n"
+        f"RuntimeError: Engine core initialization failed. {SECRET}\n"
+    )
+    log.chmod(0o600)
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.fixture
+def exporter(tmp_path: Path) -> Iterator[ExporterProcess]:
+    """The exporter as root with discovery on and nothing configured, as on a GPU host."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "sample_interval": "200ms",
+                "history_path": str(tmp_path / "history.sqlite"),
+                "discovery": {"interval": "300ms"},
+            }
+        )
+    )
+    running = ExporterProcess([f"--config.file={config}"])
+    running.wait_listening()
+    yield running
+    running.close()
+
+
+def log_of(exporter: ExporterProcess, pid: int) -> dict[str, Any]:
+    return dict((targets(exporter).get(pid) or {}).get("log") or {})
 
 
 def nobody_reads(path: Path) -> bool:
@@ -171,3 +220,234 @@ def test_row9_without_auth_the_page_still_sends_nosniff_once(tmp_path: Path) -> 
         assert dict(lines)["cache-control"] == "no-cache"  # a page of no one's data
     finally:
         running.close()
+
+
+# -- row 1: a fake server in its own user namespace (unshare -Ur) ------------------------------
+
+
+def test_row1_capabilities_in_a_user_namespace_give_nothing(
+    exporter: ExporterProcess, root_dir: Path, user_dir: Path
+) -> None:
+    weights = root_dir / "hidden-00001-of-00001.safetensors"
+    log = user_dir / "server.log"
+    log.write_text("(APIServer pid=1) INFO 12-01 10:00:00 [api_server.py:1] vLLM API server\n")
+    os.chown(log, NOBODY, NOBODY)
+    argv = ["vllm", "serve", str(weights), "--port", str(free_port())]
+    fakes = FakeServers([argv], wrap=["unshare", "-Ur"], stderr=log)
+    try:
+        [pid] = fakes.pids
+        assert "CapEff:\t000001ff" in Path(f"/proc/{pid}/status").read_text()  # a full set, there
+        target = found(exporter, pid)
+        wait_for(lambda: "server.log" in (log_of(exporter, pid).get("found_by") or ""))
+        # Then its standard error's path is swapped for a symlink to root's log.
+        log.rename(user_dir / "server.log.1")
+        log.symlink_to(root_dir / "app.log")
+        os.lchown(log, NOBODY, NOBODY)
+        reason = wait_for(lambda: log_of(exporter, pid).get("reason"), timeout=10)
+        assert "Permission denied" in reason, reason
+        time.sleep(1.0)  # residency passes and log samples have run
+        text, status = exporter.get("/metrics").text, exporter.get("/api/v1/status").text
+        assert target["discovered"]["weights"] == []
+        name = target["target"]
+        assert sample_value(text, "model_load_weights_bytes", target=name) is None
+        assert SECRET not in status, log_of(exporter, pid)
+        assert log_of(exporter, pid)["fatal"] is None
+    finally:
+        fakes.stop()
+
+
+# -- row 2: a setuid-root program under a server's name ------------------------------------------
+
+
+@pytest.fixture
+def setuid_sleep() -> Iterator[Path]:
+    """A setuid-root and a setgid-root copy of sleep, where nobody may run them."""
+    directory = world_dir("setuid-")
+    for name, mode in (("suid-sleep", 0o4755), ("sgid-sleep", 0o2755)):
+        shutil.copy("/bin/sleep", directory / name)
+        (directory / name).chmod(mode)
+    yield directory
+    shutil.rmtree(directory)
+
+
+def as_server(argv0: str, program: str, *args: str) -> subprocess.Popen[bytes]:
+    """`exec -a argv0 program args` as nobody, its stdin a pipe nobody writes to."""
+    return subprocess.Popen(
+        [*SETPRIV, "/bin/bash", "-c", f'exec -a {argv0} "$@"', "bash", program, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_row2_a_setuid_program_is_no_server_read_for(
+    exporter: ExporterProcess, setuid_sleep: Path
+) -> None:
+    servers = [
+        as_server("llama-server", "/usr/bin/su", "root"),  # at its password prompt
+        as_server("llama-server", str(setuid_sleep / "suid-sleep"), "120"),
+        as_server("llama-server", str(setuid_sleep / "sgid-sleep"), "120"),
+    ]
+    plain = FakeServers([["llama-server", "--port", str(free_port())]])
+    try:
+        wait_for(lambda: all(Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"llama-")
+                             for p in servers))  # fmt: skip
+        found(exporter, plain.pids[0])  # a plain one of nobody's is a server
+        wait_for(lambda: refused(exporter, "borrowed_rights") >= len(servers))
+        time.sleep(1.0)  # more passes: each is said once, and none becomes a target
+        assert refused(exporter, "borrowed_rights") == len(servers)
+        assert not {p.pid for p in servers} & targets(exporter).keys()
+        said = exporter.stderr()
+        for server in servers:
+            assert said.count(f"pid {server.pid}: ") == 1, said[-2000:]
+    finally:
+        plain.stop()
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+_UNDUMPABLE = (
+    "import ctypes, sys, time\n"
+    "ctypes.CDLL(None).prctl(4, 0)\n"  # PR_SET_DUMPABLE 0
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_row2_a_process_that_is_not_dumpable_or_in_another_namespace_lends_nothing() -> None:
+    """rights_of on real processes of nobody's: not dumpable is refused; a user namespace's
+    full capability set counts for nothing here; a plain process keeps its own."""
+    undumpable = subprocess.Popen(
+        [*SETPRIV, SYSTEM_PYTHON, "-c", _UNDUMPABLE], stdout=subprocess.PIPE
+    )
+    namespaced = subprocess.Popen([*SETPRIV, "unshare", "-Ur", "sleep", "60"])
+    try:
+        assert undumpable.stdout is not None and undumpable.stdout.readline() == b"ready\n"
+        with pytest.raises(Borrowed, match="not dumpable"):
+            rights_of(undumpable.pid)
+        wait_for(lambda: Path(f"/proc/{namespaced.pid}/cmdline").read_bytes() == b"sleep\x0060\x00")
+        rights = rights_of(namespaced.pid)
+        assert (rights.uid, rights.gid, rights.capabilities) == (NOBODY, NOBODY, 0)
+        assert rights_of(os.getpid()).capabilities != 0  # root here, in this namespace
+    finally:
+        for proc in (undumpable, namespaced):
+            proc.kill()
+            proc.wait()
+
+
+# -- row 3: a system.slice/X.service of the user's own, under user@UID.service ---------------
+
+
+@pytest.fixture
+def delegated() -> Iterator[list[Path]]:
+    """user@65534.service as systemd makes it for nobody: a cgroup delegated to that user (the
+    directory and its cgroup.procs are theirs), in every cgroup hierarchy of this host."""
+    relative = f"user.slice/user-{NOBODY}.slice/user@{NOBODY}.service"
+    with cgroups(relative, hierarchies()) as dirs:
+        for directory in dirs:
+            for path in (directory, *directory.iterdir()):
+                if path.name in ("", directory.name, "cgroup.procs", "cgroup.threads",
+                                 "cgroup.subtree_control", "tasks"):  # fmt: skip
+                    os.chown(path, NOBODY, NOBODY)
+        yield dirs
+
+
+def test_row3_a_unit_made_below_the_users_own_manager_is_no_unit(
+    exporter: ExporterProcess, delegated: list[Path]
+) -> None:
+    unit = f"mle-evil-{secrets.token_hex(4)}.service"
+    made = [d / "system.slice" / unit for d in delegated]
+    # As nobody, inside its delegated subtree: make system.slice/UNIT and move itself there.
+    moves = "".join(f"mkdir -p {m} && echo $$ > {m}/cgroup.procs && " for m in made)
+    wrap = ["sh", "-c", f'{moves}exec "$@"', "sh"]
+    fakes = FakeServers(
+        [["vllm", "serve", "m", "--port", str(free_port())]],
+        prefix=joining(delegated, []),
+        wrap=wrap,
+    )
+    try:
+        [pid] = fakes.pids
+        assert (
+            f"user@{NOBODY}.service/system.slice/{unit}" in Path(f"/proc/{pid}/cgroup").read_text()
+        )
+        found(exporter, pid)
+        state = wait_for(lambda: unit in (log_of(exporter, pid).get("not_found") or "")
+                         and log_of(exporter, pid))  # fmt: skip
+        assert unit in state["not_found"] and "no systemd service" in state["not_found"]
+        assert state.get("source") is None
+        assert not journalctl_children(exporter)
+    finally:
+        fakes.stop()
+        for m in reversed(made):
+            wait_for(lambda m=m: _rmdir(m), timeout=10)
+
+
+def test_row3_a_system_units_journal_is_read_with_its_processs_rights(
+    exporter: ExporterProcess,
+) -> None:
+    unit = f"mle-ok-{secrets.token_hex(4)}.service"
+    with cgroups(f"system.slice/{unit}", hierarchies()) as dirs:
+        # As systemd starts a service with User=nobody: placed by root, then nobody's.
+        fakes = FakeServers(
+            [["vllm", "serve", "m", "--port", str(free_port())]], prefix=joining(dirs, [])
+        )
+        try:
+            [pid] = fakes.pids
+            found(exporter, pid)
+            state = wait_for(lambda: log_of(exporter, pid).get("reason") and log_of(exporter, pid))
+            assert state["source"] == f"journald:{unit}"
+            # journalctl ran as nobody, who may not read the system journal: it says so.
+            assert "insufficient permissions" in state["reason"], state
+        finally:
+            fakes.stop()
+
+
+def journalctl_children(exporter: ExporterProcess) -> list[int]:
+    """journalctl processes the exporter started, now."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat_line = (entry / "stat").read_text()
+        except (OSError, NotADirectoryError):
+            continue
+        fields = stat_line.rsplit(")", 1)[-1].split()
+        if int(fields[1]) == exporter.pid and "(journalctl)" in stat_line:
+            found.append(int(entry.name))
+    return found
+
+
+def _rmdir(path: Path) -> bool:
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/user.slice/user-{NOBODY}.slice/user@{NOBODY}.service/system.slice/sshd.service",
+        f"/user.slice/user-{NOBODY}.slice/user@{NOBODY}.service",
+        "/system.slice/ssh*.service",
+        "/system.slice/[a-z]*.service",
+        "/system.slice/a b.service",
+        "/../system.slice/x.service",
+        f"/system.slice/{'a' * 250}.service",
+    ],
+)
+def test_row3_only_a_valid_unit_from_the_root_is_a_unit(path: str) -> None:
+    from exporter.logfind import cgroup_owner
+
+    assert cgroup_owner(path) is None
+
+
+def test_row3_the_unit_is_matched_literally() -> None:
+    from exporter.sources.logs import journalctl_command
+
+    command = journalctl_command("vllm.service", 0.0, None, literal=True)
+    assert "_SYSTEMD_UNIT=vllm.service" in command
+    assert not any(arg.startswith("--unit") for arg in command)
