@@ -15,6 +15,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,8 @@ import yaml
 from helpers.cgroups import cgroups, hierarchies, joining
 from helpers.fakeservers import SYSTEM_PYTHON, FakeServers, world_dir
 from helpers.hostile import ExporterProcess
+from helpers.pagecache_io import MIB, read_all, write_cold_file
+from helpers.processes import cli
 from helpers.support import free_port, sample_value, wait_for
 from helpers.users import NOBODY, SETPRIV, as_nobody
 from test_trust import found, refused, targets
@@ -293,10 +296,9 @@ def test_row2_a_setuid_program_is_no_server_read_for(
         wait_for(lambda: all(Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"llama-")
                              for p in servers))  # fmt: skip
         found(exporter, plain.pids[0])  # a plain one of nobody's is a server
-        wait_for(lambda: refused(exporter, "borrowed_rights") >= len(servers))
-        time.sleep(1.0)  # more passes: each is said once, and none becomes a target
-        assert refused(exporter, "borrowed_rights") == len(servers)
+        time.sleep(1.5)  # more passes: none becomes a target, each is said once
         assert not {p.pid for p in servers} & targets(exporter).keys()
+        assert refused(exporter, "borrowed_rights") == len(servers)
         said = exporter.stderr()
         for server in servers:
             assert said.count(f"pid {server.pid}: ") == 1, said[-2000:]
@@ -451,3 +453,120 @@ def test_row3_the_unit_is_matched_literally() -> None:
     command = journalctl_command("vllm.service", 0.0, None, literal=True)
     assert "_SYSTEMD_UNIT=vllm.service" in command
     assert not any(arg.startswith("--unit") for arg in command)
+
+
+# -- row 8: root runs prewarm on a directory the user controls ----------------------------------
+
+
+def fincore(path: Path) -> int:
+    """Resident bytes per util-linux's fincore (the kernel's mincore, as root)."""
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return int(out.split()[0])
+
+
+@pytest.fixture
+def secret_weights() -> Iterator[Path]:
+    """Root's own weights, 0600 in a 0700 directory, cold."""
+    path = world_dir("root-weights-")
+    path.chmod(0o700)
+    write_cold_file(path / "secret.safetensors", 4 * MIB).chmod(0o600)
+    yield path
+    shutil.rmtree(path)
+
+
+def users_model(user_dir: Path) -> Path:
+    """nobody's model directory, one cold shard of its own."""
+    model = user_dir / "model"
+    model.mkdir()
+    write_cold_file(model / "own.safetensors", 4 * MIB)
+    for path in (model, model / "own.safetensors"):
+        os.chown(path, NOBODY, NOBODY)
+    return model
+
+
+def link(path: Path, target: Path) -> None:
+    path.symlink_to(target)
+    os.lchown(path, NOBODY, NOBODY)
+
+
+@pytest.mark.requires("fincore")
+@pytest.mark.parametrize("how", ["file symlink", "directory symlink"])
+def test_row8_prewarm_reads_nothing_of_roots_through_a_users_symlink(
+    user_dir: Path, secret_weights: Path, how: str
+) -> None:
+    model = users_model(user_dir)
+    secret = secret_weights / "secret.safetensors"
+    if how == "file symlink":
+        link(model / "stolen.safetensors", secret)
+    else:
+        link(model / "sub", secret_weights)
+    done = cli("prewarm", str(model))
+    assert done.returncode == 1, done.stdout
+    assert "refusing" in done.stderr and "not readable by uid 65534" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert fincore(secret) == 0
+    assert fincore(model / "own.safetensors") == 0  # refused before reading anything
+
+
+@pytest.mark.requires("fincore")
+def test_row8_evict_drops_nothing_of_roots_through_a_users_symlink(
+    user_dir: Path, secret_weights: Path
+) -> None:
+    model = users_model(user_dir)
+    secret = secret_weights / "secret.safetensors"
+    link(model / "stolen.safetensors", secret)
+    read_all(secret)
+    resident = fincore(secret)
+    assert resident > 0
+    done = cli("prewarm", "--evict", str(model))
+    assert done.returncode == 1 and "refusing" in done.stderr, done.stderr
+    assert fincore(secret) >= resident - 16 * os.sysconf("SC_PAGE_SIZE")  # the VM's slow drift
+
+
+@pytest.mark.requires("fincore")
+def test_row8_a_users_own_files_are_read_with_their_rights(user_dir: Path) -> None:
+    model = users_model(user_dir)
+    done = cli("prewarm", str(model))
+    assert done.returncode == 0, done.stderr
+    assert fincore(model / "own.safetensors") > 0
+    # A file of root's, 0600, in the user's directory: the user could not read it, nor does this.
+    write_cold_file(model / "roots.safetensors", MIB).chmod(0o600)
+    done = cli("prewarm", str(model))
+    assert done.returncode == 1 and "roots.safetensors" in done.stderr, done.stderr
+    assert fincore(model / "roots.safetensors") == 0
+
+
+def test_row8_a_fifo_swapped_in_after_the_listing_hangs_nothing(user_dir: Path) -> None:
+    from exporter.cachectl import evict, prewarm_files
+    from exporter.commands.prewarm import find_files
+    from exporter.ownedfiles import OwnedFiles
+    from exporter.safeio import Refused
+
+    model = users_model(user_dir)
+    files = find_files([str(model)], ["*.safetensors"])
+    shard = model / "own.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)  # no writer ever comes: a blocking open would wait forever
+    os.chown(shard, NOBODY, NOBODY)
+    owned = OwnedFiles(files)
+    outcome: list[BaseException | int] = []
+
+    def attempt() -> None:
+        for call in (
+            lambda: prewarm_files([(str(shard), 4 * MIB)], 1, opener=owned.open),
+            lambda: evict(str(shard), owned.open),
+        ):
+            try:
+                outcome.append(call())
+            except BaseException as exc:  # what it raised is the answer
+                outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(10)
+    owned.close()
+    assert not worker.is_alive(), "prewarm hung on a FIFO"
+    assert all(isinstance(o, Refused) and o.reason == "not_regular" for o in outcome), outcome
