@@ -14,7 +14,9 @@ Hugging Face cache, and everything through /proc/PID/root when it lives in anoth
 namespace (a container), so that the paths returned are ones this exporter can open.
 
 Trust: any local user can start a process that looks like a server, so what its command line,
-environment and files say is believed only as far as that user's own rights reach. Every file
+environment and files say is believed only as far as that user's own rights reach, as the
+exporter's namespace sees them: a setuid program or a process that is not dumpable is no server
+(refused, `borrowed_rights`), capabilities of another user namespace count for nothing. Every file
 looked at for a process is opened on a thread holding the process's credentials
 (exporter/asprocess.py), regular files only and bounded (exporter/safeio.py), never on /proc,
 /sys or /dev; what the user could not read is neither read, counted nor named. Probes go only to
@@ -233,6 +235,10 @@ class Discoverer:
         return tops
 
     def _server(self, pid: int, start_ticks: int, argv: tuple[str, ...]) -> DiscoveredServer | None:
+        known = self._known.get((pid, start_ticks))
+        settled = known is not None and (known.weights or not _awaits_weights(known))
+        if settled and pid % self._refresh != self._passes % self._refresh:
+            return known  # its rights are looked at again in its slice, and at every read
         try:
             rights = rights_of(pid, self._proc_root)
         except ProcessLookupError:
@@ -240,8 +246,7 @@ class Discoverer:
         except Borrowed as exc:
             self.refusals.note("borrowed_rights", (pid, start_ticks), "pid %d: %s", pid, exc.why)
             return None
-        known = self._known.get((pid, start_ticks))
-        if known is not None and (known.weights or not _awaits_weights(known)):
+        if known is not None and settled:
             return known
         try:
             return self._describe(pid, start_ticks, argv, rights)

@@ -107,7 +107,10 @@ class HistoryStore:
         path: str,
         busy_timeout: float = BUSY_TIMEOUT_SECONDS,
         retention: HistoryRetention | None = None,
+        private: bool = True,
     ) -> None:
+        """`private`: the exporter's own store, made private first (`make_private`); the
+        `history` command reading a file it was pointed at leaves it as it is."""
         self.path = path
         self.retention = retention or HistoryRetention()
         self.enabled = False
@@ -118,7 +121,7 @@ class HistoryStore:
         self._pending: deque[LoadRecord] = deque(maxlen=MAX_PENDING)
         if not path:
             return
-        problem = make_private(path)
+        problem = make_private(path) if private else None
         if problem is not None:
             self._disable(problem)
             return
