@@ -114,9 +114,8 @@ def find_log(
     shown = ", ".join(paths[:2]) or "none"
     return LogFinding(
         None,
-        f"pid {pid}: {described}, and its cgroup ({shown}) is no systemd service of the system "
-        "manager's (/SLICE.slice/NAME.service from the root of the hierarchy), Docker container "
-        "or Kubernetes pod",
+        f"pid {pid}: {described}, and its cgroup ({shown}) is no systemd service, Docker "
+        "container or Kubernetes pod",
     )
 
 
