@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from exporter.safeio import Refused, open_checked, read_regular, resolve_in_root
-from exporter.sources.process import read_stat
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +372,7 @@ class OnBehalf:
     actor: Actor
     rights: Rights
     pid: int | None = None
-    start_ticks: int | None = None
+    same: Callable[[], bool] = lambda: True  # whether `pid` is still that process (not reused)
     proc_root: str = "/proc"
 
     def current(self) -> Rights:
@@ -384,10 +383,7 @@ class OnBehalf:
             rights = rights_of(self.pid, self.proc_root)
         except ProcessLookupError:
             return self.rights
-        now = read_stat(self.proc_root, self.pid)
-        if self.start_ticks is not None and (now is None or now.start_ticks != self.start_ticks):
-            return self.rights  # the pid is another process's now
-        return rights
+        return rights if self.same() else self.rights  # a reused pid is another process's
 
     def run(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         return self.actor.call(self.current(), fn, timeout)

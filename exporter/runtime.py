@@ -343,7 +343,8 @@ class Runtime:
         """How a discovered target's sources touch its files: with its process's rights."""
         if found is None or found.rights is None:
             return None
-        return OnBehalf(self.actor, found.rights, found.pid, found.start_ticks, self._proc_root)
+        same = _same_process(self._proc_root, found.pid, found.start_ticks)
+        return OnBehalf(self.actor, found.rights, found.pid, same, self._proc_root)
 
     def _refused_tree(self, name: str, exc: Refused) -> None:
         self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
@@ -768,7 +769,8 @@ class Runtime:
         proc = read_stat(self._proc_root, pid)
         if proc is None:
             raise ProcessLookupError(f"pid {pid} is gone")
-        return OnBehalf(self.actor, rights, pid, proc.start_ticks, self._proc_root)
+        same = _same_process(self._proc_root, pid, proc.start_ticks)
+        return OnBehalf(self.actor, rights, pid, same, self._proc_root)
 
     def _follow_log(
         self,
@@ -1017,6 +1019,16 @@ def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -
         total_bytes=files.total_bytes,
         direct=any(f.direct for f in files.files),
     )
+
+
+def _same_process(proc_root: str, pid: int, start_ticks: int) -> Callable[[], bool]:
+    """Whether `pid` is still the process that started at `start_ticks` (pids are reused)."""
+
+    def same() -> bool:
+        proc = read_stat(proc_root, pid)
+        return proc is not None and proc.start_ticks == start_ticks
+
+    return same
 
 
 def _owner(runtime: TargetRuntime) -> int | None:
