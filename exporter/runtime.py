@@ -744,13 +744,15 @@ class Runtime:
             runtime.logs.close()
             runtime.logs, runtime.log_seq = None, 0
         behalf: OnBehalf | None = None
+        finding: LogFinding | None = None
         try:  # a found log is the process's: read with its rights, whoever configured the target
             behalf = self._on_behalf(runtime.discovered) or self._on_behalf_of(process.root_pid)
         except Borrowed as exc:
             finding = LogFinding(None, f"its log is not read: {exc}")
         except ProcessLookupError:
-            return
-        else:
+            pass  # a configured target's process whose credentials cannot be read (gone, or a
+            # /proc tree without them): its log, if any is found, with the exporter's rights
+        if finding is None:
             finding = find_log(
                 process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
             )
