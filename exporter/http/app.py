@@ -31,6 +31,7 @@ StartResponse = Callable[..., Any]
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,4}\Z")  # ASCII digits only: "²".isdigit() is True
 _LOAD_ID = re.compile(r"[0-9]{1,18}\Z")  # a history row id (SQLite's are 64-bit)
 LOAD_PREFIX = "/api/v1/loads/"
+NO_STORE = ("Cache-Control", "no-store")
 
 
 class WebApp:
@@ -74,6 +75,8 @@ class WebApp:
                 b"Unauthorized\n",
                 extra=[("WWW-Authenticate", 'Basic realm="model-load-exporter"')],
             )
+        if self.web.auth.enabled:
+            start_response = _not_stored(start_response)
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         if path == "/-/reload":
@@ -180,6 +183,17 @@ def same_origin(environ: dict[str, Any]) -> bool:
         return False
     host = environ.get("HTTP_HOST", "").lower()
     return parts.scheme == environ.get("wsgi.url_scheme") and bool(host) and parts.netloc == host
+
+
+def _not_stored(start_response: StartResponse) -> StartResponse:
+    """An answer behind basic auth is for its one client: no browser or proxy may keep it
+    (`Cache-Control: no-store` in place of whatever the route said)."""
+
+    def start(status: str, headers: list[tuple[str, str]], *args: Any) -> Any:
+        kept = [(k, v) for k, v in headers if k.lower() != "cache-control"]
+        return start_response(status, [*kept, NO_STORE], *args)
+
+    return start
 
 
 def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:
