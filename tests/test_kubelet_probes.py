@@ -55,6 +55,7 @@ def host(tmp_path: Path, weights: Path, start_exporter: Any) -> Iterator[Any]:
 
     def exporter() -> RunningExporter:
         target = sim_target(port, weights, tmp_path / "server.pid", stall_after="2s")
+        target["endpoint"]["ready_interval"] = "1s"  # a hang is seen within a second or so
         config = {
             "sample_interval": f"{int(INTERVAL * 1000)}ms",
             "history_path": str(tmp_path / "history.sqlite"),
@@ -226,6 +227,34 @@ def test_an_exporter_restarted_mid_load_answers_no_503_without_a_basis(host: Any
     assert state["phase"] == "ready"
     loads = requests.get(f"{second.url}/api/v1/loads", timeout=5).json()["loads"]
     assert loads[0]["seen_late"] is True
+
+
+def test_a_server_that_stops_answering_while_ready_is_hung(host: Any) -> None:
+    """Ready, then frozen: its process runs on but its endpoint times out; 3 failed probes in a
+    row make it hung (503), the first answer after SIGCONT alive again."""
+    exporter, simulate = host
+    running = exporter()
+    sim = simulate()
+    wait_for(lambda: phase(running) == "ready", 30)
+    alive, _ = probers(running)
+    try:
+        time.sleep(2 * PERIOD)
+        stopped_at = time.time()
+        os.kill(sim.proc.pid, signal.SIGSTOP)
+        dead = alive.wait_for(False, stopped_at, 20)
+        continued_at = time.time()
+        os.kill(sim.proc.pid, signal.SIGCONT)
+        back = alive.wait_for(True, continued_at, 10)
+    finally:
+        alive.stop()
+    assert all(p.ok for p in alive.between(0, stopped_at))
+    assert dead.body.startswith("hung: process up, endpoint failed 3 probes in a row (timeout"), (
+        dead.body
+    )
+    # Three probes of a second's timeout, the first up to ready_interval after the freeze.
+    assert dead.at - stopped_at <= 1.0 + 3 * (1.0 + INTERVAL) + PERIOD + LAG, dead.at - stopped_at
+    assert back.at - continued_at <= PERIOD + 1.0 + LAG, back.at - continued_at
+    assert phase(running) == "ready"
 
 
 def test_names_and_methods(host: Any) -> None:
