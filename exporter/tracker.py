@@ -93,7 +93,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import ActivityWatch
 from exporter.api import LoadReport
@@ -239,6 +239,15 @@ class TargetState:
     cpu_share: float | None = None  # the tree's CPU over the last 10 s, share of one core
     process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
     exited_at: float | None = None  # the watched process was seen gone then; None: running
+
+
+class _Watched(TypedDict):
+    """TargetState's fields of what the process visibly does (`Tracker._watched`)."""
+
+    activity: Mapping[str, float]
+    cpu_share: float | None
+    process_state: str | None
+    exited_at: float | None
 
 
 class Expectations(Protocol):
@@ -461,16 +470,16 @@ class Tracker:
             **self._watched(now),
         )
 
-    def _watched(self, now: float) -> dict[str, Any]:
+    def _watched(self, now: float) -> _Watched:
         """The TargetState fields of what the process visibly does, for any phase."""
         obs = self._last_obs
         found = obs is not None and obs.process_found
-        return {
-            "activity": self._activity.quiet_seconds(now),
-            "cpu_share": self._activity.cpu_share(),
-            "process_state": obs.process_state if obs is not None and found else None,
-            "exited_at": self._proc_gone_at,
-        }
+        return _Watched(
+            activity=self._activity.quiet_seconds(now),
+            cpu_share=self._activity.cpu_share(),
+            process_state=obs.process_state if obs is not None and found else None,
+            exited_at=self._proc_gone_at,
+        )
 
     def _hung(self) -> bool:
         obs = self._last_obs
