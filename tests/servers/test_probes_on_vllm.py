@@ -104,8 +104,8 @@ def test_alive_follows_the_real_vllm_through_its_life(
             finally:
                 continued_at = time.time()
                 group(signal.SIGCONT, server)
+            ready_at = server.wait_healthy()  # polled from SIGCONT on
             back = prober.wait_for(True, continued_at, 10)
-            ready_at = server.wait_healthy()
             for _ in range(3):
                 server.complete("The weights", 4)
             time.sleep(2 * PERIOD)
