@@ -133,6 +133,8 @@ def test_sigstop_mid_weights_then_sigcont(host: Any) -> None:
         wait_for(lambda: phase(running) == "ready", 30)
     finally:
         alive.stop()
+    print(f"\nSIGSTOP: 503 after {dead.at - stopped_at:.2f}s (stall_after {STALL_AFTER}s,"
+          f" period {PERIOD}s); 200 {back.at - continued_at:.2f}s after SIGCONT")  # fmt: skip
     # Alive until the stall is due, 503 within stall_after + a period of the stop, saying why.
     early = alive.between(0, stopped_at + STALL_AFTER - LAG)
     assert early and all(p.code == 200 for p in early), [(p.code, p.body) for p in early]
@@ -182,6 +184,7 @@ def test_sigkill_is_dead_within_a_period(host: Any) -> None:
     finally:
         alive.stop()
         ready.stop()
+    print(f"\nSIGKILL: 503 after {dead.at - killed_at:.2f}s (period {PERIOD}s)")
     assert dead.at - killed_at <= PERIOD + LAG, dead.at - killed_at
     assert dead.body.startswith("load failed; process exited"), dead.body
     assert all(not p.ok for p in alive.between(dead.at))
@@ -251,6 +254,8 @@ def test_a_server_that_stops_answering_while_ready_is_hung(host: Any) -> None:
     assert dead.body.startswith("hung: process up, endpoint failed 3 probes in a row (timeout"), (
         dead.body
     )
+    print(f"\nhung: 503 after {dead.at - stopped_at:.2f}s; 200 {back.at - continued_at:.2f}s"
+          " after SIGCONT")  # fmt: skip
     # Three probes of a second's timeout, the first up to ready_interval after the freeze.
     assert dead.at - stopped_at <= 1.0 + 3 * (1.0 + INTERVAL) + PERIOD + LAG, dead.at - stopped_at
     assert back.at - continued_at <= PERIOD + 1.0 + LAG, back.at - continued_at
