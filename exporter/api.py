@@ -460,6 +460,10 @@ class LogReading(Document):
     fatal: str | None
     lines: int
     last_line_at: float | None
+    # Bytes not parsed (over a sample's CPU or byte budget), and whether the log was let go
+    # because its process is gone; absent from an exporter older than both.
+    skipped_bytes: int = field(default=0, metadata=OPTIONAL)
+    closed: bool = field(default=False, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)

@@ -589,6 +589,8 @@ class Runtime:
             return
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
+            if runtime.logs is not None and runtime.config.log is None:
+                runtime.logs.finish()  # found for that process: nothing more will come
             self.sampler.sample_soon(LOGS, runtime.config.name)  # its last lines say why
             self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
             if runtime.discovered is not None and self.discoverer is not None:
@@ -817,7 +819,7 @@ class Runtime:
             resident_measured_at=min(residency.measured_at, now) if residency else None,
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
             log_events=events,
-            log_lines=log_sample.lines_total if log_sample is not None else None,
+            log_lines=log_sample.activity if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
             files=_file_view(files, process),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
