@@ -108,7 +108,15 @@ def test_a_noisy_log_leaves_other_targets_and_scrapes_on_time(
         }
     )
     wait_for(lambda: "other" in {t["target"] for t in running.status()["targets"]})
-    writer = [sys.executable, "-c", WRITER, str(noisy), str(RATE), str(WATCH_SECONDS + 5), LINES[line]]
+    writer = [
+        sys.executable,
+        "-c",
+        WRITER,
+        str(noisy),
+        str(RATE),
+        str(WATCH_SECONDS + 5),
+        LINES[line],
+    ]
     ages, scrapes = [], []
     with subprocess.Popen(writer) as child:
         try:

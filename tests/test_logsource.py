@@ -375,18 +375,28 @@ def _keywords_vllm(n: int) -> bytes:
 
 
 def _noise_cri(n: int) -> bytes:
-    return b"".join(b"2026-03-02T10:00:00.%06dZ stdout F noise %d\n" % (i % 999999, i) for i in range(n))
+    return b"".join(
+        b"2026-03-02T10:00:00.%06dZ stdout F noise %d\n" % (i % 999999, i) for i in range(n)
+    )
+
+
+VLLM_WEIGHTS_DONE = b"INFO 03-02 10:00:09 [core.py:1] Loading weights took 1.0 seconds\n"
+VLLM_FATAL = b"RuntimeError: Engine core initialization failed. See root cause above.\n"
+CRI_SGLANG_BEGIN = (
+    b"2026-03-02T10:00:09.000000Z stdout F [2026-03-02 10:00:09] Load weight begin. "
+    b"avail mem=70.00 GB\n"
+)
 
 
 @pytest.mark.parametrize(
     ("fmt", "encoding", "noise", "marker"),
     [
-        ("auto", "plain", _noise_plain, b"INFO 03-02 10:00:09 [core.py:1] Loading weights took 1.0 seconds\n"),
-        ("vllm", "plain", _keywords_vllm, b"RuntimeError: Engine core initialization failed. See root cause above.\n"),
-        ("auto", "cri", _noise_cri, b"2026-03-02T10:00:09.000000Z stdout F [2026-03-02 10:00:09] Load weight begin. avail mem=70.00 GB\n"),
+        ("auto", "plain", _noise_plain, VLLM_WEIGHTS_DONE),
+        ("vllm", "plain", _keywords_vllm, VLLM_FATAL),
+        ("auto", "cri", _noise_cri, CRI_SGLANG_BEGIN),
     ],
     ids=["unknown-format", "keyword-flood", "cri-records"],
-)  # fmt: skip
+)
 def test_a_sample_parses_within_its_cpu_share_and_skips_the_rest(
     tmp_path: Path, fmt: str, encoding: str, noise: Any, marker: bytes
 ) -> None:
