@@ -502,3 +502,37 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.system
+def test_a_flooding_journal_is_parsed_within_the_cpu_share_and_the_rest_dropped(
+    tmp_path: Path,
+) -> None:
+    """journalctl's pipe full of entries no rule knows: a sample parses until its allowance is
+    spent, then drops what the pipe holds unparsed (counted); journalctl goes on, unblocked."""
+    fake = tmp_path / "journalctl"
+    entry = json.dumps({"MESSAGE": "noise " * 20, "__REALTIME_TIMESTAMP": "1000000000"})
+    fake.write_text(
+        f"#!{sys.executable}\nimport sys, time\n"
+        f"line = {entry!r}.encode() + b'\\n'\n"
+        "for _ in range(40):\n    sys.stdout.buffer.write(line * 2000)\n"
+        "sys.stdout.flush()\ntime.sleep(60)\n"
+    )
+    fake.chmod(0o755)
+    cpu, wall = Ticks(0.1), [1000.0]
+    source = LogSource(
+        LogConfig(journald_unit="u.service"),
+        journalctl=str(fake),
+        clock=lambda: wall[0],
+        cpu_clock=cpu,
+    )
+    try:
+        source.sample()  # starts journalctl
+        time.sleep(1.0)  # its pipe fills (1 MiB), then it blocks
+        wall[0] += 60.0
+        sample = source.sample()
+        assert 0 < sample.bytes_total <= math.ceil(CPU_BURST / 0.1) * PARSE_CHUNK
+        assert sample.skipped_bytes > 0 and sample.up
+        assert sample.activity > sample.lines_total
+    finally:
+        source.close()
