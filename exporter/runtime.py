@@ -585,12 +585,14 @@ class Runtime:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
+        found_for = runtime.log_for
+        if process is not None and runtime.logs is not None and found_for is not None:
+            if root != found_for[0]:  # found for a process now gone: nothing more will come
+                runtime.logs.finish()
         if root == runtime.watched_pid:
             return
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
-            if runtime.logs is not None and runtime.config.log is None:
-                runtime.logs.finish()  # found for that process: nothing more will come
             self.sampler.sample_soon(LOGS, runtime.config.name)  # its last lines say why
             self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
             if runtime.discovered is not None and self.discoverer is not None:
