@@ -586,9 +586,9 @@ class Runtime:
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
         found_for = runtime.log_for
-        if process is not None and runtime.logs is not None and found_for is not None:
-            if root != found_for[0]:  # found for a process now gone: nothing more will come
-                runtime.logs.finish()
+        gone = process is not None and found_for is not None and root != found_for[0]
+        if gone and runtime.logs is not None:  # its log was found for that process: no more
+            runtime.logs.finish()
         if root == runtime.watched_pid:
             return
         if runtime.watched_pid is not None:
