@@ -1,6 +1,6 @@
 """Text from others, made fit to show (issue 27 row 5, issue 32 row 2): `untrusted.clean` on its
-own, the documents' exit that applies it, and a real discovered `vllm serve` look-alike of
-a user of its own whose model path, `HF_HOME` and log lines carry bytes that are not UTF-8, C1 controls,
+own, the documents' exit that applies it, and a real discovered `vllm serve` look-alike of a user
+of its own whose model path, `HF_HOME` and log lines carry bytes that are not UTF-8, C1 controls,
 ESC, BEL, BS, bidirectional overrides and tags, seen through /api/v1/status, /api/v1/loads,
 /metrics, `status` and the MCP tools while it runs and after it is gone."""
 
