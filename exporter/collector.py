@@ -47,6 +47,7 @@ from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
 
 NS = "model_load"
+MAX_LABEL = 4096  # characters of one label value (a path at most PATH_MAX)
 T = TypeVar("T")
 
 
@@ -314,15 +315,10 @@ def _native(counts: HistogramCounts) -> NativeHistogram:
 
 
 def _label(value: str) -> str:
-    """A label value that encodes: a file or model name that is not UTF-8 must not make every
-    scrape a 500 (discovery cleans what it found already; configured file names come here)."""
-    if value.isascii():
-        return value
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return clean(value, limit=4096)
-    return value
+    """A label value as it may leave: the exporter's second exit for text (the documents'
+    `to_json` is the first; exporter/untrusted.py says why), so a mount point, a file or a model
+    name with an escape, a bidi override or a byte that is not UTF-8 encodes and shows as text."""
+    return clean(value, limit=MAX_LABEL)
 
 
 # -- one function per source -------------------------------------------------------------------

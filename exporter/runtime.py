@@ -588,6 +588,10 @@ class Runtime:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
+        found_for = runtime.log_for
+        gone = process is not None and found_for is not None and root != found_for[0]
+        if gone and runtime.logs is not None:  # its log was found for that process: no more
+            runtime.logs.finish()
         if root == runtime.watched_pid:
             return
         if runtime.watched_pid is not None:
@@ -847,7 +851,7 @@ class Runtime:
             resident_measured_at=min(residency.measured_at, now) if residency else None,
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
             log_events=events,
-            log_lines=log_sample.lines_total if log_sample is not None else None,
+            log_lines=log_sample.activity if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
             files=_file_view(files, process),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
