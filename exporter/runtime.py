@@ -683,6 +683,8 @@ class Runtime:
         ready = result is ProbeResult.READY
         news = ready if runtime.cadence.phase in IN_PROGRESS else changed or not ready
         if news:
+            if ready and runtime.logs is not None:
+                self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
     def _probe_result(self, name: str) -> ProbeResult | None:
@@ -775,7 +777,14 @@ class Runtime:
             runtime.config.name,
             runtime.logs.sample,
             every=self._pace_of(LOGS, runtime),
+            after=lambda reading: self._after_log(runtime),
         )
+
+    def _after_log(self, runtime: TargetRuntime) -> None:
+        """A load that answered ready waits for a read of the log after the answer (the tracker
+        dates a short load's phases from its lines): tick as soon as that read is in."""
+        if runtime.cadence.phase in IN_PROGRESS and runtime.last_result is ProbeResult.READY:
+            self.sampler.run_soon(TRACKER_LOOP)
 
     def _observe(
         self, runtime: TargetRuntime, now: float, disk: DiskSample | None
@@ -793,7 +802,12 @@ class Runtime:
         events = new_events(log_sample, runtime.log_seq) if log_sample is not None else ()
         if log_sample is not None:
             runtime.log_seq = log_sample.last_seq
-        files = self.sampler.value(WEIGHT_FILES, name) if runtime.finder is not None else None
+        files: WeightFilesSample | None = None
+        files_looked = False  # the view has reported on this target at least once
+        if runtime.finder is not None:
+            looked = self.sampler.latest(WEIGHT_FILES, name)
+            files_looked = looked is not None
+            files = looked.good if looked is not None else None
         gpu = self.sampler.value(NVML)
         probe_value = probe.good if probe is not None else None
         gpu_memory: dict[int, int] = {}
@@ -819,7 +833,7 @@ class Runtime:
             log_events=events,
             log_lines=log_sample.lines_total if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
-            files=_file_view(files, process),
+            files=_file_view(files, process, files_looked),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
         )
@@ -976,14 +990,21 @@ def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
     return sum(c for c in counters if c is not None)
 
 
-def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -> FileView | None:
+def _file_view(
+    files: WeightFilesSample | None, process: ProcessSample | None, looked: bool = True
+) -> FileView | None:
     """The weight files as the tracker sees them, None where they cannot be seen (the tracker
-    then falls back on the tree's counters). A process the file view has not looked at yet holds
-    nothing known: its imports must not read as weights while the view catches up."""
-    if files is None or not files.visible or process is None or not process.found:
+    then falls back on the tree's counters). A process the file view has not looked at yet (a
+    target just discovered, a new process) holds nothing known: its imports must not read as
+    weights while the view catches up, so the view is `pending` rather than absent."""
+    if process is None or not process.found:
+        return None
+    if files is None and not looked:
+        return FileView(None, False, None, 0, 0, 0, pending=True)
+    if files is None or not files.visible:
         return None
     if files.root_pid != process.root_pid:
-        return FileView(None, False, None, 0, 0, files.total_bytes)
+        return FileView(None, False, None, 0, 0, files.total_bytes, pending=True)
     return FileView(
         first_open_at=files.first_open_at,
         first_open_seen=files.first_open_seen,

@@ -21,7 +21,9 @@ Rules, because every number on the dashboard comes from them:
 * It ends `ready` on the first probe finished after the start that says ready; `failed` when the
   process is gone first (or replaced by another one), or at once when the server's log reports a
   fatal error (with the server's message). With a log, a process exit waits one tick for the
-  log's last lines, which say why. `failed` stays until the next load.
+  log's last lines, which say why, and a ready answer waits (an interval at most) for a read of
+  the log after it, whose lines date the phases of a load shorter than an interval; the load
+  still ends at the answer. `failed` stays until the next load.
 * A ready server that stops answering while its process runs on (process matching) stays `ready`:
   no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
   hang once after 3 of them. Without process matching those 3 failures start a load (above).
@@ -136,6 +138,9 @@ class FileView:
     seen_bytes: int  # sizes of the files held so far: the most the tree can have consumed
     total_bytes: int
     direct: bool = False  # a weight file was opened with O_DIRECT: reads around the page cache
+    # Not looked at this process yet: nothing held, and not kept as the last view if the next
+    # look cannot see (another user's tree): the counters take over then.
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,12 +283,14 @@ class _Load:
     reads_at_open: int | None = None
     rx_at_open: int | None = None  # the GPUs' PCIe receive counter then
     files: FileView | None = None  # the last view of the weight files in this load
+    files_looked: bool = False  # the view has looked at this load's process (not pending)
     # First seen mid-way with no weight file held: the weights may be behind or ahead of it,
     # so its phases are unknown unless a weight file is seen opening after all.
     phases_unknown: bool = False
     steps: StepTimeline = field(default_factory=StepTimeline)  # the log's fine steps, this load
     fatal: str | None = None
     fatal_at: float | None = None
+    ready_at: float | None = None  # the first ready answer, while the log is read up to it
     bytes_read: int | None = None
     weights_bytes: int | None = None
     evidence: dict[Signal, _Evidence] = field(default_factory=dict)
@@ -343,13 +350,23 @@ class Tracker:
                 record = self._finish(load, load.fatal_at, Outcome.FAILED)
             elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
-            elif probe is not None and probe.time > load.started_at and record is None:
-                record = self._finish(load, probe.time, Outcome.READY)  # when it answered
+            elif probe is not None and probe.time > load.started_at and load.ready_at is None:
+                load.ready_at = probe.time  # when it first answered
+            if load.ready_at is not None and record is None and not self._awaits_log(obs, load):
+                record = self._finish(load, load.ready_at, Outcome.READY)
         else:
             self._settle(obs)
         self._last_obs = obs
         self._recent.append(obs)
         return record
+
+    def _awaits_log(self, obs: Observation, load: _Load) -> bool:
+        """A ready answer waits for a read of the log after it, an interval at most: the lines
+        written before it date the phases of a load shorter than an interval (a warm start)."""
+        at = load.ready_at
+        assert at is not None
+        read = obs.log_read_at
+        return self._logged and (read is None or read < at) and obs.time < at + self.interval
 
     def reported(self, record: LoadRecord) -> None:
         """The last finished load with its report (exporter/explain.py), for what shows it."""
@@ -605,7 +622,7 @@ class Tracker:
     def _follow(
         self, load: _Load, obs: Observation, prev: Observation | None, answer_changed: bool
     ) -> None:
-        if obs.files is None and load.files is not None:
+        if obs.files is None and load.files is not None and not load.files.pending:
             # Out of view for a moment (a sample failed): the last view holds, rather than the
             # counters that would count start-up reads as weights.
             obs = replace(obs, files=load.files)
@@ -675,10 +692,11 @@ class Tracker:
         """The storage reads at the first weight-file open, and whether a late load's phases can
         be told at all."""
         files = obs.files
-        if files is None:
+        if files is None or files.pending:
             return
+        first_look, load.files_looked = not load.files_looked, True
         if files.first_open_at is None:
-            if load.seen_late and obs.time == load.seen_at:
+            if load.seen_late and first_look:
                 load.phases_unknown = True  # nothing held on arrival: before or after its weights?
             return
         if load.reads_at_open is None:

@@ -45,8 +45,13 @@ FIXTURE_CASES = [
     ("llamacpp-python-0.3.36-real-fail.log", "llamacpp", "fatal", {}),
     ("tgi-3.3-sharded.log", "tgi", "weights_begin weights_end warmup_begin kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 17.99, "warmup": 0.8, "kv_cache": 0.01, "cuda_graph": 8.39}),
     ("tgi-fatal.log", "tgi", "weights_begin fatal", {"weights": 15.69}),
-    ("triton-2.log", "triton", "weights_begin weights_end ready", {"weights": 41.2}),
-    ("triton-fatal.log", "triton", "weights_begin fatal", {"weights": 4.5}),
+    ("triton-2.log", "triton", "weights_begin weights_end ready", {"weights": 40.6}),
+    ("triton-fatal.log", "triton", "weights_begin fatal", {"weights": 4.0}),
+    # Real tritonserver 2.51 (tests/servers/triton_server.py's model): quoted messages; the
+    # weights from the instance's initialize() to `successfully loaded`. In explicit mode the
+    # HTTP service starts first and a model loads later, on request.
+    ("triton-2.51-real.log", "triton", "weights_begin weights_end ready", {"weights": 0.351}),
+    ("triton-2.51-real-explicit.log", "triton", "ready weights_begin weights_end", {"weights": 0.698}),
 ]  # fmt: skip
 
 JOURNAL_CASES = [

@@ -49,6 +49,7 @@ class Sim:
     probe: tuple[str, float] | None = None
     logged: bool = False  # the target has a log source
     files: bool = False  # the tree's weight files are in view (sources/weightfiles.py)
+    pending: int = 0  # ticks before the file view's first look at the process (it is pending)
     consumed: int = 0  # bytes of the weight files the tree has consumed
     seen: int = 0  # sizes of the weight files it has held
     first_open: float | None = None
@@ -56,6 +57,7 @@ class Sim:
     idle: float | None = None  # no weight file held since
     rx: int | None = None  # PCIe bytes received by the tree's GPUs; None: no such counter
     log_lines: int = 0
+    log_lag: float = 0.0  # how long before each tick the log was last read
     log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
     states: list[TargetState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -112,8 +114,11 @@ class Sim:
             disk_read_bytes=self.disk,
             log_events=tuple(self.log),
             log_lines=self.log_lines if self.logged else None,
+            log_read_at=self.time - self.log_lag if self.logged else None,
             files=(
-                FileView(
+                FileView(None, False, None, 0, 0, 0, pending=True)
+                if self.files and alive and self.ticks <= self.pending
+                else FileView(
                     self.first_open,
                     self.first_open_seen,
                     self.idle,
@@ -929,6 +934,36 @@ def test_an_exit_waits_a_tick_for_the_logs_last_words() -> None:
     assert record.ended_at == exited - 0.5  # the fatal line, just before the exit was seen
 
 
+def test_a_ready_answer_waits_for_the_log_read_after_it() -> None:
+    """A warm start shorter than an interval: the answer comes before the log's lines that
+    date its weights were read. The record waits for that read (an interval at most) and ends
+    at the answer, with the weights where the log put them."""
+    sim = Sim(tracker(), logged=True, log_lag=0.5)
+    sim.spawn()
+    sim.tick()
+    sim.endpoint = "ready"
+    sim.tick()
+    answered = sim.time
+    assert sim.records == [] and sim.state.in_progress  # the log was read before the answer
+    sim.log_lag = 0.0
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=1.6)
+    sim.say(EventKind.WEIGHTS_END, ago=1.2)
+    sim.tick()
+    [record] = sim.records
+    assert record.outcome == "ready" and record.ended_at == answered
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 1.4, "loading_weights": 0.4, "initializing": 0.2}
+    )
+
+    unread = Sim(tracker(), logged=True, log_lag=5.0)  # a log not read for a while
+    unread.spawn()
+    unread.tick()
+    unread.endpoint = "ready"
+    unread.tick(2)
+    [record] = unread.records  # an interval at most: then it ends without the log
+    assert record.ended_at == T0 + 2
+
+
 def test_an_exit_without_a_log_fails_at_once() -> None:
     sim = Sim(tracker())
     sim.spawn()
@@ -992,6 +1027,37 @@ def test_imports_are_starting_and_the_weights_begin_at_the_first_weight_file() -
         "loading_weights": weights - 1,
         "initializing": script.init + 1,
     }
+
+
+def test_imports_before_the_file_views_first_look_are_not_weights() -> None:
+    """A target just discovered ticks before the file view has looked at its process. A warm
+    start's read() bytes then are imports (5 % of a small model's size: Triton's stubs), never
+    weights; once the view looks, it decides. A view that turns out blind (another user's tree)
+    hands over to the counters instead of holding its empty pending view."""
+    size = 400 * MB
+    sim = Sim(tracker(), weights=size, files=True, resident=size)
+    sim.spawn()
+    sim.pending = 2
+    sim.tick(2, chars=10 * MB)
+    assert [s.phase for s in sim.states] == ["starting"] * 2
+    assert not sim.state.progress_ratio
+    sim.tick(1, chars=10 * MB)  # the view's first look: nothing held yet
+    assert sim.state.phase == "starting"
+    sim.hold(size)
+    sim.tick(2, consume=size // 4)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.progress_source == "weight_files"
+    assert sim.state.progress_ratio == pytest.approx(0.5)
+    assert sim.state_at(T0 + 3).phase == "starting"
+
+    blind = Sim(tracker(), weights=size, files=True, resident=size)
+    blind.spawn()
+    blind.pending = 1
+    blind.tick(1, chars=10 * MB)
+    blind.files = False  # the first look could not see: the counters drive from here
+    blind.tick(2, chars=100 * MB)
+    assert blind.state.progress_source == "process_read_chars"
+    assert blind.state.progress_ratio == pytest.approx(210 * MB / size)
 
 
 def test_before_the_weights_the_eta_is_historys_and_no_weights_eta_from_imports(
