@@ -753,7 +753,7 @@ class Runtime:
             log.info("target %s: no log found: %s", name, finding.why)
             return
         log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files)
+        self._follow_log(runtime, finding.config, start, finding.whole_files, origin=start)
 
     def _follow_log(
         self,
@@ -761,7 +761,9 @@ class Runtime:
         config: LogConfig,
         since: float,
         whole_files: tuple[str, ...] = (),
+        origin: float | None = None,
     ) -> None:
+        """`origin`: the start of the one process the log belongs to (a found log), else None."""
         behalf = self._on_behalf(runtime.discovered)
         opener = None
         if behalf is not None:  # a discovered server's log is read with its own rights
@@ -770,7 +772,12 @@ class Runtime:
                 return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
 
         runtime.logs = LogSource(
-            config, since=since, whole_files=whole_files, clock=self._clock, opener=opener
+            config,
+            since=since,
+            whole_files=whole_files,
+            clock=self._clock,
+            opener=opener,
+            origin=origin,
         )
         self.sampler.add(
             LOGS,

@@ -85,7 +85,8 @@ def _dirs(root: Path, case: str, *names: str) -> list[Path]:
 
 def _cases(root: Path) -> dict[str, Case]:
     p = {
-        name: free_port() for name in ("sg", "sgs", "vh", "vm", "ls", "le", "lp", "tg", "tr", "tm", "te", "mn")
+        name: free_port()
+        for name in ("sg", "sgs", "vh", "vm", "ls", "le", "lp", "tg", "tr", "tm", "te", "mn")
     }
     (sg,) = _dirs(root, "sg", "Qwen2.5-7B-Instruct")
     (sgs,) = _dirs(root, "sgs", "Llama-3-8B")

@@ -655,11 +655,14 @@ class LogSource:
         read_budget: int = READ_BUDGET,
         restart_after: float = JOURNAL_RESTART_SECONDS,
         opener: Callable[[str], int] | None = None,
+        origin: float | None = None,
     ) -> None:
-        """`opener` opens a log file for reading (a found log: with its process's rights)."""
+        """`opener` opens a log file for reading (a found log: with its process's rights);
+        `origin` is the start of the one process whose log this is (a found log), which dates
+        the lines stamped with the time since it (exporter/logmarkers.py)."""
         self._clock = clock
         self._budget = read_budget
-        self._parser = MarkerParser(config.format)
+        self._parser = MarkerParser(config.format, origin)
         self._timeline = StepTimeline()
         self._events: deque[LogEvent] = deque(maxlen=MAX_EVENTS)
         self._journal_lines = 0
