@@ -186,8 +186,8 @@ def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
     source.sample()
     loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
     mapped = source.sample()
-    # Mapped, nothing touched: only the bytes of the commands the loader read on stdin (rchar
-    # while the shard's descriptor was open count as preads of it).
+    # Mapped, nothing touched: nothing consumed (the commands it read on stdin are no part of
+    # a mapped shard).
     assert mapped.held_files == 1 and mapped.consumed_bytes < 4096
     loader.do(f"touch {shards[0]} 0 {6 * MIB}")
     touched = source.sample()
@@ -207,6 +207,28 @@ def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
     assert consumed(swapped)[shards[0].name] == SHARD
     assert 2 * MIB <= consumed(swapped)[shards[1].name] <= 3 * MIB
     assert [f.held for f in swapped.files] == [False, True]
+
+
+def test_a_mapped_file_is_followed_by_its_pages_not_by_the_processs_reads(
+    shards: list[Path], loaders: list[Loader], tmp_path: Path
+) -> None:
+    """safe_open maps a shard while its descriptor is still open; whatever the process reads
+    with read() meanwhile (its imports, a config) is no read of that shard: a mapped file's
+    progress is its pages alone."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"touch {shards[0]} 0 {2 * MIB}")
+    first = source.sample()
+    loader.do(f"import {tmp_path / 'torch.so'}", f"touch {shards[0]} 0 {3 * MIB}")
+    second = source.sample()
+    assert 2 * MIB <= first.consumed_bytes <= 3 * MIB
+    # The 4 MiB read() of torch.so left the shard's offset at 0: not a pread of it.
+    assert 3 * MIB <= second.consumed_bytes <= 4 * MIB
+    assert second.files[0].how == "mmap" and second.files[0].held
+    loader.do(f"close {shards[0]}", f"unmap {shards[0]}")
+    assert source.sample().consumed_bytes == SHARD  # let go: done with it
 
 
 def test_a_pread_loader_is_followed_by_its_read_bytes_beyond_its_offset(
