@@ -329,6 +329,10 @@ class LoadState(Document):
     fatal: str | None
     failed_probes: int  # distinct failed probes in a row
     hung: bool  # ready, its process running, and its endpoint stopped answering
+    # true while the load is a running server's (a model loaded into it); absent otherwise
+    in_server: bool | None = field(default=None, metadata=OPTIONAL)
+    # what the running server last unloaded (its log's name for it), until its next load
+    unloaded: str | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   still open ends them first: ranks synchronise before allocating the KV cache, and a release
   that reworded its "weights done" line still gets its boundary (detail "implied by: ...").
 
-A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one.
+A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one, as does
+a load_begin (a model loaded into a running server) once the weights of the cycle before are in.
+unloaded (a model let go by a running server) belongs to no cycle.
 
 Event time: the process's start plus a line's time since that start (llama-server's stamps), where
 the caller knows the log is that process's own; else the line's own timestamp where the format
@@ -81,7 +83,16 @@ _AFTER_WEIGHTS = frozenset(
         EventKind.READY,
     }
 )
-_ONCE = frozenset({EventKind.KV_CACHE, EventKind.WARMUP_BEGIN, EventKind.READY, EventKind.FATAL})
+_ONCE = frozenset(
+    {
+        EventKind.KV_CACHE,
+        EventKind.WARMUP_BEGIN,
+        EventKind.READY,
+        EventKind.FATAL,
+        EventKind.LOAD_BEGIN,
+    }
+)
+_CYCLE_BEGINS = frozenset({EventKind.WEIGHTS_BEGIN, EventKind.LOAD_BEGIN})
 
 
 @dataclass(frozen=True)
@@ -327,18 +338,25 @@ class MarkerParser:
         groups = match.groupdict()
         who = groups.get("who") or prefix.who
         cycle = self._cycle
-        if cycle.finished:
-            if kind is not EventKind.WEIGHTS_BEGIN:
+        detail = prefix.message.strip()
+        if prefix.exact is not None:
+            at = prefix.exact
+        else:
+            at = _event_time(prefix.stamp, prefix.resolution, ref)
+        if kind is EventKind.UNLOADED:  # no part of any load
+            self._emit(events, kind, self._stamp(at), who, detail)
+            return
+        # A model loaded into a running server once the weights before are in is a load of its
+        # own (Triton's explicit mode: the server was ready before it).
+        over = cycle.finished or (
+            kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once
+        )
+        if over:
+            if kind not in _CYCLE_BEGINS:
                 return
             cycle = self._cycle = _Cycle()
             self._cause = None
-        detail = prefix.message.strip()
-        at = (
-            prefix.exact
-            if prefix.exact is not None
-            else _event_time(prefix.stamp, prefix.resolution, ref)
-        )
-        at = self._last_at = max(at, self._last_at)
+        at = self._stamp(at)
         done = total = None
         if kind in _PROGRESS:
             done, total = _progress(groups, partial)
@@ -365,6 +383,11 @@ class MarkerParser:
             cycle.finished = True
         seconds = groups.get("seconds")
         self._emit(events, kind, at, who, detail, done, total, float(seconds) if seconds else None)
+
+    def _stamp(self, at: float) -> float:
+        """Event times never go back: the log is written in order."""
+        self._last_at = max(at, self._last_at)
+        return self._last_at
 
     def _weights_in_before(
         self, kind: EventKind, events: list[LogEvent], at: float, who: str | None, detail: str
@@ -505,8 +528,10 @@ class StepTimeline:
 
     def apply(self, event: LogEvent) -> None:
         kind, at = event.kind, event.time
+        if kind is EventKind.UNLOADED:
+            return
         if self.finished:
-            if kind is not EventKind.WEIGHTS_BEGIN:
+            if kind not in _CYCLE_BEGINS:
                 return
             self._reset()
         if kind in _ENTERS:

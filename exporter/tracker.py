@@ -224,6 +224,9 @@ class TargetState:
     # Ready, its process running, and ENDPOINT_FAILURES_FOR_LOAD probes in a row failed: no
     # new process, so no load, but the endpoint stopped answering (the ModelServerHung alert).
     hung: bool = False
+    in_server: bool = False  # the load is a running server's (a model loaded into it)
+    # What the running server last unloaded (its log's name for it), until its next load.
+    unloaded: str | None = None
 
 
 class Expectations(Protocol):
@@ -291,6 +294,8 @@ class _Load:
     fatal: str | None = None
     fatal_at: float | None = None
     ready_at: float | None = None  # the first ready answer, while the log is read up to it
+    in_server: bool = False  # a running server's load: its process started before it
+    reads_base: int | None = None  # the tree's storage reads as an in-server load began
     bytes_read: int | None = None
     weights_bytes: int | None = None
     evidence: dict[Signal, _Evidence] = field(default_factory=dict)
@@ -323,6 +328,8 @@ class Tracker:
         self._failed_probes = 0  # distinct failed probes in a row
         self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
+        self._serving_since: float | None = None  # the last load's ready answer
+        self._unloaded: str | None = None
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
@@ -337,6 +344,8 @@ class Tracker:
         record = None
         if obs.process_configured:
             record = self._track_process(obs)
+            if record is None:
+                self._in_server(obs)
         else:
             self._track_endpoint(obs, probe)
         load = self._load
@@ -400,6 +409,8 @@ class Tracker:
                 fatal=load.fatal if load and phase is Phase.FAILED else None,
                 failed_probes=self._failed_probes,
                 hung=self._hung(),
+                in_server=load.in_server if load else False,
+                unloaded=self._unloaded,
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
@@ -430,6 +441,7 @@ class Tracker:
             step=load.steps.step if self._logged else None,
             fatal=None,
             failed_probes=self._failed_probes,
+            in_server=load.in_server,
         )
 
     def _hung(self) -> bool:
@@ -493,6 +505,25 @@ class Tracker:
         self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
 
+    def _in_server(self, obs: Observation) -> None:
+        """A running server that loads a model (its log's load_begin after it served): a load of
+        this target from that line, its process the same; a model it unloads is said so."""
+        running = self._load is not None and self._phase in IN_PROGRESS
+        if running or self._phase is not Phase.READY or not obs.process_found:
+            return
+        for event in obs.log_events:
+            if event.kind is EventKind.UNLOADED:
+                self._unloaded = event.who or event.detail
+            elif event.kind is EventKind.LOAD_BEGIN and (
+                self._serving_since is None or event.time > self._serving_since
+            ):
+                self._unloaded = None
+                self._begin(obs, min(event.time, obs.time), partial=False, seen_failing=False)
+                assert self._load is not None
+                self._load.in_server = True
+                self._load.reads_base = obs.process_read_bytes
+                return
+
     def _count_failure(self, probe: _Probe) -> None:
         """Failed probes in a row: 3 start an endpoint-only load, or make a watched server hung."""
         if probe.result == ProbeResult.READY:
@@ -545,6 +576,7 @@ class Tracker:
             # Ready at the first chance to ask: the exporter watched no load at all.
             self._load = None
             self._phase = Phase.READY
+            self._serving_since = at
             return None
         # (phase, its start, whether that start was watched); the load's start always is.
         marks = [
@@ -584,6 +616,8 @@ class Tracker:
             resident_bytes_at_start=load.resident_start,
         )
         self._phase = Phase(outcome)
+        if outcome is Outcome.READY:
+            self._serving_since = at
         self._last_record = record
         return record
 
@@ -612,6 +646,8 @@ class Tracker:
                 self._phase = Phase.DOWN
         elif obs.process_found:
             self._phase = Phase.READY  # finished its load, or was ready on arrival
+            if self._serving_since is None:
+                self._serving_since = obs.time  # log lines before it are no load of ours
         else:
             gone = self._proc_gone_at
             fresh = ready and probe is not None and (gone is None or probe.time > gone)
@@ -732,6 +768,8 @@ class Tracker:
         if measured < load.started_at:
             return
         read_since_start = obs.process_read_bytes if obs.process_found else None
+        if read_since_start is not None and load.reads_base is not None:
+            read_since_start -= load.reads_base  # an in-server load: since it began
         if load.seen_late and read_since_start is None:
             return
         load.resident_start = max(0, obs.resident_bytes - (read_since_start or 0))

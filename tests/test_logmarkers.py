@@ -51,13 +51,14 @@ FIXTURE_CASES = [
     ("llama-server-real-fail.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
     ("tgi-3.3-sharded.log", "tgi", "weights_begin weights_end warmup_begin kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 17.99, "warmup": 0.8, "kv_cache": 0.01, "cuda_graph": 8.39}),
     ("tgi-fatal.log", "tgi", "weights_begin fatal", {"weights": 15.69}),
-    ("triton-2.log", "triton", "weights_begin weights_end ready", {"weights": 40.6}),
-    ("triton-fatal.log", "triton", "weights_begin fatal", {"weights": 4.0}),
+    ("triton-2.log", "triton", "load_begin weights_begin weights_end ready", {"weights": 40.6}),
+    ("triton-fatal.log", "triton", "load_begin weights_begin fatal", {"weights": 4.0}),
     # Real tritonserver 2.51 (tests/servers/triton_server.py's model): quoted messages; the
     # weights from the instance's initialize() to `successfully loaded`. In explicit mode the
-    # HTTP service starts first and a model loads later, on request.
-    ("triton-2.51-real.log", "triton", "weights_begin weights_end ready", {"weights": 0.351}),
-    ("triton-2.51-real-explicit.log", "triton", "ready weights_begin weights_end", {"weights": 0.698}),
+    # HTTP service starts first, a model loads later, on request (a load of its own: its
+    # load_begin starts a new cycle), and is unloaded (no part of any load).
+    ("triton-2.51-real.log", "triton", "load_begin weights_begin weights_end ready unloaded", {"weights": 0.351}),
+    ("triton-2.51-real-explicit.log", "triton", "ready load_begin weights_begin weights_end unloaded", {"weights": 0.698}),
 ]  # fmt: skip
 
 JOURNAL_CASES = [

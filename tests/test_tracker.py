@@ -1284,3 +1284,69 @@ def test_the_logs_shard_count_does_not_run_ahead_of_the_weight_files_bytes() -> 
     sim.tick()
     assert sim.state.progress_ratio == pytest.approx(2 * GB / sim.weights)  # not 3/4
     assert sim.state.progress_source == "weight_files"
+
+
+# -- loads inside a running server ---------------------------------------------------------------
+
+
+def test_a_model_loaded_into_a_running_server_is_a_load_of_its_own() -> None:
+    """Triton in explicit mode: up and ready at once with nothing loaded, then a model loaded
+    on request. Its log's load_begin starts a load of the target (the same process) with its
+    own phases, progress and record; a stall is a stall; a model unloaded is said so."""
+    size = 400 * MB
+    sim = Sim(tracker(stall_after=5.0), weights=size, files=True, logged=True)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(2)
+    [started] = sim.records
+    assert sim.state.phase == "ready" and not sim.state.in_server
+    sim.endpoint = "http_error"  # /v2/health/ready says 400 while the model loads
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="tiny")
+    sim.tick()
+    began = sim.time - 0.5
+    state = sim.state
+    assert (state.phase, state.in_progress, state.in_server) == ("starting", True, True)
+    assert state.started_at == began and state.elapsed_seconds == 0.5
+    sim.tick()  # the backend's stub starts
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=0.25, who="tiny")
+    sim.hold(size)
+    sim.tick(2, consume=size // 4)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.progress_ratio == pytest.approx(0.5)
+    assert sim.state.progress_source == "weight_files"
+    sim.tick(2, consume=size // 4)
+    sim.let_go()
+    sim.say(EventKind.WEIGHTS_END, ago=0.75, who="tiny")
+    sim.tick()
+    assert sim.state.phase == "initializing"
+    sim.tick(6)  # nothing moves: a stall like any load's
+    assert sim.state.stalled
+    sim.endpoint = "ready"
+    sim.tick()
+    record = sim.records[-1]
+    assert record is not started and record.outcome == "ready" and not record.partial
+    assert (record.started_at, record.ended_at) == (began, sim.time)
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 2.25, "loading_weights": 3.5, "initializing": 7.75}
+    )
+    assert sim.state.phase == "ready" and not sim.state.in_progress
+    sim.say(EventKind.UNLOADED, who="tiny", detail="successfully unloaded 'tiny' version 1")
+    sim.tick()
+    assert sim.state.unloaded == "tiny" and sim.state.phase == "ready"
+    sim.say(EventKind.LOAD_BEGIN, who="tiny")  # loaded again: no longer unloaded
+    sim.tick()
+    assert sim.state.in_server and sim.state.unloaded is None
+
+
+def test_a_load_line_from_before_the_server_answered_is_no_load_inside_it() -> None:
+    """The default mode logs `loading: NAME` before its ports open: read after the answer
+    (or by an exporter that arrived later), it is the start's, not a load of its own."""
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.tick(3)
+    sim.endpoint = "ready"
+    sim.tick()
+    assert len(sim.records) == 1 and sim.state.phase == "ready"
+    sim.say(EventKind.LOAD_BEGIN, ago=3.5, who="tiny")  # stamped during the start
+    sim.tick()
+    assert sim.state.phase == "ready" and not sim.state.in_progress and len(sim.records) == 1

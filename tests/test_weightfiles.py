@@ -231,6 +231,31 @@ def test_a_mapped_file_is_followed_by_its_pages_not_by_the_processs_reads(
     assert source.sample().consumed_bytes == SHARD  # let go: done with it
 
 
+def test_a_restart_accounts_afresh_for_a_model_loaded_again_by_the_same_process(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """A model unloaded and loaded again inside a running server (Triton's explicit mode):
+    what the files were to the load before, consumed and let go, is no progress of this one."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}", f"unmap {shards[0]}")
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
+    held = source.sample()
+    loader.do(f"unmap {shards[0]}")
+    before = source.sample()
+    assert before.consumed_bytes == SHARD and before.first_open_at is not None  # let go: whole
+    source.restart()
+    fresh = source.sample()
+    assert fresh.since > held.since and fresh.root_pid == loader.pid
+    assert (fresh.consumed_bytes, fresh.files, fresh.first_open_at) == (0, (), None)
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
+    loader.do(f"touch {shards[0]} 0 {4 * MIB}")
+    again = source.sample()
+    assert 4 * MIB <= again.consumed_bytes <= 5 * MIB and again.first_open_seen
+
+
 def test_a_pread_loader_is_followed_by_its_read_bytes_beyond_its_offset(
     shards: list[Path], loaders: list[Loader]
 ) -> None:

@@ -29,6 +29,9 @@ class EventKind(StrEnum):
     WARMUP_BEGIN = "warmup_begin"
     READY = "ready"
     FATAL = "fatal"
+    # A running server loads (a model into Triton in explicit or poll mode) or unloads one.
+    LOAD_BEGIN = "load_begin"
+    UNLOADED = "unloaded"
 
 
 CAUSE = "cause"  # a rule kind that records an error line for the next fatal instead of firing

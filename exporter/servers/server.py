@@ -84,6 +84,9 @@ class Server:
     commands: tuple[Command, ...]
     log: LogFormat
     answers: Answers = Answers()
+    # Loads models into a running process (Triton's explicit and poll modes), which only its
+    # log announces at once: its log is read every interval even while the target is settled.
+    loads_in_place: bool = False
 
     @property
     def default_port(self) -> int:

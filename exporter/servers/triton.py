@@ -50,6 +50,10 @@ LOG = LogFormat(
         # first, before the backend's own start (1.7 s for a Python stub on 2 cores).
         # An instance is `NAME_G_I` (older `NAME_I`); a model's trailing `_N` is read off both
         # sides alike, so its begin and end name one rank.
+        # A model's load begins; after the server is up (explicit or poll mode), a load of its
+        # own inside the running server.
+        rule(EventKind.LOAD_BEGIN, "loading: ", r'^"?loading: (?P<who>[^:\s"]+):\d+'),
+        rule(EventKind.UNLOADED, "successfully unloaded", r"""^"?successfully unloaded '(?P<who>[^']+)'"""),
         rule(EventKind.WEIGHTS_BEGIN, "TRITONBACKEND_ModelInstanceInitialize: ",
              r'^"?TRITONBACKEND_ModelInstanceInitialize: (?P<who>.+?)(?:_\d+)* \('),
         rule(EventKind.WEIGHTS_END, "successfully loaded", r"""^"?successfully loaded '(?P<who>.+?)(?:_\d+)*'"""),
@@ -60,4 +64,4 @@ LOG = LogFormat(
     ),
 )  # fmt: skip
 
-SERVER = Server(kind=ServerKind.TRITON, commands=(COMMAND,), log=LOG)
+SERVER = Server(kind=ServerKind.TRITON, commands=(COMMAND,), log=LOG, loads_in_place=True)

@@ -92,6 +92,7 @@ class WeightFilesSample(Sample):
     held_files: int
     files: tuple[FileUse, ...]  # in the order they were first seen
     measured_at: float
+    since: float = 0.0  # when this account began: the root process's first look, or a restart
 
     def health(self) -> Health:
         return Health(self.visible, self.reason, self.reason)
@@ -186,9 +187,17 @@ class WeightFilesSource:
         self._by_key: dict[FileKey, WeightFile] = {}
         self._by_ino: dict[bytes, list[WeightFile]] = {}
         self._root: tuple[int | None, float | None] | None = None
+        self._restart = False
         self._reset()
 
+    def restart(self) -> None:
+        """Account afresh from the next look, the same process running on: a model loaded into
+        a running server reads its files again, and what the files were to the load before
+        (consumed, let go) is no part of its progress. Safe from another thread."""
+        self._restart = True
+
     def _reset(self) -> None:
+        self._since = self._clock()
         self._procs: dict[int, _Proc] = {}
         self._files: dict[FileKey, _File] = {}
         self._samples = 0
@@ -198,6 +207,9 @@ class WeightFilesSource:
         self._idle_since: float | None = None
 
     def sample(self) -> WeightFilesSample:
+        if self._restart:
+            self._restart = False
+            self._reset()
         now = self._clock()
         self._samples += 1
         self._refresh_weights()
@@ -553,6 +565,7 @@ class WeightFilesSource:
                 for f in files
             ),
             measured_at=now,
+            since=self._since,
         )
 
 

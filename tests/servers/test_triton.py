@@ -28,7 +28,15 @@ from exporter.cachectl import evict, prewarm
 from exporter.sources.process import process_start_time
 from servers import triton_server
 from servers.triton_server import TritonServer
-from servers.watch import follow_load, last_load, live, write_report, zero_config_exporter
+from servers.watch import (
+    follow,
+    follow_load,
+    last_load,
+    live,
+    target_of,
+    write_report,
+    zero_config_exporter,
+)
 
 THROTTLE = 100_000_000  # bytes per second from the disk: about 4 s for the cold load
 TOLERANCE = 1.0  # seconds, the issue's bar for the duration and the weights' boundaries
@@ -155,3 +163,123 @@ def figures(
         "log_format": (final.get("log") or {}).get("format"),
         "live": live(seen),
     }
+
+
+def test_a_model_loaded_into_a_running_triton_is_a_load_of_its_target(
+    triton_dir: Path, triton_repo: Path, tmp_path: Path
+) -> None:
+    """Explicit model-control mode: the server is up and ready at once with nothing loaded;
+    `POST /v2/repository/models/tiny/load` then loads the model (cold, from the throttled disk)
+    and answers once it is in. The exporter, with no config, records that as a load of the
+    target (the same process) within 1 s of the answer, with progress while it ran, its phases
+    against the log's stamps, and its duration in the histogram; the unload is said so."""
+    shards = triton_server.shards(triton_repo)
+    exporter = zero_config_exporter(tmp_path)
+    report: dict[str, Any] = {"throttle_bytes_per_second": THROTTLE}
+    try:
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(triton_repo), THROTTLE)
+            log = tmp_path / "triton-explicit.log"
+            server = TritonServer(triton_dir, triton_repo, log, procs, explicit=True)
+            try:
+                server.wait(ready=False)
+                pid = server.proc.pid
+                up = follow(  # the process's own start: ready at once, nothing loaded
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: states[-1].get("phase") == "ready",
+                    server.tail,
+                )
+                name = up[-1]["target"]
+                for shard in shards:
+                    evict(str(shard))
+                time.sleep(1.5)  # the exporter has measured the evicted shards
+                before = len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
+                observed = histogram_count(exporter.get("/metrics").text, name)
+                answer: dict[str, float] = {}
+
+                def load() -> None:
+                    answer["sent"], answer["answered"] = server.repository("load")
+
+                loader = threading.Thread(target=load, daemon=True)
+                loader.start()
+                seen = follow(
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: bool(answer) and in_server_load_ended(states),
+                    server.tail,
+                )
+                loader.join(10)
+                recorded_after = None
+                while recorded_after is None and time.time() < answer["answered"] + 5:
+                    loads = exporter.get(f"/api/v1/loads?target={name}").json()["loads"]
+                    if len(loads) > before:
+                        recorded_after = time.time() - answer["answered"]
+                    time.sleep(0.02)
+                record = last_load(exporter, name)
+                metrics = exporter.get("/metrics").text
+                server.repository("unload")
+                unloaded = follow(
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: states[-1].get("unloaded") is not None,
+                    server.tail,
+                    timeout=15,
+                )[-1]
+            finally:
+                assert server.stop() == []
+    finally:
+        exporter.stop()
+    text = log.read_text(errors="replace")
+    phases = record["phase_seconds"]
+    began = record["started_at"] + phases.get("starting", float("nan"))
+    ended = began + phases.get("loading_weights", float("nan"))
+    report["explicit"] = {
+        "load_request_sent": answer["sent"],
+        "load_request_answered_after": round(answer["answered"] - answer["sent"], 3),
+        "load_began_minus_log": round(record["started_at"] - stamp_of(text, "loading: tiny"), 3),
+        "ended_minus_answer": round(record["ended_at"] - answer["answered"], 3),
+        "recorded_after_answer": recorded_after,
+        "outcome": record["outcome"],
+        "cache": record["cache"],
+        "duration": record["duration_seconds"],
+        "phases": phases,
+        "log_weights_seconds": round(
+            stamp_of(text, "successfully loaded") - stamp_of(text, "ModelInstanceInitialize"), 3
+        ),
+        "weights_began_minus_log": round(began - stamp_of(text, "ModelInstanceInitialize"), 3),
+        "weights_ended_minus_log": round(ended - stamp_of(text, "successfully loaded"), 3),
+        "histogram_observations": histogram_count(metrics, name) - observed,
+        "unloaded": unloaded.get("unloaded"),
+        "live": live(seen),
+    }
+    write_report("triton-explicit.json", report)
+    r = report["explicit"]
+    assert r["outcome"] == "ready" and r["cache"] == "cold", r
+    assert recorded_after is not None and recorded_after <= TOLERANCE, r
+    assert abs(r["ended_minus_answer"]) <= TOLERANCE, r
+    assert abs(r["load_began_minus_log"]) <= TOLERANCE, r
+    assert abs(r["weights_began_minus_log"]) <= TOLERANCE, r
+    assert abs(r["weights_ended_minus_log"]) <= TOLERANCE, r
+    assert r["histogram_observations"] == 1, r  # the model's load, in the histogram
+    assert r["unloaded"] == "tiny", r
+    in_server = [s for s in r["live"] if s["in_server"]]
+    assert any(
+        s["phase"] == "loading_weights" and 0.0 < (s["progress"] or 0) < 1.0 for s in in_server
+    ), r["live"]
+
+
+def histogram_count(metrics: str, target: str) -> float:
+    """Loads of `target` observed into model_load_duration_seconds, over every label set."""
+    pattern = (
+        rf'^model_load_duration_seconds_count{{[^}}]*target="{re.escape(target)}"[^}}]*}} (\S+)'
+    )
+    return sum(float(m.group(1)) for m in re.finditer(pattern, metrics, re.MULTILINE))
+
+
+def in_server_load_ended(states: list[dict[str, Any]]) -> bool:
+    """A load inside the running server was seen in progress and has ended."""
+    return any(s.get("in_server") for s in states) and states[-1].get("phase") in (
+        "ready",
+        "failed",
+    )

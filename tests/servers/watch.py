@@ -90,6 +90,7 @@ def live(seen: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {
             "at": round(s["started_at"] + s["elapsed_seconds"], 3),
             "phase": s["phase"],
+            "in_server": s.get("in_server", False),
             "progress": s.get("progress_ratio"),
             "source": s.get("progress_source"),
             "weight_files": {
