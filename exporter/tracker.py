@@ -24,6 +24,11 @@ Rules, because every number on the dashboard comes from them:
   log's last lines, which say why, and a ready answer waits (an interval at most) for a read of
   the log after it, whose lines date the phases of a load shorter than an interval; the load
   still ends at the answer. `failed` stays until the next load.
+* A running server that loads a model (its log's load_begin, stamped after its last ready
+  answer: Triton's `loading: NAME` in explicit or poll mode) starts a load at that line, its
+  process the same: `in_server`, with the phases, progress, stall and record of any load; its
+  cache temperature discounts the storage the tree read before it. A model it unloads is said
+  so (`unloaded`) until its next load; the phase stays ready.
 * A ready server that stops answering while its process runs on (process matching) stays `ready`:
   no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
   hang once after 3 of them. Without process matching those 3 failures start a load (above).
