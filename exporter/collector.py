@@ -20,8 +20,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import BucketSpan, NativeHistogram
 
-from exporter.loadstats import LOAD_BUCKETS, HistogramCounts
+from exporter.loadstats import LOAD_BUCKETS, NATIVE_SCHEMA, NATIVE_ZERO_THRESHOLD, HistogramCounts
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
@@ -254,8 +255,9 @@ CATALOG: tuple[MetricSpec, ...] = (
 class Scrape:
     """The families of one scrape, each made on first use and yielded in catalog order."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = False) -> None:
         self._families: dict[MetricSpec, Metric] = {}
+        self.native = native  # histograms carry their native buckets too (protobuf only)
 
     def _family(self, spec: MetricSpec) -> Metric:
         if spec not in self._families:
@@ -267,17 +269,42 @@ class Scrape:
         if value is not None:
             self._family(spec).add_metric([_label(v) for v in labels], value)  # type: ignore[attr-defined]
 
-    def histogram(self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts) -> None:
-        buckets = [
-            (f"{float(le)}", c) for le, c in zip(LOAD_BUCKETS, counts.cumulative, strict=True)
-        ]
-        buckets.append(("+Inf", counts.count))
+    def histogram(
+        self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts, buckets: bool = True
+    ) -> None:
+        """One histogram; without `buckets` only its +Inf bucket, _count and _sum (3 series
+        instead of 23: rates and means still work, quantiles need the buckets)."""
+        bounds = zip(LOAD_BUCKETS, counts.cumulative, strict=True) if buckets else ()
+        series = [(f"{float(le)}", c) for le, c in bounds]
+        series.append(("+Inf", counts.count))
         family = self._family(spec)
-        family.add_metric([_label(v) for v in labels], buckets, counts.sum)  # type: ignore[attr-defined]
+        values = [_label(v) for v in labels]
+        family.add_metric(values, series, counts.sum)  # type: ignore[attr-defined]
+        if self.native:
+            family.add_sample(family.name, dict(zip(spec.labels, values, strict=True)),
+                              counts.count, native_histogram=_native(counts))  # fmt: skip
 
     def families(self) -> Iterator[Metric]:
         for spec in CATALOG:
             yield self._families.get(spec) or spec.new()
+
+
+def _native(counts: HistogramCounts) -> NativeHistogram:
+    """The native buckets as spans of consecutive indexes and each count's delta to the last."""
+    spans: list[BucketSpan] = []
+    deltas: list[int] = []
+    last_index, last_count = None, 0
+    for index, count in counts.native:
+        if last_index is None or index != last_index + 1:
+            gap = index if last_index is None else index - last_index - 1
+            spans.append(BucketSpan(gap, 0))
+        spans[-1] = BucketSpan(spans[-1].offset, spans[-1].length + 1)
+        deltas.append(count - last_count)
+        last_index, last_count = index, count
+    return NativeHistogram(
+        counts.count, counts.sum, NATIVE_SCHEMA, NATIVE_ZERO_THRESHOLD, counts.native_zero,
+        pos_spans=spans, pos_deltas=deltas,
+    )  # fmt: skip
 
 
 def _label(value: str) -> str:
@@ -453,7 +480,7 @@ def _history(out: Scrape, snap: Snapshot) -> None:
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):
-        out.histogram(PHASE_DURATION, labels, counts)
+        out.histogram(PHASE_DURATION, labels, counts, buckets=snap.metrics.phase_buckets)
 
 
 HOST: tuple[HostFn, ...] = (
@@ -476,12 +503,13 @@ TARGET: tuple[TargetFn, ...] = (
 class ExporterCollector(Collector):
     """A prometheus_client collector over a snapshot function."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], native: bool = False) -> None:
         self._snapshot = snapshot
+        self._native = native  # for the protobuf format: histograms with native buckets
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        out = Scrape()
+        out = Scrape(native=self._native)
         _exporter(out, snap)
         for host_fn in HOST:
             host_fn(out, snap)

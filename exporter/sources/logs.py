@@ -38,12 +38,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
 from exporter.sources import Health, Sample
 from exporter.vocabulary import LogEncoding, Step
+
+if TYPE_CHECKING:
+    from exporter.asprocess import Rights
 
 log = logging.getLogger(__name__)
 
@@ -493,17 +496,23 @@ def parse_journal_json(line: bytes) -> JournalEntry | None:
 
 
 def journalctl_command(
-    unit: str, since: float, cursor: str | None, journalctl: str = "journalctl"
+    unit: str,
+    since: float,
+    cursor: str | None,
+    journalctl: str = "journalctl",
+    literal: bool = False,
 ) -> list[str]:
     """The follower's command: this boot, from `since` (or just after `cursor`), as JSON.
 
-    `--unit` matches as journalctl always does: the unit's own processes (`_SYSTEMD_UNIT`, from
-    their cgroup), plus systemd's and coredumps' messages about the unit.
+    A configured unit is the operator's word: `--unit` matches as journalctl always does (a
+    glob, `.service` added), the unit's own processes (`_SYSTEMD_UNIT`, from their cgroup) plus
+    systemd's and coredumps' messages about it. A unit read from a process's cgroup is
+    `literal`: the `_SYSTEMD_UNIT=` match, which takes the name as it is, no glob.
     """
     start = [f"--after-cursor={cursor}"] if cursor else [f"--since=@{since:.6f}"]
     return [
         journalctl,
-        f"--unit={unit}",
+        f"_SYSTEMD_UNIT={unit}" if literal else f"--unit={unit}",
         "--boot",
         *start,
         "--follow",
@@ -524,8 +533,12 @@ class _JournalReader:
         since: float,
         journalctl: str = "journalctl",
         restart_after: float = JOURNAL_RESTART_SECONDS,
+        rights: Callable[[], Rights] | None = None,
     ) -> None:
+        """`rights`: the process's own, which journalctl runs with (its unit matched literally);
+        None for a configured unit, read with the exporter's."""
         self.unit = unit
+        self._rights = rights
         self._since = since
         self._restart_after = restart_after
         self._journalctl = journalctl
@@ -575,17 +588,25 @@ class _JournalReader:
             self._reason = f"{self._journalctl} not found; cannot read the journal"
             self._next_start = time.monotonic() + self._restart_after
             return None
-        command = journalctl_command(self.unit, self._since, self._cursor, path)
+        literal = self._rights is not None
+        command = journalctl_command(self.unit, self._since, self._cursor, path, literal)
+        ids: dict[str, Any] = {}
         try:
+            if self._rights is not None:
+                rights = self._rights()
+                ids = {"user": rights.uid, "group": rights.gid, "extra_groups": rights.groups}
+                if rights.ids == (os.geteuid(), os.getegid(), tuple(sorted(os.getgroups()))):
+                    ids = {}  # the exporter's own already (and it may not call setgroups)
             child = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 close_fds=True,
+                **ids,
             )
-        except OSError as exc:
-            self._reason = f"cannot start journalctl: {exc.strerror}"
+        except OSError as exc:  # a PermissionError when the rights are not the exporter's to take
+            self._reason = f"cannot start journalctl: {exc.strerror or exc}"
             self._next_start = time.monotonic() + self._restart_after
             return None
         assert child.stdout is not None and child.stderr is not None
@@ -655,11 +676,13 @@ class LogSource:
         read_budget: int = READ_BUDGET,
         restart_after: float = JOURNAL_RESTART_SECONDS,
         opener: Callable[[str], int] | None = None,
+        rights: Callable[[], Rights] | None = None,
         origin: float | None = None,
     ) -> None:
-        """`opener` opens a log file for reading (a found log: with its process's rights);
-        `origin` is the start of the one process whose log this is (a found log), which dates
-        the lines stamped with the time since it (exporter/logmarkers.py)."""
+        """`opener` opens a log file for reading, `rights` are those journalctl runs with (a
+        found log: its process's own); `origin` is the start of the one process whose log this
+        is (a found log), which dates the lines stamped with the time since it
+        (exporter/logmarkers.py)."""
         self._clock = clock
         self._budget = read_budget
         self._parser = MarkerParser(config.format, origin)
@@ -675,7 +698,9 @@ class LogSource:
         if config.journald_unit:
             self.source = f"journald:{config.journald_unit}"
             start = clock() if since is None else since
-            self._journal = _JournalReader(config.journald_unit, start, journalctl, restart_after)
+            self._journal = _JournalReader(
+                config.journald_unit, start, journalctl, restart_after, rights
+            )
         elif config.file:
             kind = "file" if config.encoding is LogEncoding.PLAIN else config.encoding.value
             self.source = ", ".join(f"{kind}:{path}" for path in config.files)
