@@ -329,7 +329,7 @@ class LoadState(Document):
     fatal: str | None
     failed_probes: int  # distinct failed probes in a row
     hung: bool  # ready, its process running, and its endpoint stopped answering
-    # true while the load is a running server's (a model loaded into it); absent otherwise
+    # true when the current (or last) load is a running server's (a model loaded into it)
     in_server: bool | None = field(default=None, metadata=OPTIONAL)
     # what the running server last unloaded (its log's name for it), until its next load
     unloaded: str | None = field(default=None, metadata=OPTIONAL)

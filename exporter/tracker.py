@@ -22,8 +22,9 @@ Rules, because every number on the dashboard comes from them:
   process is gone first (or replaced by another one), or at once when the server's log reports a
   fatal error (with the server's message). With a log, a process exit waits one tick for the
   log's last lines, which say why, and a ready answer waits (an interval at most) for a read of
-  the log after it, whose lines date the phases of a load shorter than an interval; the load
-  still ends at the answer. `failed` stays until the next load.
+  the log after it, whose lines date the phases of a load shorter than an interval. It ends at
+  the log's ready line instead where that is earlier and no answer after the line said not
+  ready (a load over before the exporter first asked). `failed` stays until the next load.
 * A running server that loads a model (its log's load_begin, stamped after its last ready
   answer: Triton's `loading: NAME` in explicit or poll mode) starts a load at that line, its
   process the same: `in_server`, with the phases, progress, stall and record of any load; its
@@ -299,6 +300,7 @@ class _Load:
     fatal: str | None = None
     fatal_at: float | None = None
     ready_at: float | None = None  # the first ready answer, while the log is read up to it
+    unready_at: float | None = None  # the last answer that said not ready
     in_server: bool = False  # a running server's load: its process started before it
     reads_base: int | None = None  # the tree's storage reads as an in-server load began
     bytes_read: int | None = None
@@ -364,15 +366,30 @@ class Tracker:
                 record = self._finish(load, load.fatal_at, Outcome.FAILED)
             elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
+                load.unready_at = probe.time
             elif probe is not None and probe.time > load.started_at and load.ready_at is None:
                 load.ready_at = probe.time  # when it first answered
             if load.ready_at is not None and record is None and not self._awaits_log(obs, load):
-                record = self._finish(load, load.ready_at, Outcome.READY)
+                record = self._finish(load, self._served_from(load), Outcome.READY)
         else:
             self._settle(obs)
         self._last_obs = obs
         self._recent.append(obs)
         return record
+
+    @staticmethod
+    def _served_from(load: _Load) -> float:
+        """The first ready answer, or the log's ready line where that is earlier and no answer
+        after the line said otherwise: a load over before it was first asked (a warm start
+        found by discovery a second late) ends when the server said it serves."""
+        answered = load.ready_at
+        assert answered is not None
+        said = load.steps.ready_at
+        if said is None or not load.started_at <= said < answered:
+            return answered
+        if load.unready_at is not None and load.unready_at >= said:
+            return answered
+        return said
 
     def _awaits_log(self, obs: Observation, load: _Load) -> bool:
         """A ready answer waits for a read of the log after it, an interval at most: the lines

@@ -861,17 +861,47 @@ def test_log_markers_give_exact_boundaries_and_fine_steps() -> None:
     sim.endpoint = "ready"
     sim.tick()
     [record] = sim.records
+    # The last refused answer came before the ready line: the load ended at the line.
+    assert record.ended_at == sim.time - 0.5
     assert record.phase_seconds == pytest.approx(
         {
             "starting": began - T0,
             "loading_weights": weights_end - began,
-            "initializing": sim.time - weights_end,
+            "initializing": sim.time - 0.5 - weights_end,
             "kv_cache": 3.0,
             "cuda_graph": 10.0,
             "warmup": 1.5,
         }
     )
     assert sim.state.step == "none"
+
+
+def test_a_load_over_before_it_was_first_asked_ends_at_the_logs_ready_line() -> None:
+    """A warm llama-server is serving 70 ms after its start, before discovery has found it: the
+    first answer comes a second late, and its log's ready line says when it served. An answer
+    after that line that said not ready makes the line too early: the answer decides."""
+    sim = Sim(tracker(), logged=True, probe_every=3)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=0.99)
+    sim.say(EventKind.WEIGHTS_END, ago=0.98)
+    sim.say(EventKind.READY, ago=0.93)
+    sim.tick(3)  # the first answer, 3 s after the start
+    [record] = sim.records
+    assert record.ended_at == pytest.approx(T0 + 0.07)
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 0.01, "loading_weights": 0.01, "initializing": 0.05}
+    )
+
+    early = Sim(tracker(), logged=True)
+    early.spawn()
+    early.tick(2)  # refused
+    early.say(EventKind.READY, ago=0.9)  # "ready" in the log, yet refused after it:
+    early.tick()
+    early.endpoint = "ready"
+    early.tick()
+    [record] = early.records
+    assert record.ended_at == T0 + 4  # the answer
 
 
 def test_a_fatal_line_fails_the_load_at_once_with_the_servers_words() -> None:

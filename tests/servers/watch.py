@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 from helpers.hostile import ExporterProcess
 
+from exporter.sources.process import process_start_time
 from servers.vllm_server import SERVERS
 
 REPORTS = SERVERS / "reports"
@@ -71,13 +72,19 @@ def follow(
 def follow_load(
     exporter: ExporterProcess, pid: int, tail: Callable[[], str]
 ) -> list[dict[str, Any]]:
-    """The states of the target of server process `pid` until its load ended."""
-    return follow(exporter, lambda: target_of(exporter, pid), load_ended, tail)
+    """The states of the target of server process `pid` until its load ended (its record is
+    the target's last: a warm start may be over before the first state is polled)."""
+    started = process_start_time(pid)
+    assert started is not None
 
+    def ended(seen: list[dict[str, Any]]) -> bool:
+        last = seen[-1].get("last_record") or {}
+        return (
+            seen[-1].get("phase") in ("ready", "failed")
+            and last.get("started_at", 0.0) >= started - 1.0
+        )
 
-def load_ended(seen: list[dict[str, Any]]) -> bool:
-    """A load was seen in progress and has ended."""
-    return any(s.get("in_progress") for s in seen) and seen[-1].get("phase") in ("ready", "failed")
+    return follow(exporter, lambda: target_of(exporter, pid), ended, tail)
 
 
 def last_load(exporter: ExporterProcess, target: str) -> dict[str, Any]:
