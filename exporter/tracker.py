@@ -28,8 +28,9 @@ Rules, because every number on the dashboard comes from them:
 * A running server that loads a model (its log's load_begin, stamped after its last ready
   answer: Triton's `loading: NAME` in explicit or poll mode) starts a load at that line, its
   process the same: `in_server`, with the phases, progress, stall and record of any load; its
-  cache temperature discounts the storage the tree read before it. A model it unloads is said
-  so (`unloaded`) until its next load; the phase stays ready.
+  cache temperature discounts the storage the tree read before it. One that fails (its log's
+  fatal) is failed, and the server's next load_begin is a load again. A model it unloads is
+  said so (`unloaded`) until its next load; the phase stays ready.
 * A ready server that stops answering while its process runs on (process matching) stays `ready`:
   no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
   hang once after 3 of them. Without process matching those 3 failures start a load (above).
@@ -335,7 +336,9 @@ class Tracker:
         self._failed_probes = 0  # distinct failed probes in a row
         self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
-        self._serving_since: float | None = None  # the last load's ready answer
+        # The last load's ready answer (or an in-server load's end): a load_begin line stamped
+        # before it is no load inside the running server.
+        self._serving_since: float | None = None
         self._unloaded: str | None = None
 
     def observe(self, obs: Observation) -> LoadRecord | None:
@@ -530,8 +533,10 @@ class Tracker:
     def _in_server(self, obs: Observation) -> None:
         """A running server that loads a model (its log's load_begin after it served): a load of
         this target from that line, its process the same; a model it unloads is said so."""
-        running = self._load is not None and self._phase in IN_PROGRESS
-        if running or self._phase is not Phase.READY or not obs.process_found:
+        load = self._load
+        # A model that failed to load leaves the server serving the others: the next one loads.
+        after_failed = self._phase is Phase.FAILED and load is not None and load.in_server
+        if not (self._phase is Phase.READY or after_failed) or not obs.process_found:
             return
         for event in obs.log_events:
             if event.kind is EventKind.UNLOADED:
@@ -638,8 +643,8 @@ class Tracker:
             resident_bytes_at_start=load.resident_start,
         )
         self._phase = Phase(outcome)
-        if outcome is Outcome.READY:
-            self._serving_since = at
+        if outcome is Outcome.READY or load.in_server:
+            self._serving_since = at  # the lines before are this load's
         self._last_record = record
         return record
 

@@ -1368,6 +1368,32 @@ def test_a_model_loaded_into_a_running_server_is_a_load_of_its_own() -> None:
     assert sim.state.in_server and sim.state.unloaded is None
 
 
+def test_a_model_that_fails_to_load_into_a_running_server_fails_that_load_only() -> None:
+    """Triton's `failed to load 'tiny'` in explicit mode: that load failed, with the server's
+    words; the server runs on, and the next model it loads is a load again."""
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(2)
+    sim.endpoint = "http_error"  # 400 while a model loads
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="tiny")
+    sim.tick()
+    sim.say(EventKind.FATAL, ago=0.5, detail="failed to load 'tiny' version 1: Internal: boom")
+    sim.tick()
+    failed = sim.records[-1]
+    assert failed.outcome == "failed" and "boom" in (failed.fatal or "")
+    assert sim.state.phase == "failed" and sim.state.in_server
+    sim.endpoint = "ready"
+    sim.tick(2)
+    sim.endpoint = "http_error"
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="other")
+    sim.tick()
+    assert sim.state.in_progress and sim.state.started_at == sim.time - 0.5
+    sim.endpoint = "ready"
+    sim.tick()
+    assert sim.records[-1].outcome == "ready" and len(sim.records) == 3
+
+
 def test_a_load_line_from_before_the_server_answered_is_no_load_inside_it() -> None:
     """The default mode logs `loading: NAME` before its ports open: read after the answer
     (or by an exporter that arrived later), it is the start's, not a load of its own."""
