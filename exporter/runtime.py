@@ -143,9 +143,6 @@ class TargetRuntime:
     reads_seen: deque[_Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
     reads_at_start: Counters | None = None
     files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
-    # The start of the in-server load in progress: file views older than it are the load
-    # before's (pending until the restarted view looks); None for a process's own load.
-    files_not_before: float | None = None
 
     @property
     def settled(self) -> bool:
@@ -547,9 +544,8 @@ class Runtime:
 
     def _files_afresh(self, runtime: TargetRuntime, state: TargetState) -> None:
         """A model loaded into the running server reads its files again: the file view starts
-        over, and its older looks are held off as pending (what the load before consumed is no
+        over (the tracker holds the older account off: what the load before consumed is no
         progress of this one)."""
-        runtime.files_not_before = state.started_at if state.in_server else None
         if state.in_server and runtime.files is not None:
             runtime.files.restart()
             self.sampler.sample_soon(WEIGHT_FILES, runtime.config.name)
@@ -897,7 +893,7 @@ class Runtime:
             log_events=events,
             log_lines=log_sample.lines_total if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
-            files=_file_view(files, process, files_looked, runtime.files_not_before),
+            files=_file_view(files, process, files_looked),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
         )
@@ -1056,24 +1052,19 @@ def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
 
 
 def _file_view(
-    files: WeightFilesSample | None,
-    process: ProcessSample | None,
-    looked: bool = True,
-    not_before: float | None = None,
+    files: WeightFilesSample | None, process: ProcessSample | None, looked: bool = True
 ) -> FileView | None:
     """The weight files as the tracker sees them, None where they cannot be seen (the tracker
     then falls back on the tree's counters). A process the file view has not looked at yet (a
-    target just discovered, a new process), or not since an in-server load began (`not_before`),
-    holds nothing known: its imports must not read as weights while the view catches up, so the
-    view is `pending` rather than absent."""
+    target just discovered, a new process) holds nothing known: its imports must not read as
+    weights while the view catches up, so the view is `pending` rather than absent."""
     if process is None or not process.found:
         return None
     if files is None and not looked:
         return FileView(None, False, None, 0, 0, 0, pending=True)
     if files is None or not files.visible:
         return None
-    stale = not_before is not None and files.since < not_before  # the load before's account
-    if files.root_pid != process.root_pid or stale:
+    if files.root_pid != process.root_pid:
         return FileView(None, False, None, 0, 0, files.total_bytes, pending=True)
     return FileView(
         first_open_at=files.first_open_at,

@@ -685,6 +685,15 @@ class Tracker:
     def _follow(
         self, load: _Load, obs: Observation, prev: Observation | None, answer_changed: bool
     ) -> None:
+        files = obs.files
+        if (
+            load.in_server
+            and files is not None
+            and (files.first_open_at or load.started_at) < (load.started_at)
+        ):
+            # The account of the load before (the runtime starts the view over): its consumed
+            # files are no progress of this one.
+            obs = replace(obs, files=FileView(None, False, None, 0, 0, files.total_bytes, True))
         if obs.files is None and load.files is not None and not load.files.pending:
             # Out of view for a moment (a sample failed): the last view holds, rather than the
             # counters that would count start-up reads as weights.

@@ -99,7 +99,6 @@ class WeightFilesSample(Sample):
     held_files: int
     files: tuple[FileUse, ...]  # in the order they were first seen
     measured_at: float
-    since: float = 0.0  # when this account began: the root process's first look, or a restart
 
     def health(self) -> Health:
         return Health(self.visible, self.reason, self.reason)
@@ -207,7 +206,6 @@ class WeightFilesSource:
         self._restart = True
 
     def _reset(self) -> None:
-        self._since = self._clock()
         self._procs: dict[int, _Proc] = {}
         self._files: dict[FileKey, _File] = {}
         self._samples = 0
@@ -611,7 +609,6 @@ class WeightFilesSource:
                 for f in files
             ),
             measured_at=now,
-            since=self._since,
         )
 
 
