@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.support import ModelServer, wait_for
 from test_weightfiles import Loader
 
@@ -78,6 +79,7 @@ class FakeTriton:
         self.endpoint.close()
 
 
+@pytest.mark.system
 def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progress(
     tmp_path: Path, start_exporter: Any
 ) -> None:
