@@ -84,6 +84,7 @@ from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
+from exporter.startupwindow import ADVICE_LOADS, StartupAdvice, advise
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
@@ -187,6 +188,7 @@ class Runtime:
         self._rates: dict[str, Rates] = {}  # what each target's past loads measured
         self._last: dict[str, float] = {}
         self._slower: dict[str, str] = {}  # the last load's reason, when it was slower
+        self._advice: dict[str, StartupAdvice] = {}  # the startupProbe window each would need
         self._ticked = threading.Event()
         self._last_tick: float | None = None
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
@@ -598,6 +600,10 @@ class Runtime:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
+        found_for = runtime.log_for
+        gone = process is not None and found_for is not None and root != found_for[0]
+        if gone and runtime.logs is not None:  # its log was found for that process: no more
+            runtime.logs.finish()
         if root == runtime.watched_pid:
             return
         if runtime.watched_pid is not None:
@@ -891,11 +897,13 @@ class Runtime:
             resident_measured_at=min(residency.measured_at, now) if residency else None,
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
             log_events=events,
-            log_lines=log_sample.lines_total if log_sample is not None else None,
+            log_lines=log_sample.activity if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
             files=_file_view(files, process, files_looked),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
+            process_cpu_seconds=process.cpu_seconds if process else None,
+            process_state=process.state if process else None,
         )
         return observation, gpu_memory
 
@@ -962,6 +970,7 @@ class Runtime:
         slower: dict[str, str] = {}
         recent = {name: self.history.loads(name, EXPECTATION_LOADS) for name in list(self.targets)}
         known = {name: rates(loads) for name, loads in recent.items()}
+        advice = {name: advise(self.history.loads(name, ADVICE_LOADS)) for name in recent}
         for name, loads in recent.items():
             newest = loads[0].report if loads else None
             if newest is not None and newest.reason is not None:
@@ -975,7 +984,7 @@ class Runtime:
                 last[name] = last_value
         with self._lock:
             self._expected, self._last, self._slower = expected, last, slower
-            self._rates = known
+            self._rates, self._advice = known, advice
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -996,6 +1005,7 @@ class Runtime:
                     pcie_at_start=rt.pcie_at_start,
                     forecast=self._forecast(name, by_target.get(name, {})),
                     log_finding=rt.log_finding,
+                    startup_advice=self._advice.get(name),
                 )
                 for name, rt in self.targets.items()
             )

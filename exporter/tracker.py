@@ -84,7 +84,9 @@ Rules, because every number on the dashboard comes from them:
   `starting`, and the server's own log, where there is one, gives the exact boundaries and wins.
 * A tick "moved" when any byte signal changed by 1 MiB or more since the previous tick, the probe
   result changed, or the phase changed; CPU time is deliberately not a signal. Stalled = in
-  progress and nothing moved for `stall_after`.
+  progress and nothing moved for `stall_after`. Beside that rule, each signal's own movement
+  (weight bytes, storage reads, log lines, GPU memory, the tree's CPU: exporter/activity.py) is
+  followed for the stall's reason only: it never raises or clears a stall.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
   driving signal, so the weights ETA (remaining weights / throughput) has no basis before the
   weights begin. ETA = that + the medians history has for the phases still ahead, from loads of
@@ -100,11 +102,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypedDict
 
+from exporter.activity import ActivityWatch
 from exporter.api import LoadReport
 from exporter.logmarkers import EventKind, LogEvent, StepTimeline
-from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Signal, Step
+from exporter.vocabulary import (
+    IN_PROGRESS,
+    Activity,
+    Cache,
+    Outcome,
+    Phase,
+    ProbeResult,
+    Signal,
+    Step,
+)
 
 # Tie-break order when two signals report the same progress.
 PROGRESS_SOURCES = tuple(Signal)
@@ -169,7 +181,7 @@ class Observation:
     resident_measured_at: float | None  # when resident_bytes was measured
     disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
     log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
-    log_lines: int | None = None  # lines the server's log has written; None without a log
+    log_lines: int | None = None  # lines of the server's log read, plus bytes skipped; None: no log
     log_read_at: float | None = None  # when the log was last read
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
@@ -177,6 +189,8 @@ class Observation:
     # go around the page cache), unknown (the page cache is not what serves them), warm (in
     # memory by construction, tmpfs), or None: residency decides.
     storage_cache: Cache | None = None
+    process_cpu_seconds: float | None = None  # CPU time the tree used (not a progress signal)
+    process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
 
 
 @dataclass(frozen=True)
@@ -234,6 +248,21 @@ class TargetState:
     in_server: bool = False  # the load is a running server's (a model loaded into it)
     # What the running server last unloaded (its log's name for it), until its next load.
     unloaded: str | None = None
+    # Seconds since each measured signal last moved (exporter/activity.py): what a stall's
+    # reason is made of. A signal not measured is absent.
+    activity: Mapping[str, float] = field(default_factory=dict)
+    cpu_share: float | None = None  # the tree's CPU over the last 10 s, share of one core
+    process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
+    exited_at: float | None = None  # the watched process was seen gone then; None: running
+
+
+class _Watched(TypedDict):
+    """TargetState's fields of what the process visibly does (`Tracker._watched`)."""
+
+    activity: Mapping[str, float]
+    cpu_share: float | None
+    process_state: str | None
+    exited_at: float | None
 
 
 class Expectations(Protocol):
@@ -340,6 +369,7 @@ class Tracker:
         # before it is no load inside the running server.
         self._serving_since: float | None = None
         self._unloaded: str | None = None
+        self._activity = ActivityWatch()
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
@@ -376,6 +406,7 @@ class Tracker:
                 record = self._finish(load, self._served_from(load), Outcome.READY)
         else:
             self._settle(obs)
+        self._watch_activity(obs)
         self._last_obs = obs
         self._recent.append(obs)
         return record
@@ -401,6 +432,28 @@ class Tracker:
         assert at is not None
         read = obs.log_read_at
         return self._logged and (read is None or read < at) and obs.time < at + self.interval
+
+    def _watch_activity(self, obs: Observation) -> None:
+        """Each signal's own movement, for the stall's reason (the stall rule is `_moved`'s)."""
+        load = self._load
+        weights: float | None = None
+        if obs.files is not None:
+            weights = obs.files.consumed_bytes
+        elif load is not None and load.progress is not None and load.basis is not None:
+            weights = load.progress * load.basis
+        reads = obs.process_read_bytes
+        if reads is None and obs.process_read_chars is None:
+            reads = obs.disk_read_bytes  # the tree cannot be read: the weights' devices
+        self._activity.update(
+            obs.time,
+            {
+                Activity.WEIGHT_BYTES: weights,
+                Activity.STORAGE_READS: reads,
+                Activity.LOG_LINES: obs.log_lines,
+                Activity.GPU_MEMORY: obs.process_gpu_bytes,
+                Activity.CPU: obs.process_cpu_seconds if obs.process_found else None,
+            },
+        )
 
     def reported(self, record: LoadRecord) -> None:
         """The last finished load with its report (exporter/explain.py), for what shows it."""
@@ -436,6 +489,7 @@ class Tracker:
                 hung=self._hung(),
                 in_server=load.in_server if load else False,
                 unloaded=self._unloaded,
+                **self._watched(now),
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
@@ -467,6 +521,18 @@ class Tracker:
             fatal=None,
             failed_probes=self._failed_probes,
             in_server=load.in_server,
+            **self._watched(now),
+        )
+
+    def _watched(self, now: float) -> _Watched:
+        """The TargetState fields of what the process visibly does, for any phase."""
+        obs = self._last_obs
+        found = obs is not None and obs.process_found
+        return _Watched(
+            activity=self._activity.quiet_seconds(now),
+            cpu_share=self._activity.cpu_share(),
+            process_state=obs.process_state if obs is not None and found else None,
+            exited_at=self._proc_gone_at,
         )
 
     def _hung(self) -> bool:
