@@ -338,6 +338,10 @@ class LoadState(Document):
     fatal: str | None
     failed_probes: int  # distinct failed probes in a row
     hung: bool  # ready, its process running, and its endpoint stopped answering
+    # true when the current (or last) load is a running server's (a model loaded into it)
+    in_server: bool | None = field(default=None, metadata=OPTIONAL)
+    # what the running server last unloaded (its log's name for it), until its next load
+    unloaded: str | None = field(default=None, metadata=OPTIONAL)
     # Seconds since each measured signal (weight_bytes, storage_reads, log_lines, gpu_memory,
     # cpu) last moved; optional, as exporters before it do not say.
     activity: Mapping[str, float] | None = field(default=None, metadata=OPTIONAL)

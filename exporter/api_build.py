@@ -210,7 +210,13 @@ def _discovered(found: DiscoveredServer) -> api.Discovered:
 
 def _state(state: TargetState) -> api.LoadState:
     last = state.last_record
-    return _mirror(api.LoadState, state, last_record=_load(last) if last else None)
+    return _mirror(
+        api.LoadState,
+        state,
+        last_record=_load(last) if last else None,
+        in_server=state.in_server or None,
+        unloaded=clean(state.unloaded, 256) if state.unloaded else None,  # the server's words
+    )
 
 
 def _probes(view: TargetView, now: float, interval: float) -> api.Probes:

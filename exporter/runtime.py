@@ -45,6 +45,7 @@ from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked
 from exporter.sampler import Reading, Sampler
+from exporter.servers import SERVERS
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
@@ -69,7 +70,7 @@ from exporter.sources.gpu import (
     mark_pcie,
     process_gpu_memory,
 )
-from exporter.sources.logs import LogSource, new_events
+from exporter.sources.logs import LogSample, LogSource, new_events
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
 from exporter.sources.nvml_pids import NvmlPidCheck
@@ -142,6 +143,7 @@ class TargetRuntime:
     # as the current (or last) load began: None when unknown.
     reads_seen: deque[_Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
     reads_at_start: Counters | None = None
+    files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
 
     @property
     def settled(self) -> bool:
@@ -319,7 +321,7 @@ class Runtime:
             self.sampler.discard(STORAGE, target.name)
         if runtime.finder is not None and target.weights is not None:
             name = target.name
-            files = WeightFilesSource(
+            files = runtime.files = WeightFilesSource(
                 target.weights,
                 lambda: self.sampler.value(PROCESS, name),
                 proc_root=self._proc_root,
@@ -336,6 +338,7 @@ class Runtime:
             )
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
+            runtime.files = None
         for watcher in (self.disk, self.netfs, self.zfs):
             watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
@@ -526,12 +529,13 @@ class Runtime:
                 runtime.pcie_at_start = {}
                 runtime.reads_at_start = _counters_before(runtime.reads_seen, state)
                 self._measure_now(runtime)
+                self._files_afresh(runtime, state)
             gpus = self.sampler.latest(NVML)
             if state.in_progress and gpus is not None:  # each GPU's first counter in the load
                 runtime.pcie_at_start = mark_pcie(
                     runtime.pcie_at_start, gpus.good, gpus.finished_at, state.started_at
                 )
-            if runtime.cadence.set_phase(state.phase):
+            if runtime.cadence.set_phase(state.phase, state.in_server and state.in_progress):
                 moved = True
             self._note_hung(runtime, state)
             with self._lock:
@@ -539,6 +543,14 @@ class Runtime:
         if self.pacing.note((runtime.settled for runtime in runtimes), moved):
             self.sampler.wake_all()
         self._ticked.set()
+
+    def _files_afresh(self, runtime: TargetRuntime, state: TargetState) -> None:
+        """A model loaded into the running server reads its files again: the file view starts
+        over (the tracker holds the older account off: what the load before consumed is no
+        progress of this one)."""
+        if state.in_server and runtime.files is not None:
+            runtime.files.restart()
+            self.sampler.sample_soon(WEIGHT_FILES, runtime.config.name)
 
     @property
     def quiet(self) -> bool:
@@ -690,6 +702,8 @@ class Runtime:
         ready = result is ProbeResult.READY
         news = ready if runtime.cadence.phase in IN_PROGRESS else changed or not ready
         if news:
+            if ready and runtime.logs is not None:
+                self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
     def _probe_result(self, name: str) -> ProbeResult | None:
@@ -768,7 +782,7 @@ class Runtime:
             log.info("target %s: no log found: %s", name, finding.why)
             return
         log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf)
+        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf, origin=start)
 
     def _on_behalf_of(self, pid: int) -> OnBehalf:
         """A configured target's process, read for with its own rights as a discovered one's
@@ -787,9 +801,11 @@ class Runtime:
         since: float,
         whole_files: tuple[str, ...] = (),
         behalf: OnBehalf | None = None,
+        origin: float | None = None,
     ) -> None:
         """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
-        with the exporter's own rights."""
+        with the exporter's own rights; `origin`: the start of the one process the log belongs
+        to (a found log), else None."""
         opener = None
         if behalf is not None:  # a discovered server's log is read with its own rights
 
@@ -803,13 +819,38 @@ class Runtime:
             clock=self._clock,
             opener=opener,
             rights=behalf.current if behalf is not None else None,
+            origin=origin,
         )
         self.sampler.add(
             LOGS,
             runtime.config.name,
             runtime.logs.sample,
-            every=self._pace_of(LOGS, runtime),
+            every=self._log_pace(runtime),
+            after=lambda reading: self._after_log(runtime, reading),
         )
+
+    def _log_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
+        """A gauge's pace, except for a server that loads models in place (Triton): only its log
+        says at once that a load began inside it, so it is read every interval even when quiet
+        (a pread of nothing new, some microseconds)."""
+        name = runtime.config.name
+
+        def pace() -> float:
+            reading = self.sampler.latest(LOGS, name)
+            kind = reading.good.format if reading is not None and reading.good else None
+            in_place = kind is not None and SERVERS[kind].loads_in_place
+            return self.pacing.source(runtime.settled and not in_place, self._failing(LOGS, name))
+
+        return pace
+
+    def _after_log(self, runtime: TargetRuntime, reading: Reading[LogSample]) -> None:
+        """Tick now when the log has news the tracker acts on: a load that answered ready waits
+        for a read of the log after the answer (it dates a short load's phases); between loads,
+        a line may begin a load inside the running server, or say it unloaded a model."""
+        in_progress = runtime.cadence.phase in IN_PROGRESS
+        news = reading.good is not None and reading.good.last_seq > runtime.log_seq
+        if (runtime.last_result is ProbeResult.READY) if in_progress else news:
+            self.sampler.run_soon(TRACKER_LOOP)
 
     def _observe(
         self, runtime: TargetRuntime, now: float, disk: DiskSample | None
@@ -827,7 +868,12 @@ class Runtime:
         events = new_events(log_sample, runtime.log_seq) if log_sample is not None else ()
         if log_sample is not None:
             runtime.log_seq = log_sample.last_seq
-        files = self.sampler.value(WEIGHT_FILES, name) if runtime.finder is not None else None
+        files: WeightFilesSample | None = None
+        files_looked = False  # the view has reported on this target at least once
+        if runtime.finder is not None:
+            looked = self.sampler.latest(WEIGHT_FILES, name)
+            files_looked = looked is not None
+            files = looked.good if looked is not None else None
         gpu = self.sampler.value(NVML)
         probe_value = probe.good if probe is not None else None
         gpu_memory: dict[int, int] = {}
@@ -853,7 +899,7 @@ class Runtime:
             log_events=events,
             log_lines=log_sample.activity if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
-            files=_file_view(files, process),
+            files=_file_view(files, process, files_looked),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
             process_cpu_seconds=process.cpu_seconds if process else None,
@@ -1015,14 +1061,21 @@ def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
     return sum(c for c in counters if c is not None)
 
 
-def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -> FileView | None:
+def _file_view(
+    files: WeightFilesSample | None, process: ProcessSample | None, looked: bool = True
+) -> FileView | None:
     """The weight files as the tracker sees them, None where they cannot be seen (the tracker
-    then falls back on the tree's counters). A process the file view has not looked at yet holds
-    nothing known: its imports must not read as weights while the view catches up."""
-    if files is None or not files.visible or process is None or not process.found:
+    then falls back on the tree's counters). A process the file view has not looked at yet (a
+    target just discovered, a new process) holds nothing known: its imports must not read as
+    weights while the view catches up, so the view is `pending` rather than absent."""
+    if process is None or not process.found:
+        return None
+    if files is None and not looked:
+        return FileView(None, False, None, 0, 0, 0, pending=True)
+    if files is None or not files.visible:
         return None
     if files.root_pid != process.root_pid:
-        return FileView(None, False, None, 0, 0, files.total_bytes)
+        return FileView(None, False, None, 0, 0, files.total_bytes, pending=True)
     return FileView(
         first_open_at=files.first_open_at,
         first_open_seen=files.first_open_seen,
