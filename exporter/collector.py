@@ -47,6 +47,7 @@ from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
 
 NS = "model_load"
+MAX_LABEL = 4096  # characters of one label value (a path at most PATH_MAX)
 T = TypeVar("T")
 
 
@@ -230,6 +231,12 @@ RESTART_FORECAST = _gauge(
     "How long a restart begun now would take to be ready (residency now, past rates and phases).",
     "target",
 )
+STARTUP_WINDOW = _gauge(
+    "startup_probe_window_seconds",
+    "The fixed startupProbe window (periodSeconds x failureThreshold) this target's cold loads"
+    " need: their p99 with a margin; absent without a cold load in history.",
+    "target",
+)
 LOAD_DURATION = _histogram(
     "duration_seconds", "Duration of finished loads.", "target", "cache", "outcome"
 )
@@ -247,7 +254,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
     WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LAST_SLOWER,
-    RESTART_FORECAST,
+    RESTART_FORECAST, STARTUP_WINDOW,
     LOAD_DURATION, PHASE_DURATION,
 )  # fmt: skip
 
@@ -308,15 +315,10 @@ def _native(counts: HistogramCounts) -> NativeHistogram:
 
 
 def _label(value: str) -> str:
-    """A label value that encodes: a file or model name that is not UTF-8 must not make every
-    scrape a 500 (discovery cleans what it found already; configured file names come here)."""
-    if value.isascii():
-        return value
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return clean(value, limit=4096)
-    return value
+    """A label value as it may leave: the exporter's second exit for text (the documents'
+    `to_json` is the first; exporter/untrusted.py says why), so a mount point, a file or a model
+    name with an escape, a bidi override or a byte that is not UTF-8 encodes and shows as text."""
+    return clean(value, limit=MAX_LABEL)
 
 
 # -- one function per source -------------------------------------------------------------------
@@ -477,6 +479,8 @@ def _history(out: Scrape, snap: Snapshot) -> None:
     for view in snap.targets:
         if view.forecast is not None:
             out.add(RESTART_FORECAST, [view.name], view.forecast.seconds)
+        if view.startup_advice is not None:
+            out.add(STARTUP_WINDOW, [view.name], view.startup_advice.window_seconds)
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):

@@ -17,19 +17,23 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   still open ends them first: ranks synchronise before allocating the KV cache, and a release
   that reworded its "weights done" line still gets its boundary (detail "implied by: ...").
 
-A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one.
+A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one, as does
+a load_begin (a model loaded into a running server) once the weights of the cycle before are in.
+unloaded (a model let go by a running server) belongs to no cycle.
 
-Event time: the line's own timestamp where the format has one, else the reference time the caller
-gives (journald's `__REALTIME_TIMESTAMP`, or when the line was read). A stamp is corrected by a
-whole number of quarter hours towards the reference (a container logging in UTC beside an exporter
-in local time) and used only within `MAX_SKEW` of it; a whole-second stamp is refined by the
-reference within its second (journald's time is exact to the microsecond). vLLM and Triton stamps
-carry no year, so the reference's year is taken (the previous one across New Year). Event times
-never go back.
+Event time: the process's start plus a line's time since that start (llama-server's stamps), where
+the caller knows the log is that process's own; else the line's own timestamp where the format
+has one, else the reference time the caller gives (journald's `__REALTIME_TIMESTAMP`, or when the
+line was read). A clock stamp is corrected by a whole number of quarter hours towards the
+reference (a container logging in UTC beside an exporter in local time) and used only within
+`MAX_SKEW` of it; a whole-second stamp is refined by the reference within its second (journald's
+time is exact to the microsecond). vLLM and Triton stamps carry no year, so the reference's year is
+taken (the previous one across New Year). Event times never go back.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -80,7 +84,16 @@ _AFTER_WEIGHTS = frozenset(
         EventKind.READY,
     }
 )
-_ONCE = frozenset({EventKind.KV_CACHE, EventKind.WARMUP_BEGIN, EventKind.READY, EventKind.FATAL})
+_ONCE = frozenset(
+    {
+        EventKind.KV_CACHE,
+        EventKind.WARMUP_BEGIN,
+        EventKind.READY,
+        EventKind.FATAL,
+        EventKind.LOAD_BEGIN,
+    }
+)
+_CYCLE_BEGINS = frozenset({EventKind.WEIGHTS_BEGIN, EventKind.LOAD_BEGIN})
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class _Prefix:
     resolution: float  # a whole-second stamp says "some time within this second"
     who: str | None
     message: str
+    exact: float | None = None  # the process's start plus the time since it, never after `ref`
 
 
 _RANK_RES = (re.compile(r"TP(\d+)"), re.compile(r"rank=(\d+)"), re.compile(r"DP(\d+)"))
@@ -112,6 +126,17 @@ def detect(line: str) -> str | None:
         if server.log.signature.match(line):
             return kind
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _signature_search(kinds: tuple[str, ...]) -> re.Pattern[str]:
+    """Every signature at a line's start, as one multi-line pattern: a chunk of lines that no
+    format knows costs one C-level search, not a Python loop over its lines (a log of short
+    unrecognised lines cost 2 s of CPU per MiB that way). It may also match across a line end
+    (`\\s`, `[^()]`), so a hit is only a candidate that `detect` checks on its own line; no line
+    that `detect` accepts is missed. Keyed by the kinds registered (a test registers one)."""
+    either = "|".join(f"(?:{SERVERS[kind].log.signature.pattern})" for kind in kinds)
+    return re.compile(f"^(?:{either})", re.MULTILINE)
 
 
 # --- merging ranks into events -------------------------------------------------------------------
@@ -190,8 +215,11 @@ class MarkerParser:
     for progress only, since a tqdm bar stays unterminated until its next redraw.
     """
 
-    def __init__(self, fmt: str = AUTO) -> None:
-        """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO."""
+    def __init__(self, fmt: str = AUTO, origin: float | None = None) -> None:
+        """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO.
+        `origin`: the start of the process whose log this is alone (unix seconds), which makes
+        a stamp of the time since its start exact; None where the log may be another's."""
+        self._origin = origin
         self.format: str | None = None if fmt == AUTO else fmt  # the kind; None: undecided
         self.format_reason = "configured" if self.format else "auto: no recognisable line yet"
         self.unknown_announced = False  # set once `auto` has seen DETECT_ANNOUNCE_LINES in vain
@@ -234,27 +262,32 @@ class MarkerParser:
         return events
 
     def _detect(self, text: str, ref: float) -> str:
-        """Try each line until one names the format; return the text after it (or "")."""
-        start = 0
-        while start < len(text):
+        """Find the first line that names the format; return the text after it (or "").
+
+        Lines before it are kept (the last DETECT_BACKLOG) to be replayed once it is known."""
+        search = _signature_search(tuple(SERVERS))
+        at = 0
+        while (hit := search.search(text, at)) is not None:
+            start = hit.start()
             end = text.find("\n", start)
-            if end < 0:
-                end = len(text)
+            end = len(text) if end < 0 else end
             line = text[start:end]
-            start = end + 1
-            if not line:
-                continue
-            self._undecided_lines += 1
             fmt = detect(line)
-            if fmt is not None:
-                self.format, self._spec = fmt, SERVERS[fmt].log
-                shown = line if len(line) <= 120 else line[:117] + "..."
-                self.format_reason = (
-                    f"auto: line {self._undecided_lines} matched {fmt}'s line prefix: {shown!r}"
-                )
-                self._backlog.append((line[:DETAIL_MAX], ref))
-                return text[start:]
+            if fmt is None:  # a candidate that crossed a line end
+                at = end + 1
+                continue
+            self._undecided_lines += text.count("\n", 0, start) + 1
+            self.format, self._spec = fmt, SERVERS[fmt].log
+            shown = line if len(line) <= 120 else line[:117] + "..."
+            self.format_reason = (
+                f"auto: line {self._undecided_lines} matched {fmt}'s line prefix: {shown!r}"
+            )
+            self._keep(text[:start], ref)
             self._backlog.append((line[:DETAIL_MAX], ref))
+            return text[end + 1 :]
+        if text:
+            self._undecided_lines += text.count("\n") + (not text.endswith("\n"))
+        self._keep(text, ref)
         if self._undecided_lines >= DETECT_ANNOUNCE_LINES and not self.unknown_announced:
             self.unknown_announced = True
             self.format_reason = (
@@ -262,6 +295,17 @@ class MarkerParser:
                 " server; no events"
             )
         return ""
+
+    def _keep(self, text: str, ref: float) -> None:
+        """The last DETECT_BACKLOG non-empty lines of `text` into the backlog: found from the
+        end, so a chunk of a million lines costs no more than one of a few hundred."""
+        cut = len(text)
+        for _ in range(DETECT_BACKLOG + 1):
+            cut = text.rfind("\n", 0, cut)
+            if cut < 0:
+                break
+        lines = text[cut + 1 :].split("\n")
+        self._backlog.extend((line[:DETAIL_MAX], ref) for line in lines if line)
 
     def _replay_backlog(self, events: list[LogEvent]) -> None:
         while self._backlog:
@@ -300,7 +344,7 @@ class MarkerParser:
             if progress_only and rule.kind not in _PROGRESS:
                 continue
             if prefix is None:
-                prefix = _split_prefix(spec, line, ref)
+                prefix = _split_prefix(spec, line, ref, self._origin)
             match = rule.pattern.search(prefix.message)
             if match is None:
                 continue
@@ -322,13 +366,25 @@ class MarkerParser:
         groups = match.groupdict()
         who = groups.get("who") or prefix.who
         cycle = self._cycle
-        if cycle.finished:
-            if kind is not EventKind.WEIGHTS_BEGIN:
+        detail = prefix.message.strip()
+        if prefix.exact is not None:
+            at = prefix.exact
+        else:
+            at = _event_time(prefix.stamp, prefix.resolution, ref)
+        if kind is EventKind.UNLOADED:  # no part of any load
+            self._emit(events, kind, self._stamp(at), who, detail)
+            return
+        # A model loaded into a running server once the weights before are in is a load of its
+        # own (Triton's explicit mode: the server was ready before it).
+        over = cycle.finished or (
+            kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once
+        )
+        if over:
+            if kind not in _CYCLE_BEGINS:
                 return
             cycle = self._cycle = _Cycle()
             self._cause = None
-        detail = prefix.message.strip()
-        at = self._last_at = max(_event_time(prefix.stamp, prefix.resolution, ref), self._last_at)
+        at = self._stamp(at)
         done = total = None
         if kind in _PROGRESS:
             done, total = _progress(groups, partial)
@@ -355,6 +411,11 @@ class MarkerParser:
             cycle.finished = True
         seconds = groups.get("seconds")
         self._emit(events, kind, at, who, detail, done, total, float(seconds) if seconds else None)
+
+    def _stamp(self, at: float) -> float:
+        """Event times never go back: the log is written in order."""
+        self._last_at = max(at, self._last_at)
+        return self._last_at
 
     def _weights_in_before(
         self, kind: EventKind, events: list[LogEvent], at: float, who: str | None, detail: str
@@ -391,8 +452,8 @@ def _fraction(progress: tuple[int, int]) -> float:
     return done / total if total > 0 else 1.0
 
 
-def _split_prefix(spec: LogFormat, line: str, ref: float) -> _Prefix:
-    stamp = who = None
+def _split_prefix(spec: LogFormat, line: str, ref: float, origin: float | None) -> _Prefix:
+    stamp = who = exact = None
     resolution = 1.0
     message = line
     if spec.prefix is not None:
@@ -405,11 +466,14 @@ def _split_prefix(spec: LogFormat, line: str, ref: float) -> _Prefix:
                 stamp = spec.stamp(m, ref)
                 fraction = groups.get("f")
                 resolution = 10.0 ** -len(fraction) if fraction else 1.0
+            if spec.elapsed is not None and origin is not None:
+                since = spec.elapsed(m)
+                exact = None if since is None else min(origin + since, ref)
     if spec.rank_in_message is not None:
         r = spec.rank_in_message.search(message)
         if r is not None:
             who = r.group(0)
-    return _Prefix(stamp, resolution, who, message)
+    return _Prefix(stamp, resolution, who, message, exact)
 
 
 def _rank(who: str | None) -> int | None:
@@ -492,8 +556,10 @@ class StepTimeline:
 
     def apply(self, event: LogEvent) -> None:
         kind, at = event.kind, event.time
+        if kind is EventKind.UNLOADED:
+            return
         if self.finished:
-            if kind is not EventKind.WEIGHTS_BEGIN:
+            if kind not in _CYCLE_BEGINS:
                 return
             self._reset()
         if kind in _ENTERS:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.require import require
@@ -186,8 +187,8 @@ def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
     source.sample()
     loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
     mapped = source.sample()
-    # Mapped, nothing touched: only the bytes of the commands the loader read on stdin (rchar
-    # while the shard's descriptor was open count as preads of it).
+    # Mapped, nothing touched: nothing consumed (the commands it read on stdin are no part of
+    # a mapped shard).
     assert mapped.held_files == 1 and mapped.consumed_bytes < 4096
     loader.do(f"touch {shards[0]} 0 {6 * MIB}")
     touched = source.sample()
@@ -207,6 +208,53 @@ def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
     assert consumed(swapped)[shards[0].name] == SHARD
     assert 2 * MIB <= consumed(swapped)[shards[1].name] <= 3 * MIB
     assert [f.held for f in swapped.files] == [False, True]
+
+
+def test_a_mapped_file_is_followed_by_its_pages_not_by_the_processs_reads(
+    shards: list[Path], loaders: list[Loader], tmp_path: Path
+) -> None:
+    """safe_open maps a shard while its descriptor is still open; whatever the process reads
+    with read() meanwhile (its imports, a config) is no read of that shard: a mapped file's
+    progress is its pages alone."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"touch {shards[0]} 0 {2 * MIB}")
+    first = source.sample()
+    loader.do(f"import {tmp_path / 'torch.so'}", f"touch {shards[0]} 0 {3 * MIB}")
+    second = source.sample()
+    assert 2 * MIB <= first.consumed_bytes <= 3 * MIB
+    # The 4 MiB read() of torch.so left the shard's offset at 0: not a pread of it.
+    assert 3 * MIB <= second.consumed_bytes <= 4 * MIB
+    assert second.files[0].how == "mmap" and second.files[0].held
+    loader.do(f"close {shards[0]}", f"unmap {shards[0]}")
+    assert source.sample().consumed_bytes == SHARD  # let go: done with it
+
+
+def test_a_restart_accounts_afresh_for_a_model_loaded_again_by_the_same_process(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """A model unloaded and loaded again inside a running server (Triton's explicit mode):
+    what the files were to the load before, consumed and let go, is no progress of this one."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}", f"unmap {shards[0]}")
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
+    held = source.sample()
+    loader.do(f"unmap {shards[0]}")
+    before = source.sample()
+    assert before.consumed_bytes == SHARD and before.first_open_at is not None  # let go: whole
+    source.restart()
+    fresh = source.sample()
+    assert fresh.root_pid == loader.pid and held.first_open_at is not None
+    assert (fresh.consumed_bytes, fresh.files, fresh.first_open_at) == (0, (), None)
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
+    loader.do(f"touch {shards[0]} 0 {4 * MIB}")
+    again = source.sample()
+    assert 4 * MIB <= again.consumed_bytes <= 5 * MIB and again.first_open_seen
 
 
 def test_a_pread_loader_is_followed_by_its_read_bytes_beyond_its_offset(
@@ -294,3 +342,75 @@ def test_another_users_tree_is_not_visible_and_says_why(
     visible, first, reason = out.stdout.strip().split("|")
     assert (visible, first) == ("False", "None")
     assert "cannot see the server's weight files" in reason and "Permission denied" in reason
+
+
+HOLDER = r"""
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+others, count = sys.argv[1], int(sys.argv[2])
+held = [os.open(others, os.O_RDONLY) for _ in range(count)]
+churn = []
+print("ok", flush=True)
+for line in sys.stdin:
+    op, *args = line.split()
+    if op == "open":
+        churn.append(os.open(args[0] if args else others, os.O_RDONLY))
+    elif op == "close":
+        os.close(churn.pop())
+    elif op == "dup2":  # onto a number of its choosing, not the lowest free one
+        os.dup2(os.open(args[0], os.O_RDONLY), int(args[1]))
+    print("ok", flush=True)
+"""
+
+
+def test_descriptor_churn_costs_work_for_what_changed_not_what_is_held(
+    shards: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27 row 7: a process holding thousands of descriptors that opens or closes one
+    between looks. Work is counted, not timed: descriptors identified (a stat each) and
+    listings of /proc/PID/fd per look, which were all of them and one at every look."""
+    held = 5000
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "torch.so"), str(held)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ok\n"
+        loader = Loader.__new__(Loader)
+        loader.proc = holder
+        source = view(shards, loader)
+        identified = listings = 0
+        plain_identify, plain_listdir = source._identify, os.listdir
+
+        def identify(fd_dir: str, number: int) -> Any:
+            nonlocal identified
+            identified += 1
+            return plain_identify(fd_dir, number)
+
+        def listdir(path: Any) -> list[str]:
+            nonlocal listings
+            listings += str(path) == f"/proc/{holder.pid}/fd"
+            return plain_listdir(path)
+
+        monkeypatch.setattr(source, "_identify", identify)
+        monkeypatch.setattr(os, "listdir", listdir)
+        source.sample()  # the first look lists and identifies everything, once
+        assert identified >= held
+        looks = 30
+        identified = listings = 0
+        for look in range(looks):
+            loader.do("open" if look % 2 == 0 else "close")
+            source.sample()
+        # Per look: the numbers the count moved by and PROBE_SLACK, a 300th of the old ones
+        # (the rotation), the young ones: a few dozen, not 5,000; a listing every 5 looks.
+        assert identified / looks < 60, identified / looks
+        assert listings <= looks // (held // 1000) + 1, listings
+        # A weight file opened meanwhile is seen at that look, wherever its number is.
+        loader.do(f"open {shards[0]}")
+        assert [(f.name, f.held) for f in source.sample().files] == [(shards[0].name, True)]
+        loader.do(f"dup2 {shards[1]} {held + 4000}")  # not where the kernel would put it
+        seen = [len(source.sample().files) for _ in range(held // 1000 + 1)]
+        assert seen[-1] == 2, seen
+    finally:
+        holder.kill()
+        holder.wait()
