@@ -112,8 +112,8 @@ class Prometheus:
         assert self.proc.poll() is None, f"prometheus exited: {self.proc.communicate()[1]}"
         try:
             return bool(self.api("query", query='up{job="model-load"} == 1')["result"])
-        except requests.ConnectionError:
-            return False
+        except (requests.ConnectionError, requests.JSONDecodeError):
+            return False  # not listening yet, or 503 while its TSDB opens
 
     def alert_state(self, name: str) -> str:
         for group in self.api("rules", type="alert")["groups"]:
