@@ -123,6 +123,7 @@ class _Span:
     ended_once: bool = False
     begun: set[str | None] = field(default_factory=set)
     ended: set[str | None] = field(default_factory=set)
+    ended_at: float | None = None  # when it last ended (its end line, or a later step's)
 
 
 class _Cycle:
@@ -137,12 +138,12 @@ class _Cycle:
         self.fired: set[EventKind] = set()
         self.finished = False
 
-    def close(self, begin: EventKind) -> bool:
+    def close(self, begin: EventKind, at: float) -> bool:
         """End a span still open (its end line never came); whether it was open."""
         span = self.spans[begin]
         if not span.open:
             return False
-        span.open, span.ended_once = False, True
+        span.open, span.ended_once, span.ended_at = False, True, at
         return True
 
     def unseen(self, begin: EventKind) -> bool:
@@ -150,8 +151,16 @@ class _Cycle:
         span = self.spans[begin]
         return not span.open and not span.ended_once
 
-    def merge(self, kind: EventKind, who: str | None) -> bool:
-        """Whether this rank's begin, end or once-per-load marker fires an event now."""
+    def merge(
+        self, kind: EventKind, who: str | None, at: float, seconds: float | None = None
+    ) -> bool:
+        """Whether this rank's begin, end or once-per-load marker fires an event at `at` now.
+
+        An end line without its begin line seen fires when it is the span's first end, or when
+        the duration it states began after the span last ended: a second run (SGLang's prefill
+        then decode graphs) and not the same one told again (every rank, and vLLM's "Model
+        loading took" after its "Loading weights took"). Stamps are whole seconds: one of slack.
+        """
         if kind in _SPAN_BEGINS:
             span = self.spans[kind]
             if span.open:
@@ -166,13 +175,16 @@ class _Cycle:
         if begin is not None:
             span = self.spans[begin]
             if not span.open:
-                # The begin was never seen (read from the middle): the first end counts, once.
-                first = not span.ended_once
-                span.ended_once = True
-                return first
+                # The begin was never seen (read from the middle, or the server logs none).
+                last = span.ended_at
+                anew = seconds is not None and last is not None and at - seconds > last - 1.0
+                if span.ended_once and not anew:
+                    return False
+                span.ended_once, span.ended_at = True, at
+                return True
             span.ended.add(who)
             if span.begun - {None} <= span.ended:
-                span.open, span.ended_once = False, True
+                span.open, span.ended_once, span.ended_at = False, True, at
                 return True
             return False
         if kind in _ONCE:
@@ -329,13 +341,15 @@ class MarkerParser:
             self._cause = None
         detail = prefix.message.strip()
         at = self._last_at = max(_event_time(prefix.stamp, prefix.resolution, ref), self._last_at)
+        stated = groups.get("seconds")
+        seconds = float(stated) if stated else None  # a duration the line itself states
         done = total = None
         if kind in _PROGRESS:
             done, total = _progress(groups, partial)
             if done is None or total is None:
                 return
             begin = _BEGIN_OF_PROGRESS[kind]
-            if cycle.unseen(begin) and cycle.merge(begin, who):
+            if cycle.unseen(begin) and cycle.merge(begin, who, at):
                 # A bar is the first sign of its span (vLLM's CUDA graphs, a missed begin line).
                 self._weights_in_before(begin, events, at, who, detail)
                 self._emit(events, begin, at, who, detail)
@@ -345,7 +359,7 @@ class MarkerParser:
             if cycle.last_progress.get(kind) == (done, total):
                 return
             cycle.last_progress[kind] = (done, total)
-        elif not cycle.merge(kind, who):
+        elif not cycle.merge(kind, who, at, seconds):
             return
         self._weights_in_before(kind, events, at, who, detail)
         if kind is EventKind.FATAL:
@@ -353,14 +367,13 @@ class MarkerParser:
             detail = self._with_cause(detail)
         elif kind is EventKind.READY:
             cycle.finished = True
-        seconds = groups.get("seconds")
-        self._emit(events, kind, at, who, detail, done, total, float(seconds) if seconds else None)
+        self._emit(events, kind, at, who, detail, done, total, seconds)
 
     def _weights_in_before(
         self, kind: EventKind, events: list[LogEvent], at: float, who: str | None, detail: str
     ) -> None:
         """Ranks synchronise before the KV cache: a later step means the weights are in."""
-        if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN):
+        if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN, at):
             self._emit(events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}")
 
     def _with_cause(self, detail: str) -> str:
@@ -502,13 +515,13 @@ class StepTimeline:
             step = _LEAVES[kind]
             if self.step is step:
                 self._leave(at)
-            elif event.seconds is not None and step not in self.durations:
+            elif event.seconds is not None:
                 # "Graph capturing finished in 3 secs" without its begin line: it ran for the
                 # seconds it states, up to now; a step still open ended where this one began.
                 began = at - event.seconds
                 if self.since is not None:
                     self._leave(max(self.since, began))
-                self.durations[step] = event.seconds
+                self.durations[step] = self.durations.get(step, 0.0) + event.seconds
         elif kind in _PROGRESS_STEP:
             step = _PROGRESS_STEP[kind]
             if self.step is Step.NONE and step not in self.durations:

@@ -133,6 +133,7 @@ class TargetRuntime:
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
     last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
+    log_wanted: bool = False  # a ready answer ended a load: tick once the log has been read
     # The weight files' first open, last let-go and whether all were consumed, as last acted on.
     files_news: tuple[float | None, float | None, bool] = (None, None, False)
     residency_seen: float | None = None  # when the residency pass the loops acted on ran
@@ -681,8 +682,20 @@ class Runtime:
         result = value.result if value is not None else None
         changed, runtime.last_result = result != runtime.last_result, result
         ready = result is ProbeResult.READY
-        news = ready if runtime.cadence.phase in IN_PROGRESS else changed or not ready
+        loading = runtime.cadence.phase in IN_PROGRESS
+        news = ready if loading else changed or not ready
         if news:
+            if ready and loading and runtime.logs is not None:
+                # The load ends once the log has been read past this answer (its last step's
+                # line may be unread yet): read it now, and tick after that read.
+                runtime.log_wanted = True
+                self.sampler.sample_soon(LOGS, runtime.config.name)
+            self.sampler.run_soon(TRACKER_LOOP)
+
+    def _after_log(self, runtime: TargetRuntime) -> None:
+        """A read the tracker waits for (a ready answer ended the load): tick now."""
+        if runtime.log_wanted:
+            runtime.log_wanted = False
             self.sampler.run_soon(TRACKER_LOOP)
 
     def _probe_result(self, name: str) -> ProbeResult | None:
@@ -775,6 +788,7 @@ class Runtime:
             runtime.config.name,
             runtime.logs.sample,
             every=self._pace_of(LOGS, runtime),
+            after=lambda _: self._after_log(runtime),
         )
 
     def _observe(

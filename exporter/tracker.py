@@ -21,7 +21,9 @@ Rules, because every number on the dashboard comes from them:
 * It ends `ready` on the first probe finished after the start that says ready; `failed` when the
   process is gone first (or replaced by another one), or at once when the server's log reports a
   fatal error (with the server's message). With a log, a process exit waits one tick for the
-  log's last lines, which say why. `failed` stays until the next load.
+  log's last lines, which say why, and a ready answer waits (an interval at most) for a read of
+  the log after it, whose lines may end a step; the load ends at the answer all the same.
+  `failed` stays until the next load.
 * A ready server that stops answering while its process runs on (process matching) stays `ready`:
   no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
   hang once after 3 of them. Without process matching those 3 failures start a load (above).
@@ -284,6 +286,7 @@ class _Load:
     steps: StepTimeline = field(default_factory=StepTimeline)  # the log's fine steps, this load
     fatal: str | None = None
     fatal_at: float | None = None
+    ready_at: float | None = None  # the endpoint answered ready: the load ends once the log is in
     bytes_read: int | None = None
     weights_bytes: int | None = None
     evidence: dict[Signal, _Evidence] = field(default_factory=dict)
@@ -343,8 +346,10 @@ class Tracker:
                 record = self._finish(load, load.fatal_at, Outcome.FAILED)
             elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
-            elif probe is not None and probe.time > load.started_at and record is None:
-                record = self._finish(load, probe.time, Outcome.READY)  # when it answered
+            elif probe is not None and probe.time > load.started_at and load.ready_at is None:
+                load.ready_at = probe.time  # when it answered: the load's end
+            if load.ready_at is not None and record is None and self._log_caught_up(obs, load):
+                record = self._finish(load, load.ready_at, Outcome.READY)
         else:
             self._settle(obs)
         self._last_obs = obs
@@ -475,6 +480,20 @@ class Tracker:
         unknown_age = obs.process_start_time is None and self._last_obs is None
         self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
+
+    def _log_caught_up(self, obs: Observation, load: _Load) -> bool:
+        """Whether the log has been read since the server first answered, or need not be.
+
+        The log is sampled on its own thread: a server that answers right after its last step's
+        line ("Graph capturing finished in 3 secs", then the port opens) would end its load
+        before that line was read, and the step would be lost. So the end waits for a read of
+        the log after the answer, an interval at most; the load still ends when it answered.
+        """
+        ready_at = load.ready_at
+        assert ready_at is not None
+        read = obs.log_read_at
+        caught_up = read is not None and read >= ready_at
+        return not self._logged or caught_up or obs.time >= ready_at + self.interval
 
     def _count_failure(self, probe: _Probe) -> None:
         """Failed probes in a row: 3 start an endpoint-only load, or make a watched server hung."""
@@ -643,6 +662,8 @@ class Tracker:
             if event.time < load.started_at - LOG_SKEW_SECONDS:
                 continue
             at = min(max(event.time, load.started_at), obs.time)
+            if load.ready_at is not None:
+                at = min(at, load.ready_at)  # read while waiting for the log: the load has ended
             load.steps.apply(replace(event, time=at))
             kind = event.kind
             # The log dates a boundary exactly, even one crossed before the exporter arrived.

@@ -281,6 +281,62 @@ def test_an_end_line_that_states_its_duration_counts_without_its_begin() -> None
     assert timeline.step is Step.NONE
 
 
+# The end-line rule on varied shapes (issue 32, row 1): (format, log lines as (seconds, line),
+# the steps they must give). `{v}` is a vLLM stamp, `{s}` SGLang's, of the line's own second.
+_V, _VO = (
+    "(EngineCore_DP0 pid=9) INFO {v} [r.py:1] ",
+    "(VllmWorker rank=0 pid=9) INFO {v} [r.py:1] ",
+)
+END_LINE_SHAPES = {
+    "vllm: after the KV cache lines, no begin": ("vllm", [
+        (10, _V + "Available KV cache memory: 1.00 GiB"),
+        (10, "(EngineCore_DP0 pid=8) INFO {v} [k.py:1] GPU KV cache size: 9,000 tokens"),
+        (13, _V + "Graph capturing finished in 3 secs, took 0.45 GiB"),
+        (14, "(APIServer pid=7) INFO {v} [a.py:1] init engine (profile, create kv cache, warmup model) took 5.00 seconds"),
+    ], {Step.KV_CACHE: 0.0, Step.CUDA_GRAPH: 3.0}),
+    "vllm-old: another process's KV line, then the worker's end line": ("vllm", [
+        (10, "INFO {v} [executor_base.py:1] # cuda blocks: 1000, # CPU blocks: 500"),
+        (14, _VO + "Graph capturing finished in 3 secs, took 0.45 GiB"),
+    ], {Step.KV_CACHE: 1.0, Step.CUDA_GRAPH: 3.0}),
+    "vllm-old: no step open at all": ("vllm", [
+        (10, _VO + "Loading weights took 2.00 seconds"),
+        (22, _VO + "torch.compile takes 12.5 s in total"),
+    ], {Step.WEIGHTS: 2.0, Step.COMPILE: 12.5}),
+    "vllm: each rank and a second wording tell the same step": ("vllm", [
+        (30, _V + "Loading weights took 20.00 seconds"),
+        (30, _V.replace("EngineCore_DP0", "Worker_TP1") + "Loading weights took 20.50 seconds"),
+        (31, _V + "Model loading took 9.5 GiB and 20.9 seconds"),
+    ], {Step.WEIGHTS: 20.0}),
+    "sglang: prefill then decode graphs, their begin lines missed": ("sglang", [
+        (10, "[{s}] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 16384"),
+        (13, "[{s}] Capture target prefill CUDA graph end. elapsed=2.00 s, mem usage=0.10 GB, avail mem=9.00 GB."),
+        (17, "[{s}] Capture target decode CUDA graph end. bs=[1, 2, 4], elapsed=4.00 s, mem usage=0.10 GB, avail mem=8.90 GB."),
+    ], {Step.KV_CACHE: 1.0, Step.CUDA_GRAPH: 6.0}),
+    "sglang: a weights end line read from the middle, a CPU graph after": ("sglang", [
+        (16, "[{s}] Load weight end. elapsed=6.37 s, type=LlamaForCausalLM, avail mem=18.93 GB, mem usage=1.34 GB."),
+        (18, "[{s}] KV Cache is allocated. dtype: torch.float32, #tokens: 16384"),
+        (21, "[{s}] Capture target decode CPU graph end. bs=[1], elapsed=2.50 s, mem usage=0.00 GB, avail mem=8.90 GB."),
+    ], {Step.WEIGHTS: 6.37, Step.KV_CACHE: 0.5, Step.CUDA_GRAPH: 2.5}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(END_LINE_SHAPES))
+def test_an_end_line_stating_its_duration_counts_whatever_came_before(shape: str) -> None:
+    """Each line is read as it is written (stamp + 0.2 s): the step ends at the line, began the
+    seconds it states before, and a step still open ended there."""
+    fmt, lines, expected = END_LINE_SHAPES[shape]
+    base = time.mktime((2026, 3, 2, 10, 0, 0, 0, 0, -1))
+    timeline, parser = StepTimeline(), MarkerParser(fmt)
+    for second, line in lines:
+        stamp = time.localtime(base + second)
+        text = line.replace("{v}", time.strftime("%m-%d %H:%M:%S", stamp))
+        text = text.replace("{s}", time.strftime("%Y-%m-%d %H:%M:%S", stamp))
+        for event in parser.feed(text + "\n", base + second + 0.2):
+            timeline.apply(event)
+    timeline.close(base + lines[-1][0] + 0.2)
+    assert timeline.durations == pytest.approx(expected, abs=0.25), timeline.durations
+
+
 SIMULATED_STEPS = {
     "sglang": {"kv_cache", "compile_begin", "cuda_graph_begin", "cuda_graph_end", "warmup_begin"},
     "vllm": {"compile_begin", "compile_end", "kv_cache", "cuda_graph_begin", "cuda_graph_end"},

@@ -57,6 +57,7 @@ class Sim:
     rx: int | None = None  # PCIe bytes received by the tree's GPUs; None: no such counter
     log_lines: int = 0
     log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
+    log_lag: float = 0.0  # the log was last read this long before each tick
     states: list[TargetState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     records: list[LoadRecord] = field(default_factory=list)
@@ -112,6 +113,7 @@ class Sim:
             disk_read_bytes=self.disk,
             log_events=tuple(self.log),
             log_lines=self.log_lines if self.logged else None,
+            log_read_at=self.time - self.log_lag if self.logged else None,
             files=(
                 FileView(
                     self.first_open,
@@ -1218,3 +1220,48 @@ def test_the_logs_shard_count_does_not_run_ahead_of_the_weight_files_bytes() -> 
     sim.tick()
     assert sim.state.progress_ratio == pytest.approx(2 * GB / sim.weights)  # not 3/4
     assert sim.state.progress_source == "weight_files"
+
+
+@pytest.mark.parametrize("lag", [0.3, 0.9])
+def test_a_ready_answer_waits_for_the_log_read_after_it_and_ends_the_load_at_the_answer(
+    lag: float,
+) -> None:
+    """The port opens right after the last step's end line, before the log's thread read it:
+    the load still ends at the answer, with the step that line states (issue 32, row 1)."""
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.say(EventKind.WEIGHTS_BEGIN)
+    sim.tick(3)
+    sim.say(EventKind.WEIGHTS_END, seconds=3.0)
+    sim.tick()
+    sim.say(EventKind.KV_CACHE)
+    sim.tick(3)
+    sim.log_lag = lag  # the next read of the log comes after the answer
+    sim.endpoint = "ready"
+    sim.tick()
+    answered = sim.time
+    assert sim.records == [] and sim.state.phase == "initializing"
+    sim.log_lag = 0.0
+    sim.say(EventKind.CUDA_GRAPH_END, ago=1.0 + 0.05, seconds=2.5)  # written just before it
+    sim.tick()
+    [record] = sim.records
+    assert record.ended_at == answered
+    assert record.phase_seconds["cuda_graph"] == pytest.approx(2.5)
+    assert record.phase_seconds["kv_cache"] == pytest.approx(3.0 - 0.05 - 2.5)
+
+
+def test_without_a_read_of_the_log_a_ready_answer_ends_the_load_an_interval_later() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(3)
+    sim.say(EventKind.KV_CACHE)
+    sim.tick(2)
+    sim.log_lag = 5.0  # the log's reads have stopped (a hung journalctl)
+    sim.endpoint = "ready"
+    sim.tick()
+    answered = sim.time
+    assert sim.records == []
+    sim.tick()
+    [record] = sim.records
+    assert record.ended_at == answered and record.outcome == "ready"
