@@ -461,6 +461,25 @@ def _event_time(stamp: float | None, resolution: float, ref: float) -> float:
 
 # --- fine steps from events ----------------------------------------------------------------------
 
+STAMP_WINDOW = 1.0  # how long before its event time a whole-second stamped line was written
+
+
+def tighten(began: float, ended: float, seconds: float | None) -> tuple[float, float]:
+    """A step's begin and end from its two lines, made exact by the duration the end line states.
+
+    Each line's event time is at or after the moment it names (a whole-second stamp, refined by
+    when the line was read: `_event_time`), so `ended - seconds` and `began + seconds` are upper
+    bounds too, and the smaller of each pair is the closer. A stated duration that disagrees with
+    the lines by more than a stamp's second measures something else: the lines stand.
+    """
+    if seconds is None:
+        return began, ended
+    said_begin, said_end = ended - seconds, began + seconds
+    if said_begin < began - STAMP_WINDOW or said_end < ended - STAMP_WINDOW:
+        return began, ended
+    return min(began, said_begin), min(ended, said_end)
+
+
 _ENTERS = {
     EventKind.WEIGHTS_BEGIN: Step.WEIGHTS,
     EventKind.KV_CACHE: Step.KV_CACHE,
@@ -514,6 +533,8 @@ class StepTimeline:
         elif kind in _LEAVES:
             step = _LEAVES[kind]
             if self.step is step:
+                if self.since is not None:
+                    self.since, at = tighten(self.since, at, event.seconds)
                 self._leave(at)
             elif event.seconds is not None:
                 # "Graph capturing finished in 3 secs" without its begin line: it ran for the

@@ -96,7 +96,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from exporter.api import LoadReport
-from exporter.logmarkers import EventKind, LogEvent, StepTimeline
+from exporter.logmarkers import EventKind, LogEvent, StepTimeline, tighten
 from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Signal, Step
 
 # Tie-break order when two signals report the same progress.
@@ -287,6 +287,7 @@ class _Load:
     fatal: str | None = None
     fatal_at: float | None = None
     ready_at: float | None = None  # the endpoint answered ready: the load ends once the log is in
+    log_weights_began: float | None = None  # when the log's weights-begin line was dated
     bytes_read: int | None = None
     weights_bytes: int | None = None
     evidence: dict[Signal, _Evidence] = field(default_factory=dict)
@@ -669,6 +670,7 @@ class Tracker:
             # The log dates a boundary exactly, even one crossed before the exporter arrived.
             if kind is EventKind.WEIGHTS_BEGIN:
                 load.log_weights_open = load.log_from_start = True
+                load.log_weights_began = at
                 if self._phase is Phase.STARTING:
                     self._begin_weights(load, at, load.progress or 0.0, obs.time, seen=True)
                 elif self._phase is Phase.LOADING_WEIGHTS:
@@ -678,6 +680,10 @@ class Tracker:
             elif kind is EventKind.WEIGHTS_END:
                 load.log_weights_open = False
                 load.progress = 1.0
+                began = load.log_weights_began
+                if began is not None and self._phase is Phase.LOADING_WEIGHTS:
+                    # "Load weight end. elapsed=4.98 s" dates both lines to the millisecond.
+                    load.weights_began, at = tighten(began, at, event.seconds)
                 if self._phase is Phase.STARTING and event.seconds is not None:
                     # "Loading weights took 2.65 seconds" with no begin line seen: it dates both.
                     began = max(at - event.seconds, load.started_at)

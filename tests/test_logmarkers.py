@@ -19,26 +19,28 @@ from exporter.logmarkers import (
     StepTimeline,
     clean,
     detect,
+    tighten,
 )
 from exporter.servers import SERVERS
 from exporter.sim.serverlog import LOG_WRITERS, LogContext
 from exporter.vocabulary import AUTO, ServerKind, Step
 
 # (fixture, detected format, event kinds in order ("kind*n" = n in a row), seconds per step).
-# Stamped logs take their durations from the stamps; llama.cpp's from 0.1 s per line.
+# Stamped logs take their durations from the stamps, made exact by the durations the end lines
+# state where those agree within a stamp's second; llama.cpp's from 0.1 s per line.
 FIXTURE_CASES = [
     ("sglang-0.5-tp2.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 20.85, "kv_cache": 0.5, "cuda_graph": 12.35, "warmup": 3.251}),
-    ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.0, "warmup": 1.8}),
+    ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.28, "warmup": 1.8}),
     ("sglang-fatal.log", "sglang", "weights_begin weights_end fatal", {"weights": 8.0}),
-    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 32.0, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 11.9}),
-    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.0, "compile": 45.0, "kv_cache": 0.2, "cuda_graph": 12.8}),
+    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 31.4, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 12.0}),
+    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.02, "compile": 45.2, "kv_cache": 0.2, "cuda_graph": 13.0}),
     ("vllm-0.6.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 7.0, "kv_cache": 2.0, "cuda_graph": 11.0}),
-    ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 25.0, "kv_cache": 0.6}),
+    ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 24.8, "kv_cache": 0.6}),
     # Real vLLM 0.32 on CPU (bench/vllm_file_timeline.py): "Warming up model for the
     # compilation..." begins the compile, "Initial profiling/warmup run took" the dummy runs
-    # until the KV cache (whole-second stamps: the warm weights' 1.28 s reads as 1.0 s).
-    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.0, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
-    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.0, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
+    # until the KV cache (whole-second stamps, but "Loading weights took 1.28 seconds").
+    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.04, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
+    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.28, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
     ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 0.6, "kv_cache": 0.4, "warmup": 0.3}),
     ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
     ("llamacpp-python-0.3.36-real.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 27.2, "kv_cache": 28.7}),
@@ -52,7 +54,7 @@ FIXTURE_CASES = [
 JOURNAL_CASES = [
     # The simulator under systemd-cat (2 s of init), read back with journalctl -o json: the
     # byte-array MESSAGEs of \r-redrawn bars, and whole-second stamps refined by journald's time.
-    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end warmup_begin ready", {"weights": 0.002, "kv_cache": 0.301, "compile": 1.052, "cuda_graph": 1.204, "warmup": 0.451}),
+    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end warmup_begin ready", {"weights": 0.0, "kv_cache": 0.301, "compile": 1.052, "cuda_graph": 1.2, "warmup": 0.451}),
     # The real llama-cpp-python server in a unit's cgroup: no stamps, journald's time only.
     ("journald-llamacpp-python-0.3.36-real.jsonl", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 0.057, "kv_cache": 0.062}),
 ]  # fmt: skip
@@ -216,7 +218,12 @@ def test_a_new_load_after_ready_starts_a_new_cycle() -> None:
     result = replay(text + text.replace("2025-01-20 08:15", "2025-01-20 08:25"))
     assert result.kinds.count("weights_begin") == 2
     assert result.kinds.count("ready") == 2
-    assert result.durations() == {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.0, "warmup": 1.8}
+    assert result.durations() == {
+        "weights": 5.0,
+        "kv_cache": 1.0,
+        "cuda_graph": 4.28,
+        "warmup": 1.8,
+    }
 
 
 def test_after_fatal_only_a_new_load_fires() -> None:
@@ -335,6 +342,22 @@ def test_an_end_line_stating_its_duration_counts_whatever_came_before(shape: str
             timeline.apply(event)
     timeline.close(base + lines[-1][0] + 0.2)
     assert timeline.durations == pytest.approx(expected, abs=0.25), timeline.durations
+
+
+@pytest.mark.parametrize(
+    ("began", "ended", "seconds", "expected"),
+    [
+        (10.0, 16.0, 5.3, (10.0, 15.3)),  # the end line read late
+        (10.0, 16.0, 6.7, (9.3, 16.0)),  # the begin line read late
+        (10.0, 16.0, None, (10.0, 16.0)),  # no duration stated
+        (10.0, 16.0, 2.0, (10.0, 16.0)),  # it measured something shorter: the lines stand
+        (10.0, 16.0, 9.0, (10.0, 16.0)),  # or longer
+    ],
+)
+def test_a_stated_duration_tightens_the_lines_within_a_stamps_second(
+    began: float, ended: float, seconds: float | None, expected: tuple[float, float]
+) -> None:
+    assert tighten(began, ended, seconds) == pytest.approx(expected)
 
 
 SIMULATED_STEPS = {

@@ -1265,3 +1265,19 @@ def test_without_a_read_of_the_log_a_ready_answer_ends_the_load_an_interval_late
     sim.tick()
     [record] = sim.records
     assert record.ended_at == answered and record.outcome == "ready"
+
+
+def test_the_elapsed_a_weights_end_line_states_dates_the_weights_to_the_millisecond() -> None:
+    """SGLang's lines are stamped to the second and may be read a second late: "Load weight
+    end. elapsed=5.30 s" says where within those seconds the weights ended."""
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(10)
+    sim.say(EventKind.WEIGHTS_BEGIN)  # dated 11.0 s after the start
+    sim.tick(6)
+    sim.say(EventKind.WEIGHTS_END, seconds=5.3)  # dated 17.0: written at 16.3, read late
+    sim.tick(3)
+    sim.endpoint = "ready"
+    record = sim.until_record()
+    assert record.phase_seconds["starting"] == pytest.approx(11.0)
+    assert record.phase_seconds["loading_weights"] == pytest.approx(5.3)
