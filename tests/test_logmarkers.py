@@ -31,6 +31,9 @@ from exporter.vocabulary import AUTO, ServerKind, Step
 FIXTURE_CASES = [
     ("sglang-0.5-tp2.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 20.85, "kv_cache": 0.5, "cuda_graph": 12.35, "warmup": 3.251}),
     ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.28, "warmup": 1.8}),
+    # Real SGLang 0.5.23 on CPU (tests/servers/test_exporter_on_sglang.py): no CUDA graphs; the
+    # warm-up step runs from uvicorn's start to "fired up" (the completions answered meanwhile).
+    ("sglang-0.5.23-cpu-cold.log", "sglang", "weights_begin weights_progress*4 weights_end kv_cache warmup_begin ready", {"weights": 13.64, "kv_cache": 1.0, "warmup": 3.0}),
     ("sglang-fatal.log", "sglang", "weights_begin weights_end fatal", {"weights": 8.0}),
     ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 31.4, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 12.0}),
     ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.02, "compile": 45.2, "kv_cache": 0.2, "cuda_graph": 13.0}),

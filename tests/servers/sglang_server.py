@@ -179,7 +179,8 @@ def describe(server: SglangServer) -> dict[str, Any]:
     """SGLang's own words about its start: the stamps of its step lines and its timings."""
     log = server.text()
     out: dict[str, Any] = {"startup_timings": startup_timings(log)}
-    for key, marker in (("weights_begin", "Load weight begin"), ("weights_end", "Load weight end"),
+    for key, marker in (("init_parallel", "Init parallel begin"),
+                        ("weights_begin", "Load weight begin"), ("weights_end", "Load weight end"),
                         ("kv_cache", "KV Cache is allocated"), ("uvicorn", "Uvicorn running on"),
                         ("fired_up", "The server is fired up")):  # fmt: skip
         with contextlib.suppress(AssertionError):
