@@ -186,6 +186,9 @@ class LoadRecord:
     seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
     fatal: str | None = None  # the server's own fatal message, when its log gave one
     resident_bytes_at_start: int | None = None  # weights in the page cache as it began
+    # Storage bytes the tree read before its first weight file: its own environment (the
+    # interpreter, packages, libraries), gigabytes when they had left the page cache.
+    startup_read_bytes: int | None = None
     id: int | None = None  # history's row id, once stored and read back
     report: LoadReport | None = None  # where its time went and why (exporter/explain.py)
 
@@ -279,6 +282,7 @@ class _Load:
     # start-up (imports), never weights.
     reads_at_open: int | None = None
     rx_at_open: int | None = None  # the GPUs' PCIe receive counter then
+    startup_reads: int | None = None  # storage bytes read at the last look before that open
     files: FileView | None = None  # the last view of the weight files in this load
     # First seen mid-way with no weight file held: the weights may be behind or ahead of it,
     # so its phases are unknown unless a weight file is seen opening after all.
@@ -585,6 +589,7 @@ class Tracker:
             gpu_bytes_at_weights_end=load.gpu_at_weights_end if load.weights_ended_seen else None,
             fatal=load.fatal,
             resident_bytes_at_start=load.resident_start,
+            startup_read_bytes=None if load.seen_late else load.startup_reads,
         )
         self._phase = Phase(outcome)
         self._last_record = record
@@ -643,7 +648,7 @@ class Tracker:
             load.disk_base = obs.disk_read_bytes
         if load.gpu_base is None and obs.process_gpu_bytes:
             load.gpu_base = obs.process_gpu_bytes
-        self._note_files(load, obs)
+        self._note_files(load, obs, prev)
         self._note_residency(load, obs)
         self._note_storage(load, obs)
         self._follow_log(load, obs)
@@ -698,9 +703,9 @@ class Tracker:
                 load.fatal = event.detail or FATAL_WITHOUT_DETAIL
                 load.fatal_at = at
 
-    def _note_files(self, load: _Load, obs: Observation) -> None:
-        """The storage reads at the first weight-file open, and whether a late load's phases can
-        be told at all."""
+    def _note_files(self, load: _Load, obs: Observation, prev: Observation | None) -> None:
+        """The storage reads at the first weight-file open (and at the look before it: what
+        start-up read), and whether a late load's phases can be told at all."""
         files = obs.files
         if files is None:
             return
@@ -710,6 +715,8 @@ class Tracker:
             return
         if load.reads_at_open is None:
             load.reads_at_open = obs.process_read_bytes
+            before = prev.process_read_bytes if prev is not None else None
+            load.startup_reads = obs.process_read_bytes if before is None else before
         if load.rx_at_open is None:
             load.rx_at_open = obs.gpu_rx_bytes
         if files.first_open_seen:

@@ -1281,3 +1281,12 @@ def test_the_elapsed_a_weights_end_line_states_dates_the_weights_to_the_millisec
     record = sim.until_record()
     assert record.phase_seconds["starting"] == pytest.approx(11.0)
     assert record.phase_seconds["loading_weights"] == pytest.approx(5.3)
+
+
+def test_a_load_records_what_start_up_read_from_storage_before_its_first_weight_file() -> None:
+    """The tree's storage reads up to the look before a weight file first opened: the server's
+    own environment (27 MB here; gigabytes for SGLang once its packages left the page cache)."""
+    sim = Sim(tracker(), weights=1_340 * MB)
+    python_server_load(sim)
+    [record] = sim.records
+    assert record.startup_read_bytes == 27 * MB
