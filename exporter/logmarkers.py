@@ -25,7 +25,8 @@ whole number of quarter hours towards the reference (a container logging in UTC 
 in local time) and used only within `MAX_SKEW` of it; a whole-second stamp is refined by the
 reference within its second (journald's time is exact to the microsecond). vLLM and Triton stamps
 carry no year, so the reference's year is taken (the previous one across New Year). Event times
-never go back.
+never go back, except that a line without the stamp its format has (a tqdm redraw, dated when it
+was read) does not push the next stamped line past that line's own second.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ class MarkerParser:
         self._seq = 0
         self._line_no = 0
         self._cause: tuple[int, str] | None = None
-        self._last_at = 0.0  # event times never go back: the log is written in order
+        self._last_at = 0.0  # stamped event times never go back: the log is written in order
 
     @property
     def seq(self) -> int:
@@ -340,7 +341,12 @@ class MarkerParser:
             cycle = self._cycle = _Cycle()
             self._cause = None
         detail = prefix.message.strip()
-        at = self._last_at = max(_event_time(prefix.stamp, prefix.resolution, ref), self._last_at)
+        at = max(_event_time(prefix.stamp, prefix.resolution, ref), self._last_at)
+        if prefix.stamp is not None or self._spec is None or self._spec.stamp is None:
+            # A line without the stamp its format has (a tqdm redraw) is dated when it was read,
+            # which may be after the next stamped line was written: it must not push that one
+            # past its own second ("Load weight end" after the bar's last redraw).
+            self._last_at = at
         stated = groups.get("seconds")
         seconds = float(stated) if stated else None  # a duration the line itself states
         done = total = None

@@ -438,3 +438,19 @@ def test_a_later_step_implies_the_weights_are_in() -> None:
     end = result.first("weights_end")
     assert end.detail.startswith("implied by: Capturing CUDA graphs")
     assert result.durations() == {"weights": 20.1}
+
+
+def test_a_bar_read_late_does_not_push_the_next_stamped_line_past_its_second() -> None:
+    """Real SGLang, warm: the weights bar's last redraw has no stamp and is dated when read;
+    "Load weight end" was still written within its own stamped second."""
+    base = time.mktime((2026, 12, 2, 8, 55, 0, 0, 0, -1))
+    parser = MarkerParser("sglang")
+    parser.feed("[2026-12-02 08:55:04] Load weight begin. avail mem=18.66 GB\n", base + 5.2)
+    bar = "Multi-thread loading shards: 100% Completed | 4/4 [00:01<00:00,  2.90it/s]\n"
+    [progress] = parser.feed(bar, base + 6.39)
+    [end] = parser.feed(
+        "[2026-12-02 08:55:05] Load weight end. elapsed=1.39 s, type=LlamaForCausalLM\n",
+        base + 6.4,
+    )
+    assert progress.time == base + 6.39
+    assert end.time == base + 6.0 and end.seconds == 1.39
