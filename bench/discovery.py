@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from exporter_cpu import REPO, cpu_share, free_port, wait_http
+from exporter_cpu import REPO, cpu_shares, free_port, wait_http
 
 from exporter.discovery import Discoverer
 
@@ -68,7 +68,7 @@ def idle_shares(seconds: float) -> dict[str, float]:
             url = f"http://127.0.0.1:{listen}/metrics"
             wait_http(url)
             time.sleep(5)  # past start-up and the first discovery passes
-            shares[name] = cpu_share(proc, url, seconds)
+            shares[name] = cpu_shares({name: (proc, url)}, seconds)[name]
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -157,7 +157,7 @@ def _serve_waitress(app: Any, port: int, tls: tuple[str, str] | None) -> Callabl
 def _serve_uvicorn(app: Any, port: int, tls: tuple[str, str] | None) -> Callable[[], None]:
     import uvicorn
 
-    extra = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
+    extra: dict[str, Any] = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, interface="wsgi", log_level="error", **extra
     )

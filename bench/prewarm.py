@@ -25,8 +25,12 @@ from pathlib import Path
 
 from exporter.cachectl import evict, prewarm_files
 from exporter.sources.memory import read_meminfo
-from exporter.sources.pagecache import file_residency
 from exporter.units import parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers.pagecache_io import file_residency  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

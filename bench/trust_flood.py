@@ -74,11 +74,11 @@ def main() -> int:
             ]
             fakes = FakeServers(argvs)
             wanted = seen + args.per_wave - args.per_user
-            wait_for(
-                lambda w=wanted: refused_total(exporter.get("/metrics").text)["user_share"] >= w,
-                timeout=120,
-                interval=1.0,
-            )
+
+            def refused_enough(wanted: int = wanted) -> bool:
+                return refused_total(exporter.get("/metrics").text)["user_share"] >= wanted
+
+            wait_for(refused_enough, timeout=120, interval=1.0)
             started = time.monotonic()
             text = exporter.get("/metrics", timeout=30).text
             scrape = (time.monotonic() - started) * 1000

@@ -10,8 +10,13 @@ the other, not a silent `None`.
 `DocumentError` of one line that says where) and ignores keys it does not know, so an older
 client reads a newer exporter. Words from the exporter's vocabulary (phase, cache, outcome,
 server, storage kind, step) are plain strings here for the same reason: a newer exporter may
-speak one more. Stdlib only, and nothing of the exporter's own: the client commands import this
-without the exporter's sources.
+speak one more. Stdlib only, and nothing of the exporter's own but exporter/untrusted.py (itself
+stdlib only): the client commands import this without the exporter's sources.
+
+`to_json` is one of the exporter's two exits for text (the metric labels are the other): every
+string of every document, keys too, passes `untrusted.clean` there, so a path, an argument or a
+log line a server chose reaches /api/v1, the live page, the CLI, history's JSON and the MCP tools
+as valid UTF-8 without control or format characters, whichever field carries it.
 
 Two kinds of optional part, as the JSON has always had them: a key written only when there is
 something to say (OPTIONAL: no `residency` before the first pass), and a group of keys merged
@@ -28,6 +33,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Self, Union
+
+from exporter.untrusted import clean
 
 MAX_LOADS = 1000  # the most loads one /api/v1/loads answer holds
 
@@ -104,9 +111,11 @@ def _encode(value: object) -> object:
     if isinstance(value, tuple):
         return [_encode(v) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _encode(v) for k, v in value.items()}
+        return {clean(str(k), None): _encode(v) for k, v in value.items()}
     if isinstance(value, str):
-        return str(value)  # a StrEnum member as its plain value
+        # A StrEnum member as its plain value; every string cleaned on its way out, whoever
+        # wrote it (exporter/untrusted.py says why here).
+        return clean(str(value), None)
     return value
 
 
@@ -463,6 +472,10 @@ class LogReading(Document):
     fatal: str | None
     lines: int
     last_line_at: float | None
+    # Bytes not parsed (over a sample's CPU or byte budget), and whether the log was let go
+    # because its process is gone; absent from an exporter older than both.
+    skipped_bytes: int = field(default=0, metadata=OPTIONAL)
+    closed: bool = field(default=False, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,8 @@ def _log(view: TargetView) -> api.Log:
         fatal=sample.fatal,
         lines=sample.lines_total,
         last_line_at=sample.last_line_at,
+        skipped_bytes=sample.skipped_bytes,
+        closed=sample.closed,
     )
     return api.Log(sample.source, found_by, not_found, reading)
 

@@ -81,6 +81,15 @@ class RightsError(PermissionError):
     """This thread cannot take a process's rights: nothing is done on its behalf."""
 
 
+class Borrowed(RightsError):
+    """A process whose rights are not its user's own (a setuid program, one that is not
+    dumpable): the exporter reads nothing for it. `why` says which."""
+
+    def __init__(self, pid: int, why: str) -> None:
+        super().__init__(f"pid {pid}: {why}")
+        self.why = why
+
+
 @dataclass(frozen=True)
 class Rights:
     """The credentials a process accesses files with: fsuid, fsgid, supplementary groups and
@@ -96,31 +105,104 @@ class Rights:
         return (self.uid, self.gid, self.groups)
 
 
-def rights_of(pid: int, proc_root: str = "/proc") -> Rights | None:
-    """A process's file-system credentials from /proc/PID/status; None when gone or unreadable."""
+@dataclass(frozen=True)
+class _Status:
+    """The credential lines of /proc/PID/status: (real, effective, saved, file-system) ids."""
+
+    uids: tuple[int, ...]
+    gids: tuple[int, ...]
+    groups: tuple[int, ...]
+    capabilities: int
+
+    @classmethod
+    def read(cls, path: str) -> _Status | None:
+        try:
+            text = read_regular(path, _STATUS_BYTES).decode("ascii", "replace")
+        except OSError:
+            return None
+        fields: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(":")
+            fields[name] = value.split()
+        try:
+            uids = tuple(int(u) for u in fields["Uid"][:4])
+            gids = tuple(int(g) for g in fields["Gid"][:4])
+            groups = tuple(sorted(int(g) for g in fields.get("Groups", [])))
+            capabilities = int(fields["CapEff"][0], 16)
+        except (KeyError, IndexError, ValueError):
+            return None
+        if len(uids) != 4 or len(gids) != 4:
+            return None
+        return cls(uids, gids, groups, capabilities)
+
+    def rights(self, capabilities: int) -> Rights:
+        return Rights(self.uids[3], self.gids[3], self.groups, capabilities)
+
+
+def rights_of(pid: int, proc_root: str = "/proc") -> Rights:
+    """A process's rights as they count from this exporter's user namespace; raises
+    ProcessLookupError when it is gone, Borrowed when they are not its user's own.
+
+    A setuid or setgid program run by a user holds another user's rights it was lent for one
+    task (`su` at its password prompt: effective uid 0, real uid the user's); a process that is
+    not dumpable holds something its owner may not see (the kernel makes its /proc entries
+    root's then). Neither is a server the exporter reads for. Capabilities count only in the
+    exporter's own user namespace: `unshare -Ur` gives any user a full set that is worth nothing
+    over the host's files, so a process of another namespace has none here.
+    """
+    base = f"{proc_root}/{pid}"
+    status = _Status.read(f"{base}/status")
+    if status is None:
+        raise ProcessLookupError(f"pid {pid} is gone")
+    why = _borrowed(base, status)
+    if why is not None:
+        raise Borrowed(pid, why)
+    theirs = _user_namespace(base)
+    own_namespace = theirs is not None and theirs == _user_namespace(f"{proc_root}/self")
+    return status.rights(status.capabilities if own_namespace else 0)
+
+
+def _borrowed(base: str, status: _Status) -> str | None:
+    """Why a process's credentials are not its user's own, or None."""
+    if len(set(status.uids)) > 1 or len(set(status.gids)) > 1:
+        return (
+            f"its real, effective, saved and file-system ids differ (uids {_ids(status.uids)}, "
+            f"gids {_ids(status.gids)}): a setuid or setgid program"
+        )
     try:
-        text = read_regular(f"{proc_root}/{pid}/status", _STATUS_BYTES).decode("ascii", "replace")
+        # The kernel's word on dumpable: root owns the process's entries otherwise (the
+        # directory itself keeps its owner on Linux 6).
+        owner = os.stat(f"{base}/status").st_uid
+    except OSError:
+        return None  # gone meanwhile: nothing is read for it anyway
+    if owner != status.uids[1]:
+        return "it is not dumpable (what it holds is hidden from its own user)"
+    try:
+        exe = os.stat(f"{base}/exe").st_mode
+    except OSError:
+        return None  # a kernel thread, or another user's read without privilege: ids tell all
+    if exe & stat.S_ISUID or (exe & stat.S_ISGID and exe & stat.S_IXGRP):
+        return "it runs a setuid or setgid program"
+    return None
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    return "/".join(str(i) for i in ids)
+
+
+def _user_namespace(base: str) -> str | None:
+    try:
+        return os.readlink(f"{base}/ns/user")
     except OSError:
         return None
-    fields: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        fields[name] = value.split()
-    try:
-        uid, gid = int(fields["Uid"][3]), int(fields["Gid"][3])
-        groups = tuple(sorted(int(g) for g in fields.get("Groups", [])))
-        capabilities = int(fields["CapEff"][0], 16)
-    except (KeyError, IndexError, ValueError):
-        return None
-    return Rights(uid, gid, groups, capabilities)
 
 
 def own_rights() -> Rights:
     """This thread's own credentials (for tests and the no-CAP_SETUID rule)."""
-    mine = rights_of(threading.get_native_id(), "/proc/self/task")
+    mine = _Status.read(f"/proc/self/task/{threading.get_native_id()}/status")
     if mine is None:
         raise RightsError("cannot read this thread's own credentials")
-    return mine
+    return mine.rights(mine.capabilities)
 
 
 def _syscall(number: int, *args: Any) -> int:
@@ -279,13 +361,32 @@ class Actor:
 
 @dataclass(frozen=True)
 class OnBehalf:
-    """An actor bound to one process's rights: how a source touches that process's files."""
+    """An actor bound to one process's rights: how a source touches that process's files.
+
+    Each call takes the process's rights afresh while it runs (a server that drops root after
+    its start is read for with its user's rights), and refuses once it holds borrowed ones (a
+    setuid program exec'd in its place): Borrowed. Once it is gone, the rights it last had,
+    which passed the same rule, read its files while its target is kept.
+    """
 
     actor: Actor
     rights: Rights
+    pid: int | None = None
+    same: Callable[[], bool] = lambda: True  # whether `pid` is still that process (not reused)
+    proc_root: str = "/proc"
+
+    def current(self) -> Rights:
+        """The process's rights now (Borrowed when they are not its own), or its last ones."""
+        if self.pid is None:
+            return self.rights
+        try:
+            rights = rights_of(self.pid, self.proc_root)
+        except ProcessLookupError:
+            return self.rights
+        return rights if self.same() else self.rights  # a reused pid is another process's
 
     def run(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        return self.actor.call(self.rights, fn, timeout)
+        return self.actor.call(self.current(), fn, timeout)
 
 
 def open_as(actor: Actor, pid: int, path: str, proc_root: str = "/proc") -> int:
@@ -293,12 +394,11 @@ def open_as(actor: Actor, pid: int, path: str, proc_root: str = "/proc") -> int:
 
     `path` is as the process names it (resolved inside its root: a container's files, its
     symlinks kept inside it), or one of its own /proc entries (`/proc/PID/fd/1`, opened as is).
-    Refused (not a regular file, a pseudo file system), RightsError, TimeoutError or OSError
-    (EACCES: the process may not read it either). The caller owns the fd.
+    Refused (not a regular file, a pseudo file system), RightsError (Borrowed: rights not its
+    own), TimeoutError or OSError (EACCES: the process may not read it either). The caller owns
+    the fd.
     """
     rights = rights_of(pid, proc_root)
-    if rights is None:
-        raise ProcessLookupError(f"pid {pid} is gone")
     own = f"{proc_root}/{pid}/"
 
     def opened() -> int:

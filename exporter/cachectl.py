@@ -21,20 +21,26 @@ SEGMENT_BYTES = 256 << 20  # unit of parallel work; sequential within it, so rea
 _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 Progress = Callable[[int], None]
+Opener = Callable[[str], int]  # a path -> an fd to read (`prewarm`: exporter/ownedfiles.py)
+
+
+def open_plain(path: str) -> int:
+    """Files this program wrote itself (the demo, tests): opened as named."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 class Cancelled(Exception):
     """`stop` was set while reading."""
 
 
-def evict(path: str) -> int:
+def evict(path: str, opener: Opener = open_plain) -> int:
     """Drop a file's pages from the page cache; returns its size.
 
     Dirty pages cannot be dropped, so flush first: a freshly written shard would otherwise stay
     cached and the "cold" load would read from memory. A read-only filesystem (squashfs, erofs)
     has nothing to flush and refuses fsync with EINVAL or EROFS.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = opener(path)
     try:
         try:
             os.fsync(fd)
@@ -89,7 +95,7 @@ def read_through(
 
 def prewarm(path: str, progress: Progress | None = None) -> int:
     """Read a file through the page cache so the next load of it is warm; returns its size."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_plain(path)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return read_through(fd, 0, os.fstat(fd).st_size, progress)
@@ -118,6 +124,7 @@ def prewarm_files(
     jobs: int,
     progress: Progress | None = None,
     stop: threading.Event | None = None,
+    opener: Opener = open_plain,
 ) -> int:
     """Read (path, size) files into the page cache with `jobs` parallel readers; bytes read.
 
@@ -128,7 +135,7 @@ def prewarm_files(
     stop = stop or threading.Event()
 
     def read(segment: Segment) -> int:
-        fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = opener(segment.path)
         try:
             os.posix_fadvise(fd, segment.offset, segment.length, os.POSIX_FADV_SEQUENTIAL)
             return read_through(fd, segment.offset, segment.length, progress, stop)

@@ -16,26 +16,35 @@ from typing import NoReturn
 
 from exporter import __version__
 
-# name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("exporter.commands.serve", "run the exporter (default)"),
-    "simulate": ("exporter.sim.simulate", "run a stand-in model server"),
-    "demo": ("exporter.sim.demo", "watch the simulator load real files"),
+# name -> (module with add_arguments(parser) and run(args) -> int, one-line help, the extra of
+# pyproject.toml that brings what the module imports beyond `serve`'s dependencies, if any)
+COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "serve": ("exporter.commands.serve", "run the exporter (default)", None),
+    "simulate": ("exporter.sim.simulate", "run a stand-in model server", "sim"),
+    "demo": ("exporter.sim.demo", "watch the simulator load real files", "sim"),
     "wait": (
         "exporter.commands.wait",
         "block until a target is ready (0), failed (1) or timed out (124)",
+        "client",
     ),
-    "status": ("exporter.commands.status", "one table of every target of a running exporter"),
+    "status": (
+        "exporter.commands.status",
+        "one table of every target of a running exporter",
+        "client",
+    ),
     "prewarm": (
         "exporter.commands.prewarm",
         "pull weight files into the page cache (or --evict them)",
+        "client",
     ),
     "history": (
         "exporter.commands.history",
         "past loads from a running exporter or its SQLite file",
+        "client",
     ),
-    "mcp": ("exporter.commands.mcp", "a Model Context Protocol server (stdio) for agents"),
+    "mcp": ("exporter.commands.mcp", "a Model Context Protocol server (stdio) for agents", "mcp"),
 }
+EXIT_MISSING_EXTRA = 2  # like a usage error: the command cannot run as installed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,10 +63,19 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, (module_name, help_text, extra) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as e:
+                if extra is None or (e.name or "").startswith("exporter"):
+                    raise
+                parser.exit(
+                    EXIT_MISSING_EXTRA,
+                    f"model-load-exporter {name}: needs {e.name!r}, which is not installed;"
+                    f" install the command's extra: pip install 'model-load-exporter[{extra}]'\n",
+                )
             module.add_arguments(p)
             p.set_defaults(func=module.run)
     return parser

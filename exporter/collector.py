@@ -20,8 +20,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import BucketSpan, NativeHistogram
 
-from exporter.loadstats import LOAD_BUCKETS, HistogramCounts
+from exporter.loadstats import LOAD_BUCKETS, NATIVE_SCHEMA, NATIVE_ZERO_THRESHOLD, HistogramCounts
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
@@ -46,6 +47,7 @@ from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
 
 NS = "model_load"
+MAX_LABEL = 4096  # characters of one label value (a path at most PATH_MAX)
 T = TypeVar("T")
 
 
@@ -254,8 +256,9 @@ CATALOG: tuple[MetricSpec, ...] = (
 class Scrape:
     """The families of one scrape, each made on first use and yielded in catalog order."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = False) -> None:
         self._families: dict[MetricSpec, Metric] = {}
+        self.native = native  # histograms carry their native buckets too (protobuf only)
 
     def _family(self, spec: MetricSpec) -> Metric:
         if spec not in self._families:
@@ -267,29 +270,49 @@ class Scrape:
         if value is not None:
             self._family(spec).add_metric([_label(v) for v in labels], value)  # type: ignore[attr-defined]
 
-    def histogram(self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts) -> None:
-        buckets = [
-            (f"{float(le)}", c) for le, c in zip(LOAD_BUCKETS, counts.cumulative, strict=True)
-        ]
-        buckets.append(("+Inf", counts.count))
+    def histogram(
+        self, spec: MetricSpec, labels: Sequence[str], counts: HistogramCounts, buckets: bool = True
+    ) -> None:
+        """One histogram; without `buckets` only its +Inf bucket, _count and _sum (3 series
+        instead of 23: rates and means still work, quantiles need the buckets)."""
+        bounds = zip(LOAD_BUCKETS, counts.cumulative, strict=True) if buckets else ()
+        series = [(f"{float(le)}", c) for le, c in bounds]
+        series.append(("+Inf", counts.count))
         family = self._family(spec)
-        family.add_metric([_label(v) for v in labels], buckets, counts.sum)  # type: ignore[attr-defined]
+        values = [_label(v) for v in labels]
+        family.add_metric(values, series, counts.sum)  # type: ignore[attr-defined]
+        if self.native:
+            family.add_sample(family.name, dict(zip(spec.labels, values, strict=True)),
+                              counts.count, native_histogram=_native(counts))  # fmt: skip
 
     def families(self) -> Iterator[Metric]:
         for spec in CATALOG:
             yield self._families.get(spec) or spec.new()
 
 
+def _native(counts: HistogramCounts) -> NativeHistogram:
+    """The native buckets as spans of consecutive indexes and each count's delta to the last."""
+    spans: list[BucketSpan] = []
+    deltas: list[int] = []
+    last_index, last_count = None, 0
+    for index, count in counts.native:
+        if last_index is None or index != last_index + 1:
+            gap = index if last_index is None else index - last_index - 1
+            spans.append(BucketSpan(gap, 0))
+        spans[-1] = BucketSpan(spans[-1].offset, spans[-1].length + 1)
+        deltas.append(count - last_count)
+        last_index, last_count = index, count
+    return NativeHistogram(
+        counts.count, counts.sum, NATIVE_SCHEMA, NATIVE_ZERO_THRESHOLD, counts.native_zero,
+        pos_spans=spans, pos_deltas=deltas,
+    )  # fmt: skip
+
+
 def _label(value: str) -> str:
-    """A label value that encodes: a file or model name that is not UTF-8 must not make every
-    scrape a 500 (discovery cleans what it found already; configured file names come here)."""
-    if value.isascii():
-        return value
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return clean(value, limit=4096)
-    return value
+    """A label value as it may leave: the exporter's second exit for text (the documents'
+    `to_json` is the first; exporter/untrusted.py says why), so a mount point, a file or a model
+    name with an escape, a bidi override or a byte that is not UTF-8 encodes and shows as text."""
+    return clean(value, limit=MAX_LABEL)
 
 
 # -- one function per source -------------------------------------------------------------------
@@ -453,7 +476,7 @@ def _history(out: Scrape, snap: Snapshot) -> None:
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):
-        out.histogram(PHASE_DURATION, labels, counts)
+        out.histogram(PHASE_DURATION, labels, counts, buckets=snap.metrics.phase_buckets)
 
 
 HOST: tuple[HostFn, ...] = (
@@ -476,12 +499,13 @@ TARGET: tuple[TargetFn, ...] = (
 class ExporterCollector(Collector):
     """A prometheus_client collector over a snapshot function."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], native: bool = False) -> None:
         self._snapshot = snapshot
+        self._native = native  # for the protobuf format: histograms with native buckets
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        out = Scrape()
+        out = Scrape(native=self._native)
         _exporter(out, snap)
         for host_fn in HOST:
             host_fn(out, snap)

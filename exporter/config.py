@@ -184,6 +184,19 @@ class HistoryRetention:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """What /metrics carries beyond each target's default budget (docs/costs.md#a-fleet): the
+    detail only a deep dive reads, which a fleet pays for in series on every host."""
+
+    # The buckets of model_load_phase_duration_seconds (20 per phase and step; the dashboard
+    # reads only _sum and _count, which are always there).
+    phase_buckets: bool = False
+    # Histograms also as native histograms, one series per label set, to a Prometheus that asks
+    # for protobuf (>= 2.40 with --enable-feature=native-histograms); text scrapes unchanged.
+    native_histograms: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     targets: tuple[TargetConfig, ...]
     sample_interval: float = DEFAULT_SAMPLE_INTERVAL
@@ -192,6 +205,7 @@ class Config:
     source: str = "flags"
     discovery: DiscoveryConfig = DiscoveryConfig()
     history_retention: HistoryRetention = HistoryRetention()
+    metrics: MetricsConfig = MetricsConfig()
 
 
 def parse_duration(value: object, where: str, maximum: float = MAX_DURATION) -> float:
@@ -603,6 +617,16 @@ def _retention(data: object, where: str) -> HistoryRetention:
     )
 
 
+def _metrics(data: object, where: str) -> MetricsConfig:
+    if data is None:
+        return MetricsConfig()
+    r = _Reader(data, where, ("phase_buckets", "native_histograms"))
+    return MetricsConfig(
+        phase_buckets=r.flag("phase_buckets", False),
+        native_histograms=r.flag("native_histograms", False),
+    )
+
+
 def parse_config(
     data: object, source: str = "config", env: Mapping[str, str] | None = None
 ) -> Config:
@@ -619,6 +643,7 @@ def parse_config(
             "history_retention",
             "residency_cpu_budget",
             "discovery",
+            "metrics",
             "targets",
         ),
     )
@@ -654,6 +679,7 @@ def parse_config(
         source=source,
         discovery=discovery,
         history_retention=_retention(r.data.get("history_retention"), "history_retention"),
+        metrics=_metrics(r.data.get("metrics"), "metrics"),
     )
 
 

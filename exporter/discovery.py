@@ -14,7 +14,9 @@ Hugging Face cache, and everything through /proc/PID/root when it lives in anoth
 namespace (a container), so that the paths returned are ones this exporter can open.
 
 Trust: any local user can start a process that looks like a server, so what its command line,
-environment and files say is believed only as far as that user's own rights reach. Every file
+environment and files say is believed only as far as that user's own rights reach, as the
+exporter's namespace sees them: a setuid program or a process that is not dumpable is no server
+(refused, `borrowed_rights`), capabilities of another user namespace count for nothing. Every file
 looked at for a process is opened on a thread holding the process's credentials
 (exporter/asprocess.py), regular files only and bounded (exporter/safeio.py), never on /proc,
 /sys or /dev; what the user could not read is neither read, counted nor named. Probes go only to
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from exporter.asprocess import Actor, Rights, RightsError, rights_of
+from exporter.asprocess import Actor, Borrowed, Rights, RightsError, rights_of
 from exporter.config import DISCOVERY_SERVERS, EndpointConfig, WeightsConfig
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
@@ -234,23 +236,30 @@ class Discoverer:
 
     def _server(self, pid: int, start_ticks: int, argv: tuple[str, ...]) -> DiscoveredServer | None:
         known = self._known.get((pid, start_ticks))
-        if known is not None and (known.weights or not _awaits_weights(known)):
+        settled = known is not None and (known.weights or not _awaits_weights(known))
+        if settled and pid % self._refresh != self._passes % self._refresh:
+            return known  # its rights are looked at again in its slice, and at every read
+        try:
+            rights = rights_of(pid, self._proc_root)
+        except ProcessLookupError:
+            return None
+        except Borrowed as exc:
+            self.refusals.note("borrowed_rights", (pid, start_ticks), "pid %d: %s", pid, exc.why)
+            return None
+        if known is not None and settled:
             return known
         try:
-            return self._describe(pid, start_ticks, argv)
+            return self._describe(pid, start_ticks, argv, rights)
         except Exception as exc:  # one bad process must not end the pass for the others
             log.debug("describing pid %d failed", pid, exc_info=True)
             self.refusals.note("error", (pid, start_ticks), "pid %d skipped: %s", pid, exc)
             return None
 
     def _describe(
-        self, pid: int, start_ticks: int, argv: tuple[str, ...]
+        self, pid: int, start_ticks: int, argv: tuple[str, ...], rights: Rights
     ) -> DiscoveredServer | None:
         key = (pid, start_ticks)
         base = f"{self._proc_root}/{pid}"
-        rights = rights_of(pid, self._proc_root)
-        if rights is None:
-            return None  # gone
         if self._users is not None and rights.uid not in self._users:
             self.refusals.note("user", key, "pid %d: uid %d is not in discovery.users",
                                pid, rights.uid)  # fmt: skip

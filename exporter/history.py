@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import statistics
 import threading
 from collections import deque
@@ -38,6 +39,11 @@ SCHEMA_VERSION = 6
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
+PRIVATE_FILE = 0o600
+PRIVATE_DIRECTORY = 0o700
+HISTORY_SUFFIXES = ("", "-journal", "-wal", "-shm")  # the file and what SQLite keeps beside it
+# A symlink at the path is refused (ELOOP), a FIFO does not block the open.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS loads (
@@ -105,7 +111,10 @@ class HistoryStore:
         path: str,
         busy_timeout: float = BUSY_TIMEOUT_SECONDS,
         retention: HistoryRetention | None = None,
+        private: bool = True,
     ) -> None:
+        """`private`: the exporter's own store, made private first (`make_private`); the
+        `history` command reading a file it was pointed at leaves it as it is."""
         self.path = path
         self.retention = retention or HistoryRetention()
         self.enabled = False
@@ -116,11 +125,9 @@ class HistoryStore:
         self._pending: deque[LoadRecord] = deque(maxlen=MAX_PENDING)
         if not path:
             return
-        directory = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            self._disable(f"cannot create directory {directory}: {exc.strerror}")
+        problem = make_private(path) if private else None
+        if problem is not None:
+            self._disable(problem)
             return
         try:
             db = sqlite3.connect(
@@ -296,6 +303,59 @@ class HistoryStore:
         self.enabled = False
         self.problem = f"{self.path}: {reason}"
         log.error("load history disabled, finished loads will not be kept: %s", self.problem)
+
+
+def make_private(path: str) -> str | None:
+    """Make the history file 0600 in a 0700 directory; why not, or None.
+
+    Its failure lines are servers' words and its loads say what ran when: no other local user
+    reads them, whatever the web config allows. A directory made here is 0700; one that exists
+    is made 0700 when it is this user's and holds nothing but the history's files (an older
+    version made it 0755), else left as it is (`/var/lib` stays 0755: the file alone is private
+    then). Refused: a directory other users may write into without the sticky bit (they could
+    swap the file), a symlink or anything but a regular file at the path, a file of another user
+    (root's is accepted: no other user can make one). A file of this user's, or a SQLite journal
+    beside it, open to others is made 0600.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    me = os.geteuid()
+    try:
+        os.makedirs(directory, mode=PRIVATE_DIRECTORY, exist_ok=True)
+        st = os.stat(directory)
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{directory} is writable by other users: refused"
+        dedicated = set(os.listdir(directory)) <= {
+            os.path.basename(path) + suffix for suffix in HISTORY_SUFFIXES
+        }
+        if st.st_uid == me and st.st_mode & 0o077 and dedicated:
+            os.chmod(directory, PRIVATE_DIRECTORY)
+            log.warning("load history: %s was mode %o, made %o", directory,
+                        stat.S_IMODE(st.st_mode), PRIVATE_DIRECTORY)  # fmt: skip
+    except OSError as exc:
+        return f"cannot make directory {directory} private: {exc.strerror}"
+    for suffix in HISTORY_SUFFIXES:
+        create = os.O_CREAT if not suffix else 0
+        try:
+            fd = os.open(path + suffix, _OPEN_FLAGS | create, PRIVATE_FILE)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"cannot open {path + suffix}: {exc.strerror}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return f"{path + suffix} is not a regular file: refused"
+            if st.st_uid not in (me, 0):
+                return f"{path + suffix} belongs to uid {st.st_uid}, not this user: refused"
+            if st.st_mode & 0o077 and st.st_uid == me:
+                os.fchmod(fd, PRIVATE_FILE)
+                log.warning("load history: %s was mode %o, made %o", path + suffix,
+                            stat.S_IMODE(st.st_mode), PRIVATE_FILE)  # fmt: skip
+        except OSError as exc:
+            return f"cannot make {path + suffix} private: {exc.strerror}"
+        finally:
+            os.close(fd)
+    return None
 
 
 def _transient(exc: sqlite3.OperationalError) -> bool:

@@ -15,8 +15,11 @@ Tried in this order, the first that applies wins:
 4. A Docker container (`docker-<id>.scope`, cgroupfs's `/docker/<id>`): its json-file log.
 
 A file before the cgroup: a unit or container whose output goes to a file has nothing in its
-journal or runtime log. Cgroup paths are matched by their last components, so they are found
-from inside a cgroup namespace too (`/../docker-<id>.scope`).
+journal or runtime log. Container cgroup paths are matched by their last components, so they are
+found from inside a cgroup namespace too (`/../docker-<id>.scope`); a unit's path only from the
+root of the hierarchy, through slices alone: with systemd's delegation a user may make any
+cgroup below their own `user@UID.service`, `system.slice/sshd.service` included. Its journal is
+then read with the process's rights, the unit matched literally (sources/logs.py).
 
 Where reading starts, so that a log found for a process already running gives this process's
 markers from its start (an exporter started mid-load reads the whole load) and never an older
@@ -66,7 +69,16 @@ _POD_RE = re.compile(
 _DOCKER_RE = re.compile(
     rf"(?:^|/)(?:docker-(?P<scoped>{_HEX64})\.scope|docker/(?P<bare>{_HEX64}))(?:/|$)"
 )
-_UNIT_RE = re.compile(r"(?:^|/)system\.slice/(?:[^/]+\.slice/)*(?P<unit>[^/]+\.service)(?:/|$)")
+# A unit the system manager owns: reached from the root of the hierarchy through slices alone.
+# Below a service or scope is that unit's own subtree, delegated (user@UID.service holds the
+# user's own units, a `system.slice/X.service` of theirs among them): no unit of the system's.
+_UNIT_RE = re.compile(r"/(?:[^/]+\.slice/)*(?P<unit>[^/]+\.service)(?:/.*)?")
+# systemd's unit-name grammar (unit_name_is_valid): letters, digits and `:_.\-`, an instance
+# after `@` that may hold `@` too, the type suffix; UNIT_NAME_MAX characters at most. No glob
+# character passes, and the name is matched literally besides (sources/logs.py).
+_UNIT_NAME_RE = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\@-]+)?\.service")
+UNIT_NAME_MAX = 255
+USER_MANAGER = "user@"  # user@UID.service: the user's own service manager
 _RESTART_LOG_RE = re.compile(r"(\d+)\.log")
 
 
@@ -140,8 +152,19 @@ def cgroup_owner(path: str) -> CgroupOwner | None:
     docker = _DOCKER_RE.search(path)
     if docker is not None:
         return CgroupOwner("docker", docker["scoped"] or docker["bare"])
-    unit = _UNIT_RE.search(path)
-    return CgroupOwner("unit", unit["unit"]) if unit is not None else None
+    unit = _UNIT_RE.fullmatch(path)
+    if unit is None or not system_unit(unit["unit"]):
+        return None
+    return CgroupOwner("unit", unit["unit"])
+
+
+def system_unit(name: str) -> bool:
+    """A valid name of a service of the system manager's own (not a user's manager)."""
+    return (
+        len(name) <= UNIT_NAME_MAX
+        and _UNIT_NAME_RE.fullmatch(name) is not None
+        and not name.startswith(USER_MANAGER)
+    )
 
 
 def _from_cgroup(pid: int, path: str, host_root: str) -> LogFinding | None:

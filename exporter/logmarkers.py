@@ -31,6 +31,7 @@ was read) does not push the next stamped line past that line's own second.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -113,6 +114,17 @@ def detect(line: str) -> str | None:
         if server.log.signature.match(line):
             return kind
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _signature_search(kinds: tuple[str, ...]) -> re.Pattern[str]:
+    """Every signature at a line's start, as one multi-line pattern: a chunk of lines that no
+    format knows costs one C-level search, not a Python loop over its lines (a log of short
+    unrecognised lines cost 2 s of CPU per MiB that way). It may also match across a line end
+    (`\\s`, `[^()]`), so a hit is only a candidate that `detect` checks on its own line; no line
+    that `detect` accepts is missed. Keyed by the kinds registered (a test registers one)."""
+    either = "|".join(f"(?:{SERVERS[kind].log.signature.pattern})" for kind in kinds)
+    return re.compile(f"^(?:{either})", re.MULTILINE)
 
 
 # --- merging ranks into events -------------------------------------------------------------------
@@ -247,27 +259,32 @@ class MarkerParser:
         return events
 
     def _detect(self, text: str, ref: float) -> str:
-        """Try each line until one names the format; return the text after it (or "")."""
-        start = 0
-        while start < len(text):
+        """Find the first line that names the format; return the text after it (or "").
+
+        Lines before it are kept (the last DETECT_BACKLOG) to be replayed once it is known."""
+        search = _signature_search(tuple(SERVERS))
+        at = 0
+        while (hit := search.search(text, at)) is not None:
+            start = hit.start()
             end = text.find("\n", start)
-            if end < 0:
-                end = len(text)
+            end = len(text) if end < 0 else end
             line = text[start:end]
-            start = end + 1
-            if not line:
-                continue
-            self._undecided_lines += 1
             fmt = detect(line)
-            if fmt is not None:
-                self.format, self._spec = fmt, SERVERS[fmt].log
-                shown = line if len(line) <= 120 else line[:117] + "..."
-                self.format_reason = (
-                    f"auto: line {self._undecided_lines} matched {fmt}'s line prefix: {shown!r}"
-                )
-                self._backlog.append((line[:DETAIL_MAX], ref))
-                return text[start:]
+            if fmt is None:  # a candidate that crossed a line end
+                at = end + 1
+                continue
+            self._undecided_lines += text.count("\n", 0, start) + 1
+            self.format, self._spec = fmt, SERVERS[fmt].log
+            shown = line if len(line) <= 120 else line[:117] + "..."
+            self.format_reason = (
+                f"auto: line {self._undecided_lines} matched {fmt}'s line prefix: {shown!r}"
+            )
+            self._keep(text[:start], ref)
             self._backlog.append((line[:DETAIL_MAX], ref))
+            return text[end + 1 :]
+        if text:
+            self._undecided_lines += text.count("\n") + (not text.endswith("\n"))
+        self._keep(text, ref)
         if self._undecided_lines >= DETECT_ANNOUNCE_LINES and not self.unknown_announced:
             self.unknown_announced = True
             self.format_reason = (
@@ -275,6 +292,17 @@ class MarkerParser:
                 " server; no events"
             )
         return ""
+
+    def _keep(self, text: str, ref: float) -> None:
+        """The last DETECT_BACKLOG non-empty lines of `text` into the backlog: found from the
+        end, so a chunk of a million lines costs no more than one of a few hundred."""
+        cut = len(text)
+        for _ in range(DETECT_BACKLOG + 1):
+            cut = text.rfind("\n", 0, cut)
+            if cut < 0:
+                break
+        lines = text[cut + 1 :].split("\n")
+        self._backlog.extend((line[:DETAIL_MAX], ref) for line in lines if line)
 
     def _replay_backlog(self, events: list[LogEvent]) -> None:
         while self._backlog:

@@ -21,6 +21,7 @@ REASONS = (
     "max_targets",  # discovery.max_targets discovered targets already, none of them gone
     "user_share",  # the process's user has discovery.max_targets_per_user already
     "user",  # its user is not in discovery.users
+    "borrowed_rights",  # a setuid/setgid program, or a process that is not dumpable
     "unreadable",  # a file its own rights do not let it read (or its credentials not takeable)
     "not_regular",  # a FIFO, a device, a socket where a file was named
     "too_large",  # a config, ref or environment file over its size bound

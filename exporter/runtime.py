@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from exporter import __version__
-from exporter.asprocess import Actor, OnBehalf
+from exporter.asprocess import Actor, Borrowed, OnBehalf, rights_of
 from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.exitwatch import ExitWatch
@@ -79,7 +79,7 @@ from exporter.sources.pagecache import (
     ResidencySample,
     ResidencySource,
 )
-from exporter.sources.process import ProcessFinder, ProcessSample
+from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
@@ -344,7 +344,8 @@ class Runtime:
         """How a discovered target's sources touch its files: with its process's rights."""
         if found is None or found.rights is None:
             return None
-        return OnBehalf(self.actor, found.rights)
+        same = _same_process(self._proc_root, found.pid, found.start_ticks)
+        return OnBehalf(self.actor, found.rights, found.pid, same, self._proc_root)
 
     def _refused_tree(self, name: str, exc: Refused) -> None:
         self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
@@ -586,6 +587,10 @@ class Runtime:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
+        found_for = runtime.log_for
+        gone = process is not None and found_for is not None and root != found_for[0]
+        if gone and runtime.logs is not None:  # its log was found for that process: no more
+            runtime.logs.finish()
         if root == runtime.watched_pid:
             return
         if runtime.watched_pid is not None:
@@ -755,16 +760,36 @@ class Runtime:
             self.sampler.discard(LOGS, name)
             runtime.logs.close()
             runtime.logs, runtime.log_seq = None, 0
-        finding = find_log(
-            process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
-        )
+        behalf: OnBehalf | None = None
+        finding: LogFinding | None = None
+        try:  # a found log is the process's: read with its rights, whoever configured the target
+            behalf = self._on_behalf(runtime.discovered) or self._on_behalf_of(process.root_pid)
+        except Borrowed as exc:
+            finding = LogFinding(None, f"its log is not read: {exc}")
+        except ProcessLookupError:
+            pass  # a configured target's process whose credentials cannot be read (gone, or a
+            # /proc tree without them): its log, if any is found, with the exporter's rights
+        if finding is None:
+            finding = find_log(
+                process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
+            )
         with self._lock:
             runtime.log_finding = finding
         if finding.config is None:
             log.info("target %s: no log found: %s", name, finding.why)
             return
         log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files)
+        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf)
+
+    def _on_behalf_of(self, pid: int) -> OnBehalf:
+        """A configured target's process, read for with its own rights as a discovered one's
+        (ProcessLookupError, Borrowed)."""
+        rights = rights_of(pid, self._proc_root)
+        proc = read_stat(self._proc_root, pid)
+        if proc is None:
+            raise ProcessLookupError(f"pid {pid} is gone")
+        same = _same_process(self._proc_root, pid, proc.start_ticks)
+        return OnBehalf(self.actor, rights, pid, same, self._proc_root)
 
     def _follow_log(
         self,
@@ -772,8 +797,10 @@ class Runtime:
         config: LogConfig,
         since: float,
         whole_files: tuple[str, ...] = (),
+        behalf: OnBehalf | None = None,
     ) -> None:
-        behalf = self._on_behalf(runtime.discovered)
+        """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
+        with the exporter's own rights."""
         opener = None
         if behalf is not None:  # a discovered server's log is read with its own rights
 
@@ -781,7 +808,12 @@ class Runtime:
                 return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
 
         runtime.logs = LogSource(
-            config, since=since, whole_files=whole_files, clock=self._clock, opener=opener
+            config,
+            since=since,
+            whole_files=whole_files,
+            clock=self._clock,
+            opener=opener,
+            rights=behalf.current if behalf is not None else None,
         )
         self.sampler.add(
             LOGS,
@@ -831,7 +863,7 @@ class Runtime:
             resident_measured_at=min(residency.measured_at, now) if residency else None,
             disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
             log_events=events,
-            log_lines=log_sample.lines_total if log_sample is not None else None,
+            log_lines=log_sample.activity if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
             files=_file_view(files, process),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
@@ -954,6 +986,7 @@ class Runtime:
                 config_reload_successful=self.reload_successful,
                 history_up=self.history.up if self.history.configured else None,
                 discovery_refused=self.refusals.counts() if self.discoverer else None,
+                metrics=self.config.metrics,
             )
 
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
@@ -1007,6 +1040,16 @@ def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -
         total_bytes=files.total_bytes,
         direct=any(f.direct for f in files.files),
     )
+
+
+def _same_process(proc_root: str, pid: int, start_ticks: int) -> Callable[[], bool]:
+    """Whether `pid` is still the process that started at `start_ticks` (pids are reused)."""
+
+    def same() -> bool:
+        proc = read_stat(proc_root, pid)
+        return proc is not None and proc.start_ticks == start_ticks
+
+    return same
 
 
 def _owner(runtime: TargetRuntime) -> int | None:

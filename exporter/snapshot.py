@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from exporter.config import TargetConfig
+from exporter.config import MetricsConfig, TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import HistogramCounts
@@ -86,6 +86,7 @@ class Snapshot:
     # Why each target's last finished load was slower than expected (its report's reason),
     # for the targets whose last load was.
     slower_reasons: Mapping[str, str] = field(default_factory=dict)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # beyond the default budget
 
     def host_reading(self, key: SourceKey[T]) -> Reading[T] | None:
         return _get(self.host, key)

@@ -159,7 +159,7 @@ class Observation:
     resident_measured_at: float | None  # when resident_bytes was measured
     disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
     log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
-    log_lines: int | None = None  # lines the server's log has written; None without a log
+    log_lines: int | None = None  # lines of the server's log read, plus bytes skipped; None: no log
     log_read_at: float | None = None  # when the log was last read
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)

@@ -53,18 +53,14 @@ from exporter.vocabulary import Cache, Phase
 OUTPUT = Path(__file__).resolve().parent / "dashboards" / "model-load.json"
 DS_INPUT = "DS_PROMETHEUS"
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
-# Every query filters on both variables. Host-wide series (disks, memory, GPUs) have no target
-# label: they are kept to the hosts that run a selected target.
+# Every query but the fleet row's filters on both variables. Host-wide series (disks, memory,
+# GPUs) have no target label: they are kept to the hosts that run a selected target.
 SEL = 'instance=~"$instance", target=~"$target"'
 HOSTS = f"and on (instance) model_load_target_info{{{SEL}}}"
-# target_info with `model` taken from the target's name when the config names none; the same
-# as the recording rule target:model_load_target_info:model, inline so that the dashboard needs
-# no rules.
-MODEL_INFO = (
-    "max by (job, instance, target, model) ("
-    'label_replace(model_load_target_info{model=""}, "model", "$1", "target", "(.+)")'
-    ' or model_load_target_info{model!=""})'
-)
+# The row that shows every host whatever is selected, from the shipped recording rules
+# (prometheus/rules/model-load.yml): at 1,000 hosts a join over every target at each refresh
+# would cost seconds, the recorded series per model or per job cost nothing.
+FLEET = "Fleet"
 PHASE_COLORS: dict[str, str] = {
     Phase.DOWN: "text",
     Phase.STARTING: "blue",
@@ -81,6 +77,7 @@ CACHE_COLORS: dict[str, str] = {
     Cache.BYPASS: "purple",
 }
 READY_COLORS = {"not ready": "orange", "ready": "green"}
+ALL = model.VariableOption(text="All", value="$__all")
 STALL_COLORS = {"moving": "green", "STALLED": "red"}
 PER_TARGET = "{{target}} · {{instance}}"
 S, TABLE, HEATMAP = "s", PromQueryFormat.TABLE, PromQueryFormat.HEATMAP
@@ -124,13 +121,14 @@ def over(expr: str, legend: str, moment: Moment, fmt: PromQueryFormat | None = N
 
 @dataclass(frozen=True)
 class PanelQuery:
-    """One query of the generated dashboard with its moment, as the tests read it."""
+    """One query of the generated dashboard with its moment and row, as the tests read it."""
 
     panel: str
     ref_id: str
     expr: str
     instant: bool
     moment: Moment
+    row: str
 
 
 def t(metric: str, extra: str = "") -> str:
@@ -150,11 +148,6 @@ def codes(metric: str, label: str, values: Iterable[str]) -> str:
         selector = t(metric, f'{label}="{value}"')
         states.append(f"({selector} == 1) * {code}")
     return f"max by (instance, target) ({' or '.join(states)})"
-
-
-def by_model(aggregation: str, expr: str) -> str:
-    join = f"on (job, instance, target) group_left (model) {MODEL_INFO}"
-    return f"{aggregation} by (model) ({expr} * {join})"
 
 
 SHARE_CACHED = (
@@ -253,22 +246,30 @@ class Board:
                 .type("prometheus")
                 .current(model.VariableOption(text=f"${{{DS_INPUT}}}", value=f"${{{DS_INPUT}}}"))
             )
+            # One host by default (the first): at 1,000 hosts every line of every target is
+            # neither readable nor cheap; the fleet row shows them all.
             .with_variable(label_values("instance", "Host", "model_load_target_info"))
             .with_variable(
-                label_values("target", "Target", 'model_load_target_info{instance=~"$instance"}')
+                label_values(
+                    "target", "Target", 'model_load_target_info{instance=~"$instance"}'
+                ).current(ALL)
             )
         )
         self.queries: list[PanelQuery] = []
         self._ids = 0
+        self._row = ""
 
     def row(self, title: str) -> None:
         self.builder.with_row(Row(title).id(self._id()))
+        self._row = title
 
     def add(self, title: str, panel: Any, w: int, h: int, *queries: Query) -> None:
         panel.id(self._id()).title(title).datasource(DATASOURCE).span(w).height(h)
         for ref_id, query in zip("ABCDEFGH", queries, strict=False):
             panel.with_target(query.build(ref_id))
-            self.queries.append(PanelQuery(title, ref_id, query.expr, query.instant, query.moment))
+            self.queries.append(
+                PanelQuery(title, ref_id, query.expr, query.instant, query.moment, self._row)
+            )
         self.builder.with_panel(panel)
 
     def _id(self) -> int:
@@ -287,7 +288,6 @@ def label_values(name: str, label: str, series: str) -> QueryVariable:
         .multi(True)
         .include_all(True)
         .all_value(".*")
-        .current(model.VariableOption(text="All", value="$__all"))
     )
 
 
@@ -358,30 +358,27 @@ def load_progress(b: Board) -> None:
 
 
 def fleet(b: Board) -> None:
-    """Across hosts: a model served tensor-parallel over several hosts is ready when all are."""
-    b.row("Fleet")
+    """Every host, whatever is selected: a model served tensor-parallel over several hosts is
+    ready when all are. Aggregates come recorded (one series per job or model)."""
+    b.row(FLEET)
     b.add(
         "Loads in progress", big(), 5, 6,
-        now(f"sum({t('model_load_in_progress')})", "loading", Moment.WATCHING),
-        now(
-            f"count(count by (instance) ({t('model_load_in_progress')} == 1))",
-            "hosts loading",
-            Moment.LOADING,
-        ),
+        now("sum(job:model_load_in_progress:sum)", "loading", Moment.WATCHING),
+        now("sum(job:model_load_hosts_loading:count)", "hosts loading", Moment.LOADING),
     )  # fmt: skip
     b.add(
         "Models ready on every host",
         big().mappings(mapping(READY_COLORS)),
         7, 6,
-        now(by_model("min", t("model_load_phase", 'phase="ready"')), "{{model}}", Moment.WATCHING),
+        now("model:model_load_ready:min", "{{model}}", Moment.WATCHING),
     )  # fmt: skip
     b.add(
         "Slowest ETA per model", bars(S), 6, 6,
-        now(by_model("max", t("model_load_eta_seconds")), "{{model}}", Moment.RELOADING),
+        now("model:model_load_eta_seconds:max", "{{model}}", Moment.RELOADING),
     )  # fmt: skip
     b.add(
         "Targets not ready", rows(("Time", "Value", "__name__", "job")), 6, 6,
-        now(t("model_load_phase", 'phase!="ready"') + " == 1", "", Moment.LOADING, TABLE),
+        now('model_load_phase{phase!="ready"} == 1', "", Moment.LOADING, TABLE),
     )  # fmt: skip
 
 

@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         mark = "INFO" if passed is None else ("PASS" if passed else "FAIL")
         print(f"{mark} {name:<12} {detail}")
     failed = [name for name, passed, _ in checks if passed is False]
-    passed = sum(1 for _, ok, _ in checks if ok)
+    passes = sum(1 for _, ok, _ in checks if ok)
     verdict = "PASS" if not failed else f"FAIL ({', '.join(failed)})"
-    print(f"VERDICT: {verdict}; {passed} passed, {len(failed)} failed; details in {out}")
+    print(f"VERDICT: {verdict}; {passes} passed, {len(failed)} failed; details in {out}")
     return 0 if not failed else 1
 
 

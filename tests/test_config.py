@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -177,6 +178,9 @@ MALFORMED: list[tuple[str, object, str]] = [
     ("users not a list", {"discovery": {"users": "root"}}, "discovery.users: expected a non-empty list of user names or uids"),
     ("unknown retention key", {"history_retention": {"rows": 5}}, "history_retention: unknown key 'rows'"),
     ("zero retention rows", {"history_retention": {"max_rows": 0}}, "history_retention.max_rows: expected a whole number"),
+    ("unknown metrics key", {"metrics": {"buckets": True}}, "metrics: unknown key 'buckets'"),
+    ("phase buckets not a flag", {"metrics": {"phase_buckets": "yes"}}, "metrics.phase_buckets: expected true or false"),
+    ("native not a flag", {"metrics": {"native_histograms": 1}}, "metrics.native_histograms: expected true or false"),
     ("missing weights path", _target(weights={"paths": ["/nonexistent/model"]}), "targets[0].weights.paths[0]: /nonexistent/model does not exist"),
     ("weights paths not a list", _target(weights={"paths": 3}), "targets[0].weights.paths"),
     ("two process matchers", _target(process={"pidfile": "/run/x.pid", "cmdline": "x"}), "set exactly one of"),
@@ -348,3 +352,27 @@ def test_the_trust_bounds_parse_into_the_discovery_config() -> None:
     assert config.history_retention == HistoryRetention(1000, 30 * 86400.0)
     # The share follows a smaller max_targets unless given.
     assert parse_config({"discovery": {"max_targets": 4}}).discovery.max_targets_per_user == 4
+
+
+@pytest.mark.parametrize(
+    ("document", "flags", "expected"),
+    [
+        ({}, [], (False, False)),
+        ({"metrics": {"phase_buckets": True}}, [], (True, False)),
+        ({"metrics": {"native_histograms": True}}, [], (False, True)),
+        (None, ["--metrics.phase-buckets"], (True, False)),
+        (None, ["--metrics.native-histograms"], (False, True)),
+    ],
+)
+def test_metrics_options_from_the_file_or_the_flags(
+    tmp_path: Path, document: dict[str, Any] | None, flags: list[str], expected: tuple[bool, bool]
+) -> None:
+    """The deep dive's detail and native histograms are off by default, on from the config
+    file or a flag."""
+    argv = ["serve", *flags, "--target=t", "--endpoint=http://127.0.0.1:1"]
+    if document is not None:
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump({**document, "discovery": {"enabled": True}}))
+        argv = ["serve", f"--config.file={path}"]
+    config = config_from_args(build_parser("serve").parse_args(argv))
+    assert (config.metrics.phase_buckets, config.metrics.native_histograms) == expected

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,9 @@ def test_committed_json_is_what_the_generator_builds() -> None:
 def test_check_flag_reports_a_stale_json(tmp_path: Path) -> None:
     generator = load_generator()
     assert generator.main(["--check"]) == 0
-    generator.OUTPUT = tmp_path / "model-load.json"
-    generator.OUTPUT.write_text("{}\n")
+    stale = tmp_path / "model-load.json"
+    stale.write_text("{}\n")
+    setattr(generator, "OUTPUT", stale)  # noqa: B010 (a module loaded from its file)
     assert generator.main(["--check"]) == 1
 
 
@@ -97,14 +99,34 @@ def test_json_round_trips_through_the_sdk_model() -> None:
 
 
 def test_every_query_is_tagged_with_a_moment_and_honours_the_variables() -> None:
-    _, tagged = load_generator().build()
+    """Per host, every query honours both variables; the fleet row shows every host whatever
+    is selected, its aggregates read from the shipped recording rules (cheap at any size)."""
+    generator = load_generator()
+    _, tagged = generator.build()
     data = committed()
     in_json = panel_queries(data)
     assert [(q.panel, q.ref_id, q.expr, q.instant) for q in tagged] == in_json
     titles = [p["title"] for p in data["panels"]]
     assert len(titles) == len(set(titles)), "panel titles identify queries: keep them unique"
-    for title, ref_id, expr, _ in in_json:
-        assert '=~"$instance"' in expr and '=~"$target"' in expr, (title, ref_id)
+    rules = yaml.safe_load(RULES.read_text())
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    fleet = [q for q in tagged if q.row == generator.FLEET]
+    assert fleet and len(fleet) < len(tagged)
+    for query in tagged:
+        where = (query.panel, query.ref_id)
+        if query.row != generator.FLEET:
+            assert '=~"$instance"' in query.expr and '=~"$target"' in query.expr, where
+            continue
+        assert "$" not in query.expr, where
+        read = set(re.findall(r"[a-z_]*:[a-z_:]+", query.expr))
+        assert read <= recorded, where
+        assert read or " by " not in query.expr, f"{where}: aggregate it in a recording rule"
+
+
+def test_one_host_by_default_and_all_its_targets() -> None:
+    variables = {v["name"]: v for v in committed()["templating"]["list"]}
+    assert "current" not in variables["instance"]  # Grafana selects the first host
+    assert variables["target"]["current"]["value"] == "$__all"
 
 
 def test_state_panels_know_every_phase_and_cache_temperature() -> None:

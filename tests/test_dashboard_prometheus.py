@@ -31,32 +31,55 @@ from exporter.sim.shards import generate_shards
 
 SCRAPE = 0.5  # seconds, scrape and rule evaluation interval
 EVERY = f"{int(SCRAPE * 1000)}ms"
-# Grafana's $__rate_interval: max($__interval + scrape interval, 4 * scrape interval).
-GRAFANA_VARIABLES = {
-    "$__rate_interval": f"{int(4 * SCRAPE * 1000)}ms",
-    "$__interval": EVERY,
-    "$__range": "5m",
-}
 SHARDS, SHARD_SIZE = 4, 4 << 20
 SIM = ("--read-rate", "4MB/s", "--init-seconds", "1", "--startup-seconds", "1")
 
 pytestmark = pytest.mark.system
 
 
-def fast_rules(text: str) -> str:
-    """The shipped rules with minutes as seconds, in `for:` and in range windows."""
+def fast_rules(text: str, speed: float = 60) -> str:
+    """The shipped rules `speed` times faster, in `for:` and in range windows (at 60, minutes
+    become seconds)."""
+
+    def faster(match: re.Match[str]) -> str:
+        return f"{round(int(match[1]) * 60_000 / speed)}ms"
+
     rules = yaml.safe_load(text)
     for group in rules["groups"]:
         for rule in group["rules"]:
             if "for" in rule:
-                rule["for"] = re.sub(r"^(\d+)m$", r"\1s", rule["for"])
-            rule["expr"] = re.sub(r"\[(\d+)m\]", r"[\1s]", rule["expr"])
+                rule["for"] = re.sub(r"^(\d+)m$", faster, rule["for"])
+            rule["expr"] = re.sub(r"\[(\d+)m\]", lambda m: f"[{faster(m)}]", rule["expr"])
     return str(yaml.safe_dump(rules, sort_keys=False))
 
 
 def grafana_regex(value: str) -> str:
     """A variable value as Grafana puts it into a `=~` matcher (regex-escaped in a string)."""
     return re.sub(r"([\\.*+?^${}()|\[\]])", r"\\\\\1", value)
+
+
+def grafana_queries(
+    dashboard: dict[str, Any], instance: str, target: str, scrape: float, range_: str
+) -> list[tuple[str, str, str, bool]]:
+    """(panel, refId, expr, instant) of every query with its variables substituted as Grafana
+    does: `instance` and `target` as the variables' regex values (".*" is the dashboard's "All"),
+    $__interval the step (the scrape interval, Grafana's minimum), $__rate_interval
+    max($__interval + scrape interval, 4 * scrape interval), $__range the time range."""
+    ms = round(scrape * 1000)
+    substitutions = {
+        "$__rate_interval": f"{4 * ms}ms",
+        "$__interval": f"{ms}ms",
+        "$__range": range_,
+        "$instance": instance,
+        "$target": target,
+    }
+    queries = []
+    for panel, ref_id, expr, instant in panel_queries(dashboard):
+        for name, value in substitutions.items():
+            expr = expr.replace(name, value)
+        assert not re.search(r"\$[A-Za-z_{]", expr), f"unsubstituted variable in {expr}"
+        queries.append((panel, ref_id, expr, instant))
+    return queries
 
 
 class Prometheus:
@@ -120,17 +143,12 @@ class Panels:
     def __init__(self, prometheus: Prometheus, instance: str) -> None:
         self.prometheus = prometheus
         moments = {(q.panel, q.ref_id): q.moment for q in load_generator().build()[1]}
-        substitutions = {
-            **GRAFANA_VARIABLES,
-            "$instance": grafana_regex(instance),
-            "$target": grafana_regex("sim"),
-        }
-        self.queries: list[tuple[str, str, bool, str]] = []
-        for panel, ref_id, expr, instant in panel_queries(committed()):
-            for name, value in substitutions.items():
-                expr = expr.replace(name, value)
-            assert not re.search(r"\$[A-Za-z_{]", expr), f"unsubstituted variable in {expr}"
-            self.queries.append((f"{panel}/{ref_id}", expr, instant, moments[(panel, ref_id)]))
+        self.queries: list[tuple[str, str, bool, str]] = [
+            (f"{panel}/{ref_id}", expr, instant, moments[(panel, ref_id)])
+            for panel, ref_id, expr, instant in grafana_queries(
+                committed(), grafana_regex(instance), grafana_regex("sim"), SCRAPE, "5m"
+            )
+        ]
 
     def of(self, moment: str) -> list[tuple[str, str, bool]]:
         return [(name, expr, instant) for name, expr, instant, m in self.queries if m == moment]

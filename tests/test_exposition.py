@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter import api
 from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
-from exporter.config import LogConfig, parse_config
+from exporter.config import LogConfig, MetricsConfig, parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import Histograms
@@ -402,6 +402,65 @@ def test_histogram_buckets_are_cumulative_and_upper_bounds_inclusive() -> None:
     count = sample_of(families, "model_load_duration_seconds_count", target="qwen")
     total = sample_of(families, "model_load_duration_seconds_sum", target="qwen")
     assert (count, total) == (4, 5.0 + 5.0001 + 7200.0 + 8000.0)
+
+
+def test_phase_buckets_only_behind_their_flag() -> None:
+    """By default a phase costs 3 series (+Inf, _count, _sum: the dashboard's mean per phase);
+    `metrics.phase_buckets` adds its 20 buckets, and changes nothing else."""
+    snapshot = golden_snapshot()
+    default, detailed = (
+        list(text_string_to_metric_families(exposition(s)))
+        for s in (snapshot, dataclasses.replace(snapshot, metrics=MetricsConfig(True)))
+    )
+    phases = [f for f in default if f.name == "model_load_phase_duration_seconds"]
+    buckets = {(s.labels["phase"], s.labels["le"]) for s in phases[0].samples if "le" in s.labels}
+    observed = {labels[1] for labels in snapshot.phase_durations}
+    assert buckets == {(phase, "+Inf") for phase in observed}
+    assert len(phases[0].samples) == 3 * len(observed)
+    detail = [f for f in detailed if f.name == "model_load_phase_duration_seconds"]
+    assert len(detail[0].samples) == 23 * len(observed)
+    for family in (detail[0], phases[0]):
+        initializing = {
+            (s.name, s.labels.get("le")): s.value
+            for s in family.samples
+            if s.labels["phase"] == "initializing"
+        }
+        name = family.name
+        assert initializing[(f"{name}_bucket", "+Inf")] == initializing[(f"{name}_count", None)]
+        assert initializing[(f"{name}_sum", None)] == 37.5
+    others = [f for f in default if f.name != "model_load_phase_duration_seconds"]
+    assert others == [f for f in detailed if f.name != "model_load_phase_duration_seconds"]
+
+
+# docs/costs.md#a-fleet: what one target costs by default, besides 23 series per (cache
+# temperature, outcome) its finished loads had and 3 per phase or fine step they went through.
+TARGET_BUDGET = 64
+HISTOGRAMS = ("model_load_duration_seconds", "model_load_phase_duration_seconds")
+
+
+def test_a_target_stays_within_its_budget() -> None:
+    """A tensor-parallel-8 target whose log is read, loading, with every per-target source
+    (the golden's kimi-k2, on 8 GPUs, with the sources the runtime has that it lacks)."""
+    snapshot = golden_snapshot()
+    kimi = snapshot.targets[0]
+    readings = {**kimi.readings}
+    for key in (STORAGE, WEIGHT_FILES):
+        readings[key.name] = reading(key, None, "kimi-k2")  # type: ignore[arg-type]
+    kimi = dataclasses.replace(
+        kimi, readings=readings, gpu_memory=dict.fromkeys(range(8), 60 * GIB)
+    )
+    snapshot = dataclasses.replace(snapshot, targets=(kimi, *snapshot.targets[1:]))
+    series = [
+        (family.name, sample)
+        for family in text_string_to_metric_families(exposition(snapshot))
+        for sample in family.samples
+        if sample.labels.get("target") == "kimi-k2"
+    ]
+    per_file = [s for name, s in series if name == "model_load_weights_file_resident_bytes"]
+    histograms = [s for name, s in series if name in HISTOGRAMS]
+    assert len(per_file) == 2  # per_file: true, opted into per weight file
+    assert len(histograms) == 23 + 0  # one (cache, outcome): its failed cold load; no phases
+    assert len(series) - len(per_file) - len(histograms) <= TARGET_BUDGET
 
 
 def sample_of(families: dict[str, Any], name: str, **labels: str) -> float:

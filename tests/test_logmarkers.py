@@ -454,3 +454,42 @@ def test_a_bar_read_late_does_not_push_the_next_stamped_line_past_its_second() -
     )
     assert progress.time == base + 6.39
     assert end.time == base + 6.0 and end.seconds == 1.39
+
+
+NOISE_SHAPES = {
+    "short": lambda i: f"{i}\n",
+    "pip": lambda i: f"Requirement already satisfied: pkg{i} in /usr/lib/python3/dist-packages\n",
+    "tqdm-redraws": lambda i: f"Downloading: {i % 100:3d}%|#####     | {i}/99999\r",
+    "crlf-and-blank": lambda i: f"[{i}] not a stamp\r\n\n",
+    "utf8-and-ansi": lambda i: f"\x1b[33mwarn\x1b[0m héllo wörld ✓ {i}\n",
+}
+
+
+@pytest.mark.parametrize("shape", NOISE_SHAPES)
+def test_a_log_no_format_knows_is_not_checked_line_by_line(
+    monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """`auto` over 200,000 lines no format writes, in chunks as the source feeds them: the
+    per-line check runs only on lines a signature could start (none here), and the first line
+    that names a format is still found, with its line number."""
+    calls = []
+
+    def counted(line: str) -> str | None:
+        calls.append(line)
+        return detect(line)
+
+    monkeypatch.setattr("exporter.logmarkers.detect", counted)
+    make = NOISE_SHAPES[shape]
+    parser = MarkerParser("auto")
+    lines = 0
+    for chunk in range(20):
+        text = "".join(make(chunk * 10_000 + i) for i in range(10_000))
+        assert parser.feed(text, 1.0) == []
+        lines += text.count("\n") + text.count("\r") - text.count("\r\n")
+    assert calls == [] and parser.format is None and parser.unknown_announced
+    vllm = "INFO 03-02 10:00:00 [loader.py:1] Loading weights took 3.21 seconds\n"
+    events = parser.feed(make(0) + vllm, 2.0)
+    assert parser.format == "vllm" and len(calls) == 1
+    before = clean(make(0)).count("\n")
+    assert f"auto: line {lines + before + 1} matched vllm" in parser.format_reason
+    assert [e.kind for e in events] == [EventKind.WEIGHTS_END]

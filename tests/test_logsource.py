@@ -4,27 +4,32 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import stat
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.logreplay import FIXTURES
 
 from exporter.config import LogConfig
 from exporter.sources.logs import (
+    CPU_BURST,
     MAX_EVENTS,
     MAX_LINE,
+    PARSE_CHUNK,
+    READ_BUDGET,
     LogSample,
     LogSource,
     journalctl_command,
     new_events,
     parse_journal_json,
 )
-from exporter.vocabulary import ServerKind, Step
+from exporter.vocabulary import LogEncoding, ServerKind, Step
 
 SGLANG = (FIXTURES / "sglang-0.5-tp2.log").read_bytes()
 
@@ -141,9 +146,10 @@ def test_a_10_mb_line_without_newline_keeps_memory_bounded(tmp_path: Path) -> No
     source.sample()
     with path.open("ab") as f:
         f.write(b"[2026-03-02 10:00:00] Load weight begin. avail mem=70.00 GB " + b"x" * 10_000_000)
-    for _ in range(3):  # 8 MiB per sample at most
+    for _ in range(3):  # 8 MiB per sample at most: the rest is skipped unread
         sample = source.sample()
-    assert sample.bytes_total > 10_000_000
+    assert sample.bytes_total <= READ_BUDGET
+    assert sample.bytes_total + sample.skipped_bytes > 10_000_000
     [(_, tail)] = source._files[0].decoder.tails()
     assert len(tail) <= MAX_LINE  # the rest of the line is skipped, not kept
     assert kinds(sample) == ["weights_begin"]  # its start is parsed like any line's
@@ -342,4 +348,192 @@ def test_follow_thread_drains_a_pipe_without_samples(tmp_path: Path) -> None:
     finally:
         stop.set()
         thread.join(5)
+        source.close()
+
+
+# --- what a log may cost (issue 27 row 4) -----------------------------------------------------
+
+
+class Ticks:
+    """A stand-in for the sampling thread's CPU clock: every look costs `tick` seconds, so the
+    number of chunks a sample parses is counted, whatever the machine's speed."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick, self.now = tick, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def _noise_plain(n: int) -> bytes:
+    return b"".join(b"noise %d: no server writes this\n" % i for i in range(n))
+
+
+def _keywords_vllm(n: int) -> bytes:
+    """Lines full of a configured format's keywords: each one costs a regex."""
+    return b"".join(b"INFO 03-02 10:00:00 [x.py:1] Loading weights took %d\n" % i for i in range(n))
+
+
+def _noise_cri(n: int) -> bytes:
+    return b"".join(
+        b"2026-03-02T10:00:00.%06dZ stdout F noise %d\n" % (i % 999999, i) for i in range(n)
+    )
+
+
+VLLM_WEIGHTS_DONE = b"INFO 03-02 10:00:09 [core.py:1] Loading weights took 1.0 seconds\n"
+VLLM_FATAL = b"RuntimeError: Engine core initialization failed. See root cause above.\n"
+CRI_SGLANG_BEGIN = (
+    b"2026-03-02T10:00:09.000000Z stdout F [2026-03-02 10:00:09] Load weight begin. "
+    b"avail mem=70.00 GB\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "encoding", "noise", "marker"),
+    [
+        ("auto", "plain", _noise_plain, VLLM_WEIGHTS_DONE),
+        ("vllm", "plain", _keywords_vllm, VLLM_FATAL),
+        ("auto", "cri", _noise_cri, CRI_SGLANG_BEGIN),
+    ],
+    ids=["unknown-format", "keyword-flood", "cri-records"],
+)
+def test_a_sample_parses_within_its_cpu_share_and_skips_the_rest(
+    tmp_path: Path, fmt: str, encoding: str, noise: Any, marker: bytes
+) -> None:
+    """20 MiB arrive at once: a sample parses chunks until its CPU allowance (CPU_BURST) is
+    spent, then jumps to the file's end and counts what it skipped; the next line written is
+    read (the reader is not left behind); a quiet spell earns the allowance back."""
+    path = tmp_path / "0.log"
+    path.write_bytes(b"")
+    cpu, wall = Ticks(0.1), [1000.0]
+    source = LogSource(
+        LogConfig(file=str(path), format=fmt, encoding=LogEncoding(encoding)),  # type: ignore[arg-type]
+        since=0.0,
+        clock=lambda: wall[0],
+        cpu_clock=cpu,
+    )
+    source.sample()
+    data = noise(1)
+    data = data * (20 * 1024 * 1024 // len(data)) + b"a line cut off"
+    path.write_bytes(data)
+    wall[0] += 60.0  # the first sample's look is paid back: a full CPU_BURST
+    sample = source.sample()
+    chunks = math.ceil(CPU_BURST / 0.1)  # the look that finds the allowance spent ends it
+    assert sample.bytes_total == chunks * PARSE_CHUNK
+    assert sample.bytes_total + sample.skipped_bytes == len(data)
+    assert sample.lines_total < len(data) // 4 // len(noise(1))
+    assert sample.activity > sample.lines_total  # skipped bytes still show the log moving
+    with path.open("ab") as f:
+        f.write(b" the rest of a line the skip cut\n" + marker)
+    wall[0] += 0.5  # half a second at CPU_SHARE does not pay the overspent chunk back: they wait
+    waited = source.sample()
+    assert (waited.bytes_total, waited.skipped_bytes) == (sample.bytes_total, sample.skipped_bytes)
+    wall[0] += 60.0
+    after = source.sample()
+    assert after.skipped_bytes == sample.skipped_bytes
+    assert after.bytes_total + after.skipped_bytes == path.stat().st_size
+    assert len(kinds(after)) == 1, kinds(after)
+
+
+def _fds_on(path: Path) -> list[str]:
+    fds = Path("/proc/self/fd")
+    return [fd.name for fd in fds.iterdir() if _link(fd) == str(path)]
+
+
+def _link(fd: Path) -> str | None:
+    try:
+        return str(fd.readlink())
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("tail", [b"", b"half a line"], ids=["whole-lines", "cut-line"])
+def test_a_finished_log_reads_its_last_lines_then_lets_the_file_go(
+    tmp_path: Path, tail: bytes
+) -> None:
+    path = tmp_path / "server.log"
+    path.write_bytes(b"")
+    source = source_for(path, "sglang")
+    source.sample()
+    assert _fds_on(path)
+    with path.open("ab") as f:
+        f.write(b"[2026-03-02 10:00:00] Load weight begin. avail mem=70.00 GB\n" + tail)
+    source.finish()  # the process is gone: what it wrote last is still read, once
+    sample = source.sample()
+    assert kinds(sample) == ["weights_begin"] and sample.closed and sample.up
+    assert _fds_on(path) == []
+    with path.open("ab") as f:
+        f.write(b"\n" + SGLANG * 20)  # anything more is no longer this process's
+    later = source.sample()
+    assert later.bytes_total == sample.bytes_total and later.events == sample.events
+    assert _fds_on(path) == []
+
+
+@pytest.mark.system
+def test_a_finished_journal_stops_its_journalctl(tmp_path: Path) -> None:
+    fake = tmp_path / "journalctl"
+    export = str(FIXTURES / "journald-sglang-sim.jsonl")
+    pid_file = tmp_path / "pid"
+    fake.write_text(
+        f"#!{sys.executable}\nimport os, sys, time\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        f"sys.stdout.buffer.write(open({export!r}, 'rb').read())\n"
+        "sys.stdout.flush()\ntime.sleep(60)\n"
+    )
+    fake.chmod(0o755)
+    source = LogSource(LogConfig(journald_unit="u.service"), journalctl=str(fake))
+    try:
+        source.sample()
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        source.finish()
+        sample = source.sample()
+        assert sample.closed
+        assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
+    finally:
+        source.close()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.system
+def test_a_flooding_journal_is_parsed_within_the_cpu_share_and_the_rest_dropped(
+    tmp_path: Path,
+) -> None:
+    """journalctl's pipe full of entries no rule knows: a sample parses until its allowance is
+    spent, then drops what the pipe holds unparsed (counted); journalctl goes on, unblocked."""
+    fake = tmp_path / "journalctl"
+    entry = json.dumps({"MESSAGE": "noise " * 20, "__REALTIME_TIMESTAMP": "1000000000"})
+    fake.write_text(
+        f"#!{sys.executable}\nimport sys, time\n"
+        f"line = {entry!r}.encode() + b'\\n'\n"
+        "for _ in range(40):\n    sys.stdout.buffer.write(line * 2000)\n"
+        "sys.stdout.flush()\ntime.sleep(60)\n"
+    )
+    fake.chmod(0o755)
+    cpu, wall = Ticks(0.1), [1000.0]
+    source = LogSource(
+        LogConfig(journald_unit="u.service"),
+        journalctl=str(fake),
+        clock=lambda: wall[0],
+        cpu_clock=cpu,
+    )
+    try:
+        source.sample()  # starts journalctl
+        time.sleep(1.0)  # its pipe fills (1 MiB), then it blocks
+        wall[0] += 60.0
+        sample = source.sample()
+        assert 0 < sample.bytes_total <= math.ceil(CPU_BURST / 0.1) * PARSE_CHUNK
+        assert sample.skipped_bytes > 0 and sample.up
+        assert sample.activity > sample.lines_total
+    finally:
         source.close()

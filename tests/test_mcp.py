@@ -128,7 +128,7 @@ def test_wait_returns_loading_with_progress_then_ready(load: dict[str, Any]) -> 
         first["summary"],
     ), first["summary"]
     assert (second["result"], second["phase"], second["cache"]) == ("ready", "ready", "cold")
-    assert second["progress_ratio"] == 1.0 and second["fatal"] is None
+    assert second["progress_ratio"] == 1.0 and second["server_text"] is None
     assert abs(second["load_seconds"] - report["load_seconds"]) < 1.0
     assert re.fullmatch(
         r"sim: ready after \d+\.\ds, cold cache; waited \d+\.\ds", second["summary"]
@@ -152,7 +152,7 @@ def test_recent_loads_after_the_load(load: dict[str, Any], agent: Agent) -> None
     assert (newest["target"], newest["outcome"], newest["cache"]) == ("sim", "ready", "cold")
     assert abs(newest["duration_seconds"] - load["report"]["load_seconds"]) < 1.0
     # The exporter's record as it carries it, whatever fields it has, plus a summary line.
-    assert {"phase_seconds", "weights_bytes", "partial", "fatal"} <= set(newest)
+    assert {"phase_seconds", "weights_bytes", "partial", "server_text"} <= set(newest)
     assert newest["phase_seconds"]["loading_weights"] > 0
     assert re.fullmatch(
         r"sim: ready after \d+\.\ds, cold cache, started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d",
@@ -214,12 +214,13 @@ def failed_load(load: dict[str, Any], host: Host, agent: Agent) -> dict[str, Any
 
 def test_a_failed_load_comes_with_the_servers_fatal_line(failed_load: dict[str, Any]) -> None:
     assert (failed_load["result"], failed_load["phase"]) == ("failed", "failed")
-    fatal = failed_load["fatal"]
+    fatal = failed_load["server_text"]["fatal"]
     assert fatal.startswith("Rank 0 scheduler died during initialization"), fatal
     assert "simulated crash after loading 50% of weights" in fatal
-    assert failed_load["load_seconds"] > 0
-    assert re.fullmatch(
-        rf"sim: failed after \d+\.\ds, cold cache: {re.escape(fatal)}; waited \d+\.\ds",
+    assert failed_load["load_seconds"] > 0 and "fatal" not in failed_load
+    assert re.fullmatch(  # the exporter's words only: the server's are in server_text
+        r"sim: failed after \d+\.\ds, cold cache \(the server's own words: server_text\.fatal\); "
+        r"waited \d+\.\ds",
         failed_load["summary"],
     ), failed_load["summary"]
 
@@ -230,7 +231,7 @@ def test_a_settled_outcome_answers_at_once_even_to_a_long_ask(
     """Past the cap is not an error; the failure already there counts once the exporter had two
     sample intervals (0.5 s here) to see a restart, so the answer comes well before any cap."""
     again = agent.answer("wait_for_target", {"target": "sim", "max_seconds": 1000})
-    assert (again["result"], again["fatal"]) == ("failed", failed_load["fatal"])
+    assert (again["result"], again["server_text"]) == ("failed", failed_load["server_text"])
     assert 0.5 <= again["waited_seconds"] < 2.0
 
 

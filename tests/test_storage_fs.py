@@ -279,6 +279,68 @@ def test_a_cold_then_a_warm_load(name: str, tmp_path: Path) -> None:
     assert warm.weights_seconds < 0.5 * TOTAL / LIMIT, warm
 
 
+def bindfs_over_xfs(s: Scratch, options: tuple[str, ...], probe_file: bool) -> Weights:
+    """bindfs with `options` passing a model directory on an XFS image through (its source
+    visible: residency is measured on the source files), with or without a file beside the
+    shards that is no weight file (what the direct-I/O probe reads)."""
+    point, device, image = s.block_image("xfs")
+    source = point / "model"
+    generate_shards(source, SHARDS, SHARD)
+    if probe_file:
+        (source / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    mount, daemon = s.bindfs(source, *options)
+    return Weights(mount, shards_in(source), device, (image,), (daemon,))
+
+
+@pytest.mark.parametrize(
+    ("options", "probe_file", "expected"),
+    [
+        (("-o", "direct_io"), True, Cache.BYPASS),
+        (("-o", "direct_io,kernel_cache"), True, Cache.BYPASS),
+        ((), True, None),  # cold, then warm: as before
+        (("-o", "kernel_cache"), True, None),
+        (("-o", "direct_io"), False, Cache.UNKNOWN),  # nothing to try the mount on
+    ],
+    ids=["direct_io", "direct_io-kernel_cache", "plain", "kernel_cache", "direct_io-no-probe"],
+)
+def test_a_cold_load_through_a_bindfs_over_xfs_is_labelled_by_what_the_kernel_shows(
+    tmp_path: Path, options: tuple[str, ...], probe_file: bool, expected: Cache | None
+) -> None:
+    """Issue 32 row 3: a cold load through `bindfs -o direct_io` of a directory on an XFS image
+    read every shard from the device and was labelled `cold`. Its reads skip the FUSE page
+    cache, which no mount option in /proc shows; reading one other file of the model through the
+    mount and asking cachestat does: `bypass`. Without direct_io the same passthrough keeps its
+    cold and warm; where there is no other file to read, the label is `unknown`, saying why."""
+    require_filesystem("fuse", "xfs")
+    with scratch(tmp_path / "fs") as s:
+        weights = bindfs_over_xfs(s, options, probe_file)
+        described = WeightStorage(WeightsConfig(paths=(str(weights.path),))).describe()
+        (mount,) = described.mounts
+        assert mount.kind is StorageKind.FUSE and mount.passthrough is not None, mount
+        procs = s.throttle(weights.device, LIMIT) if weights.device is not None else None
+        assert procs is not None
+        for pid in weights.readers:
+            procs.write_text(f"{pid}\n")
+        make_cold(weights)
+        cold_start = assert_residency_is_fincore(weights, 0)
+        cold = run_load(tmp_path, weights, procs)
+        after_cold, _ = residency(weights)
+    assert TOTAL <= cold.device_bytes <= TOTAL + 8 * MIB, cold  # a cold load, whatever it says
+    if expected is Cache.BYPASS:
+        assert mount.bypass.value is True and "direct I/O" in mount.bypass.reason, mount.bypass
+        assert described.fixed_cache() is Cache.BYPASS
+        assert described.reason is not None and "direct I/O" in described.reason
+    elif expected is Cache.UNKNOWN:
+        assert mount.bypass.value is None, mount.bypass
+        assert described.fixed_cache() is Cache.UNKNOWN
+        assert "no file other than the weights" in (described.reason or ""), described.reason
+    else:
+        assert mount.bypass.value is False, mount.bypass
+        assert described.fixed_cache() is None
+        assert label(described, cold_start) is Cache.COLD
+        assert label(described, after_cold) is Cache.WARM
+
+
 def hidden_bindfs(s: Scratch, *options: str) -> tuple[Path, Path]:
     """A bindfs whose source is then covered: like a FUSE daemon whose backing cannot be known
     (the mount names a directory that no longer shows what the daemon serves)."""
@@ -424,10 +486,21 @@ def test_a_warm_restart_from_an_overlay_is_labelled_warm(
     assert entry["residency"]["measured_on"] == "on the real files below the overlay"
 
 
+LABELLED: dict[str, Callable[[Scratch], Weights]] = {
+    **BUILD,
+    "fuse-direct_io-xfs": lambda s: bindfs_over_xfs(s, ("-o", "direct_io"), probe_file=True),
+}
+LABELLED_NEEDS = {**NEEDS, "fuse-direct_io-xfs": ("fuse", "xfs")}
+
+
 @pytest.mark.parametrize(
     ("where", "flags", "label"),
-    [("ext4", ("--loader", "read", "--direct"), "bypass"), ("tmpfs", (), "warm")],
-    ids=["o_direct-is-bypass", "tmpfs-is-warm"],
+    [
+        ("ext4", ("--loader", "read", "--direct"), "bypass"),
+        ("tmpfs", (), "warm"),
+        ("fuse-direct_io-xfs", (), "bypass"),
+    ],
+    ids=["o_direct-is-bypass", "tmpfs-is-warm", "fuse-direct_io-is-bypass"],
 )
 def test_the_exporter_labels_a_load_by_what_served_it(
     tmp_path: Path,
@@ -438,9 +511,9 @@ def test_the_exporter_labels_a_load_by_what_served_it(
 ) -> None:
     """A load whose weights were read with O_DIRECT bypassed the page cache whatever residency
     said (0 here: it would call it cold); one from tmpfs was in memory all along (never cold)."""
-    require_filesystem(where)
+    require_filesystem(*LABELLED_NEEDS.get(where, (where,)))
     with scratch(tmp_path / "fs") as s:
-        weights = BUILD[where](s)
+        weights = LABELLED[where](s)
         make_cold(weights)
         port = free_port()
         target = sim_target(port, weights.path, tmp_path / "server.pid")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.require import require
@@ -294,3 +295,75 @@ def test_another_users_tree_is_not_visible_and_says_why(
     visible, first, reason = out.stdout.strip().split("|")
     assert (visible, first) == ("False", "None")
     assert "cannot see the server's weight files" in reason and "Permission denied" in reason
+
+
+HOLDER = r"""
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+others, count = sys.argv[1], int(sys.argv[2])
+held = [os.open(others, os.O_RDONLY) for _ in range(count)]
+churn = []
+print("ok", flush=True)
+for line in sys.stdin:
+    op, *args = line.split()
+    if op == "open":
+        churn.append(os.open(args[0] if args else others, os.O_RDONLY))
+    elif op == "close":
+        os.close(churn.pop())
+    elif op == "dup2":  # onto a number of its choosing, not the lowest free one
+        os.dup2(os.open(args[0], os.O_RDONLY), int(args[1]))
+    print("ok", flush=True)
+"""
+
+
+def test_descriptor_churn_costs_work_for_what_changed_not_what_is_held(
+    shards: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27 row 7: a process holding thousands of descriptors that opens or closes one
+    between looks. Work is counted, not timed: descriptors identified (a stat each) and
+    listings of /proc/PID/fd per look, which were all of them and one at every look."""
+    held = 5000
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "torch.so"), str(held)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ok\n"
+        loader = Loader.__new__(Loader)
+        loader.proc = holder
+        source = view(shards, loader)
+        identified = listings = 0
+        plain_identify, plain_listdir = source._identify, os.listdir
+
+        def identify(fd_dir: str, number: int) -> Any:
+            nonlocal identified
+            identified += 1
+            return plain_identify(fd_dir, number)
+
+        def listdir(path: Any) -> list[str]:
+            nonlocal listings
+            listings += str(path) == f"/proc/{holder.pid}/fd"
+            return plain_listdir(path)
+
+        monkeypatch.setattr(source, "_identify", identify)
+        monkeypatch.setattr(os, "listdir", listdir)
+        source.sample()  # the first look lists and identifies everything, once
+        assert identified >= held
+        looks = 30
+        identified = listings = 0
+        for look in range(looks):
+            loader.do("open" if look % 2 == 0 else "close")
+            source.sample()
+        # Per look: the numbers the count moved by and PROBE_SLACK, a 300th of the old ones
+        # (the rotation), the young ones: a few dozen, not 5,000; a listing every 5 looks.
+        assert identified / looks < 60, identified / looks
+        assert listings <= looks // (held // 1000) + 1, listings
+        # A weight file opened meanwhile is seen at that look, wherever its number is.
+        loader.do(f"open {shards[0]}")
+        assert [(f.name, f.held) for f in source.sample().files] == [(shards[0].name, True)]
+        loader.do(f"dup2 {shards[1]} {held + 4000}")  # not where the kernel would put it
+        seen = [len(source.sample().files) for _ in range(held // 1000 + 1)]
+        assert seen[-1] == 2, seen
+    finally:
+        holder.kill()
+        holder.wait()

@@ -69,7 +69,7 @@ def from_file(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise UsageError(f"--history.path: {path} does not exist")
     logging.getLogger("exporter").addHandler(logging.NullHandler())  # the problem comes back below
-    store = HistoryStore(path)
+    store = HistoryStore(path, private=False)
     try:
         if not store.enabled:
             raise UsageError(f"--history.path: {store.problem}")

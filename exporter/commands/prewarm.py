@@ -12,6 +12,10 @@ it cannot give, so it refuses with the reason (exit 1, whatever `--force`): read
 page cache (a FUSE mount in direct-I/O mode), a cache that is not the page cache (ZFS's ARC), a
 FUSE mount whose every open drops the cache. Through an overlay or a FUSE passthrough it reads
 and measures the real file below (exporter/sources/storage.py).
+
+Every file is opened with the rights of the user who owns the names leading to it, never
+through a symlink swapped in after the listing, and only when it is the regular file listed
+(exporter/ownedfiles.py): root prewarming a user's directory reads nothing the user could not.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from exporter import cachectl
 from exporter.commands import terminal
 from exporter.commands.exits import Exit, UsageError
 from exporter.config import DEFAULT_INCLUDE, WeightsConfig
+from exporter.ownedfiles import OwnedFiles
+from exporter.safeio import Refused
 from exporter.sources.memory import read_meminfo
 from exporter.sources.pagecache import PassResult, WeightFile, discover, measure_planned
 from exporter.sources.storage import StorageDescription, WeightStorage
@@ -121,14 +127,21 @@ def run(args: argparse.Namespace) -> int:
         return Exit.FAILED
     plan = storage.plan(files)
     real = (*plan.files, *plan.unmeasurable)  # the files below, or the files themselves
-    before = _residency(files, storage)
+    owned = OwnedFiles(real)
     try:
+        owned.check()  # before anything is measured, read or dropped
+        before = _residency(files, storage)
         if args.evict:
-            return _evict(files, real, before, storage)
-        return _prewarm(files, real, before, storage, args.jobs, args.force)
+            return _evict(files, real, before, storage, owned)
+        return _prewarm(files, real, before, storage, args.jobs, args.force, owned)
+    except Refused as exc:
+        terminal.fail("prewarm", f"refusing: {exc.strerror}")
+        return Exit.FAILED
     except OSError as exc:
         terminal.fail("prewarm", f"{exc.filename or 'read'}: {exc.strerror}")
         return Exit.FAILED
+    finally:
+        owned.close()
 
 
 def _evict(
@@ -136,10 +149,11 @@ def _evict(
     real: Sequence[WeightFile],
     before: PassResult,
     storage: WeightStorage,
+    owned: OwnedFiles,
 ) -> int:
     started = time.monotonic()
     for wf in real:
-        cachectl.evict(wf.path)
+        cachectl.evict(wf.path, owned.open)
     after = _residency(files, storage)
     print(
         f"evicted {len(files)} files, {terminal.size(before.total_bytes)} in "
@@ -156,11 +170,12 @@ def _prewarm(
     storage: WeightStorage,
     jobs: int,
     force: bool,
+    owned: OwnedFiles,
 ) -> int:
     # Files already wholly resident are skipped; the others are read whole (cached parts of them
     # cost no I/O).
     resident = {row.path: row.resident_bytes for row in before.per_file}
-    sizes = [(wf.path, os.stat(wf.path).st_size, resident.get(wf.name, 0)) for wf in real]
+    sizes = [(wf.path, wf.size, resident.get(wf.name, 0)) for wf in real]
     todo = [(path, size) for path, size, cached in sizes if cached < size]
     missing = before.total_bytes - (before.resident_bytes or 0)
     available = read_meminfo().available_bytes
@@ -176,7 +191,7 @@ def _prewarm(
     todo_bytes = sum(size for _, size in todo)
     started = time.monotonic()
     with _progress(todo_bytes) as advance:
-        read = cachectl.prewarm_files(todo, jobs, advance)
+        read = cachectl.prewarm_files(todo, jobs, advance, opener=owned.open)
     seconds = time.monotonic() - started
     after = _residency(files, storage)
     speed = terminal.rate(read / seconds if seconds else None)

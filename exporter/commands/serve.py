@@ -134,6 +134,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--history.path", dest="history_path", metavar="PATH", help='SQLite file; "" disables'
     )
+    p.add_argument(
+        "--metrics.phase-buckets",
+        dest="phase_buckets",
+        action="store_true",
+        help="buckets of model_load_phase_duration_seconds too (config: metrics.phase_buckets)",
+    )
+    p.add_argument(
+        "--metrics.native-histograms",
+        dest="native_histograms",
+        action="store_true",
+        help="native histograms to a Prometheus that asks for protobuf "
+        "(config: metrics.native_histograms)",
+    )
     p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
     p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), default="logfmt")
 
@@ -188,6 +201,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         config = dataclasses.replace(config, sample_interval=interval)
     if args.history_path is not None:
         config = dataclasses.replace(config, history_path=args.history_path)
+    flags = {"phase_buckets": args.phase_buckets, "native_histograms": args.native_histograms}
+    if any(flags.values()):
+        on = {name: True for name, given in flags.items() if given}
+        config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, **on))
     return config
 
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from exporter import api
 from exporter.api_build import load_document, loads_document, status_document
 from exporter.collector import ExporterCollector
-from exporter.http import livepage
+from exporter.http import livepage, protobuf
 from exporter.http.server import Limits, Server, somaxconn
 from exporter.http.webconfig import WebConfig
 from exporter.runtime import Runtime
@@ -31,6 +31,7 @@ StartResponse = Callable[..., Any]
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,4}\Z")  # ASCII digits only: "²".isdigit() is True
 _LOAD_ID = re.compile(r"[0-9]{1,18}\Z")  # a history row id (SQLite's are 64-bit)
 LOAD_PREFIX = "/api/v1/loads/"
+NO_STORE = ("Cache-Control", "no-store")
 
 
 class WebApp:
@@ -74,6 +75,8 @@ class WebApp:
                 b"Unauthorized\n",
                 extra=[("WWW-Authenticate", 'Basic realm="model-load-exporter"')],
             )
+        if self.web.auth.enabled:
+            start_response = _not_stored(start_response)
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         if path == "/-/reload":
@@ -94,6 +97,12 @@ class WebApp:
     def _metrics_page(
         self, environ: dict[str, Any], start_response: StartResponse
     ) -> Iterable[bytes]:
+        if self.runtime.config.metrics.native_histograms and protobuf.wants_protobuf(
+            environ.get("HTTP_ACCEPT", "")
+        ):
+            snapshot = self.runtime.snapshot()
+            body = protobuf.render(ExporterCollector(lambda: snapshot, native=True).collect())
+            return _reply(start_response, "200 OK", body, protobuf.CONTENT_TYPE)
         # prometheus_client's app refuses HEAD; the server drops the body of a HEAD answer.
         return self._metrics({**environ, "REQUEST_METHOD": "GET"}, start_response)
 
@@ -174,6 +183,17 @@ def same_origin(environ: dict[str, Any]) -> bool:
         return False
     host = environ.get("HTTP_HOST", "").lower()
     return parts.scheme == environ.get("wsgi.url_scheme") and bool(host) and parts.netloc == host
+
+
+def _not_stored(start_response: StartResponse) -> StartResponse:
+    """An answer behind basic auth is for its one client: no browser or proxy may keep it
+    (`Cache-Control: no-store` in place of whatever the route said)."""
+
+    def start(status: str, headers: list[tuple[str, str]], *args: Any) -> Any:
+        kept = [(k, v) for k, v in headers if k.lower() != "cache-control"]
+        return start_response(status, [*kept, NO_STORE], *args)
+
+    return start
 
 
 def _json(start_response: StartResponse, data: object) -> Iterable[bytes]:

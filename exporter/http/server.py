@@ -509,11 +509,14 @@ def _response(
     head: bool,
     keep_alive: bool,
 ) -> bytes:
-    """Serialize; HEAD gets the GET headers and no body, whatever the app returned."""
+    """Serialize; HEAD gets the GET headers and no body, whatever the app returned.
+
+    Each header once: one the server adds to every answer (the web config's, nosniff) replaces
+    the app's of the same name, and the server writes Content-Length and Connection itself.
+    """
     lines = [f"HTTP/1.1 {status.value} {status.phrase}"]
-    lines.extend(
-        f"{k}: {v}" for k, v in headers if k.lower() not in ("content-length", "connection")
-    )
+    own = {k.lower() for k, _ in extra} | {"content-length", "connection"}
+    lines.extend(f"{k}: {v}" for k, v in headers if k.lower() not in own)
     lines.extend(f"{k}: {v}" for k, v in extra)
     lines.append(f"Content-Length: {len(body)}")
     if not keep_alive:

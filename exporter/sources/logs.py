@@ -14,6 +14,13 @@ records without the `\\n`) or the CRI format of /var/log/pods (`<RFC 3339> <stre
 `__REALTIME_TIMESTAMP` is), records older than `since` are skipped (so an older process's lines in
 the same file are not this load's), and stdout and stderr are joined into lines apart.
 
+CPU stays bounded whatever arrives: text is read and parsed PARSE_CHUNK at a time, and once a
+sample has spent its share of the CPU (CPU_SHARE of a core, saved up to CPU_BURST) or read
+READ_BUDGET, what else is there now is skipped unread and counted (`skipped_bytes`): a server that
+writes 10 MB/s of lines no rule knows costs its share and no more, and the reader never falls
+behind (markers in a skipped stretch are lost; the log says how many bytes). When the process
+whose log it is has gone, `finish()` has the next sample read its last lines and close it.
+
 Memory stays bounded whatever arrives: a line longer than `MAX_LINE` is cut there (the rest is
 skipped up to its end), a record longer than `MAX_RECORD` is skipped, bytes that are not UTF-8
 become U+FFFD, and only the last `MAX_EVENTS` events are kept (each carries a sequence number, so
@@ -38,20 +45,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
 from exporter.sources import Health, Sample
 from exporter.vocabulary import LogEncoding, Step
 
+if TYPE_CHECKING:
+    from exporter.asprocess import Rights
+
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024  # bytes of one line kept; markers sit at a line's start
 MAX_RECORD = 8 * MAX_LINE  # a journal entry or container record longer than this is skipped
-READ_BUDGET = 8 * 1024 * 1024  # bytes read per sample at most; the rest waits for the next one
+READ_BUDGET = 8 * 1024 * 1024  # bytes parsed per sample at most; more than that is skipped
+CPU_SHARE = 0.05  # of one core, on average, that parsing one target's log may take
+CPU_BURST = 0.25  # seconds of CPU one sample may take at most, saved up while the log was quiet
+PARSE_CHUNK = 64 * 1024  # bytes read and parsed between two looks at the CPU spent
 MAX_EVENTS = 1024
 JOURNAL_PIPE_SIZE = 1 << 20
+JOURNAL_SKIP_LIMIT = 8 * READ_BUDGET  # bytes of journal output dropped unparsed per sample at most
 JOURNAL_RESTART_SECONDS = 5.0
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, absent from the fcntl module before Python 3.10 on some
 _TERMINATORS = (b"\n", b"\r")
@@ -78,6 +92,13 @@ class LogSample(Sample):
     lines_total: int  # line terminators read (`\n`, `\r`, `\r\n`); a change is movement
     bytes_total: int
     last_line_at: float | None  # unix time a line was last read
+    skipped_bytes: int = 0  # bytes not parsed: over a sample's CPU or byte budget
+    closed: bool = False  # its process is gone: the last lines were read, then it was closed
+
+    @property
+    def activity(self) -> int:
+        """Grows whenever the server writes: lines read, and bytes skipped unread."""
+        return self.lines_total + self.skipped_bytes
 
     def health(self) -> Health:
         return Health(self.up, self.reason)
@@ -120,6 +141,11 @@ class _Lines:
     def peek(self) -> str:
         return self.tail.decode("utf-8", "replace") if self.tail else ""
 
+    def skip(self, within_line: bool) -> None:
+        """Bytes were skipped unread: the line they cut (if they end inside one) is dropped up
+        to its end."""
+        self.tail, self._skipping = b"", within_line
+
 
 def _first_terminator(data: bytes) -> int:
     """Index of the first `\\n` or `\\r`, or -1."""
@@ -156,6 +182,11 @@ class _Records:
         """The file ended under us: a record cut off there is lost."""
         self._tail, self._skipping = b"", False
 
+    def skip(self, within_record: bool = True) -> None:
+        """Bytes were skipped unread: the record they cut (if they end inside one) is dropped
+        up to its end."""
+        self._tail, self._skipping = b"", within_record
+
 
 class _PlainText:
     """A plain log: its bytes are the server's text, timed when read."""
@@ -174,6 +205,9 @@ class _PlainText:
     def cut(self) -> None:
         """The file was replaced or cut under us: its unterminated tail is a last line."""
         self._keep(self._lines.flush())
+
+    def skip(self, within_line: bool) -> None:
+        self._lines.skip(within_line)
 
     def take(self) -> list[Piece]:
         pieces, self._pieces = self._pieces, []
@@ -298,6 +332,12 @@ class _ContainerText:
         """Rotated or truncated: a line split over records goes on in the next file."""
         self._records.reset()
 
+    def skip(self, within_line: bool) -> None:
+        """Records were skipped unread: every stream's line in progress is dropped."""
+        self._records.skip(within_line)
+        for lines in self._streams.values():
+            lines.tail = b""
+
     def take(self) -> list[Piece]:
         pieces, self._pieces = self._pieces, []
         return pieces
@@ -363,6 +403,7 @@ class _Decoder(Protocol):
     def lines(self) -> int: ...
     def push(self, data: bytes) -> None: ...
     def cut(self) -> None: ...
+    def skip(self, within_line: bool) -> None: ...
     def take(self) -> list[Piece]: ...
     def tails(self) -> list[Piece]: ...
 
@@ -454,6 +495,20 @@ class _FileReader:
             self.decoder.push(data)
         return read
 
+    def skip(self) -> int:
+        """Jump to the file's end unread (the decoder drops the line cut); the bytes jumped."""
+        if self._fd is None:
+            return 0
+        size = os.fstat(self._fd).st_size
+        skipped, self._offset = max(0, size - self._offset), max(size, self._offset)
+        if skipped:
+            try:
+                last = os.pread(self._fd, 1, size - 1)
+            except OSError:
+                last = b""
+            self.decoder.skip(within_line=last not in _TERMINATORS)
+        return skipped
+
     def _close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -493,17 +548,23 @@ def parse_journal_json(line: bytes) -> JournalEntry | None:
 
 
 def journalctl_command(
-    unit: str, since: float, cursor: str | None, journalctl: str = "journalctl"
+    unit: str,
+    since: float,
+    cursor: str | None,
+    journalctl: str = "journalctl",
+    literal: bool = False,
 ) -> list[str]:
     """The follower's command: this boot, from `since` (or just after `cursor`), as JSON.
 
-    `--unit` matches as journalctl always does: the unit's own processes (`_SYSTEMD_UNIT`, from
-    their cgroup), plus systemd's and coredumps' messages about the unit.
+    A configured unit is the operator's word: `--unit` matches as journalctl always does (a
+    glob, `.service` added), the unit's own processes (`_SYSTEMD_UNIT`, from their cgroup) plus
+    systemd's and coredumps' messages about it. A unit read from a process's cgroup is
+    `literal`: the `_SYSTEMD_UNIT=` match, which takes the name as it is, no glob.
     """
     start = [f"--after-cursor={cursor}"] if cursor else [f"--since=@{since:.6f}"]
     return [
         journalctl,
-        f"--unit={unit}",
+        f"_SYSTEMD_UNIT={unit}" if literal else f"--unit={unit}",
         "--boot",
         *start,
         "--follow",
@@ -524,8 +585,12 @@ class _JournalReader:
         since: float,
         journalctl: str = "journalctl",
         restart_after: float = JOURNAL_RESTART_SECONDS,
+        rights: Callable[[], Rights] | None = None,
     ) -> None:
+        """`rights`: the process's own, which journalctl runs with (its unit matched literally);
+        None for a configured unit, read with the exporter's."""
         self.unit = unit
+        self._rights = rights
         self._since = since
         self._restart_after = restart_after
         self._journalctl = journalctl
@@ -562,6 +627,24 @@ class _JournalReader:
             self._split(data, entries)
         return entries, read, self._reason
 
+    def skip(self, limit: int) -> int:
+        """Read what journalctl has written by now, up to `limit` bytes, without parsing it."""
+        child = self._child
+        if child is None or child.stdout is None:
+            return 0
+        skipped = 0
+        while skipped < limit:
+            try:
+                data = os.read(child.stdout.fileno(), min(1 << 20, limit - skipped))
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            skipped += len(data)
+        if skipped:
+            self._records.skip()
+        return skipped
+
     def _split(self, data: bytes, entries: list[JournalEntry]) -> None:
         for raw in self._records.push(data):
             entry = parse_journal_json(raw)
@@ -575,17 +658,25 @@ class _JournalReader:
             self._reason = f"{self._journalctl} not found; cannot read the journal"
             self._next_start = time.monotonic() + self._restart_after
             return None
-        command = journalctl_command(self.unit, self._since, self._cursor, path)
+        literal = self._rights is not None
+        command = journalctl_command(self.unit, self._since, self._cursor, path, literal)
+        ids: dict[str, Any] = {}
         try:
+            if self._rights is not None:
+                rights = self._rights()
+                ids = {"user": rights.uid, "group": rights.gid, "extra_groups": rights.groups}
+                if rights.ids == (os.geteuid(), os.getegid(), tuple(sorted(os.getgroups()))):
+                    ids = {}  # the exporter's own already (and it may not call setgroups)
             child = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 close_fds=True,
+                **ids,
             )
-        except OSError as exc:
-            self._reason = f"cannot start journalctl: {exc.strerror}"
+        except OSError as exc:  # a PermissionError when the rights are not the exporter's to take
+            self._reason = f"cannot start journalctl: {exc.strerror or exc}"
             self._next_start = time.monotonic() + self._restart_after
             return None
         assert child.stdout is not None and child.stderr is not None
@@ -655,10 +746,22 @@ class LogSource:
         read_budget: int = READ_BUDGET,
         restart_after: float = JOURNAL_RESTART_SECONDS,
         opener: Callable[[str], int] | None = None,
+        rights: Callable[[], Rights] | None = None,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        cpu_share: float = CPU_SHARE,
     ) -> None:
-        """`opener` opens a log file for reading (a found log: with its process's rights)."""
+        """`opener` opens a log file for reading, `rights` are those journalctl runs with (a
+        found log: its process's own); `cpu_clock` is the CPU time of the thread that samples
+        (a test counts work with it)."""
         self._clock = clock
         self._budget = read_budget
+        self._cpu_clock = cpu_clock
+        self._cpu_share = cpu_share
+        self._cpu_left = CPU_BURST
+        self._cpu_checked_at: float | None = None
+        self._skipped = 0
+        self._finishing = False
+        self._closed = False
         self._parser = MarkerParser(config.format)
         self._timeline = StepTimeline()
         self._events: deque[LogEvent] = deque(maxlen=MAX_EVENTS)
@@ -672,7 +775,9 @@ class LogSource:
         if config.journald_unit:
             self.source = f"journald:{config.journald_unit}"
             start = clock() if since is None else since
-            self._journal = _JournalReader(config.journald_unit, start, journalctl, restart_after)
+            self._journal = _JournalReader(
+                config.journald_unit, start, journalctl, restart_after, rights
+            )
         elif config.file:
             kind = "file" if config.encoding is LogEncoding.PLAIN else config.encoding.value
             self.source = ", ".join(f"{kind}:{path}" for path in config.files)
@@ -711,12 +816,22 @@ class LogSource:
 
     def close(self) -> None:
         with self._lock:
-            if self._journal is not None:
-                self._journal.close()
-            for reader in self._files:
-                reader.close()
+            self._close()
+
+    def finish(self) -> None:
+        """Its process is gone: the next sample reads what it wrote last (within the budgets)
+        and closes the file or the journal; later samples only report."""
+        self._finishing = True
+
+    def _close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+        for reader in self._files:
+            reader.close()
 
     def _poll(self) -> None:
+        if self._closed:
+            return
         now = self._clock()
         try:
             if self._files:
@@ -727,27 +842,76 @@ class LogSource:
             self._reason = f"log reader error: {exc!r}"
             log.exception("log source %s", self.source)
         self._announce()
+        if self._finishing:
+            self._close()
+            self._closed = True
+
+    def _allowance(self, now: float) -> float:
+        """CPU seconds this sample may spend: CPU_SHARE of the time since the last, saved up
+        to CPU_BURST, less what earlier samples overspent (one chunk's worth at most)."""
+        if self._cpu_checked_at is not None:
+            earned = max(0.0, now - self._cpu_checked_at) * self._cpu_share
+            self._cpu_left = min(CPU_BURST, self._cpu_left + earned)
+        self._cpu_checked_at = now
+        return self._cpu_left
+
+    def _spend(self, started: float, allowance: float) -> bool:
+        """Charge the CPU spent since `started`; whether the sample may go on parsing."""
+        spent = self._cpu_clock() - started
+        self._cpu_left = allowance - spent
+        return spent < allowance
 
     def _poll_files(self, now: float) -> None:
         lines_before = self._lines_total
         reasons = []
+        allowance, started = self._allowance(now), self._cpu_clock()
+        if allowance <= 0:  # overspent: what arrived waits, and is skipped if it is too much
+            return
+        budget = self._budget // len(self._files)
+        within = True
         for reader in self._files:
-            read, reason = reader.read(self._budget // len(self._files))
-            self._bytes += read
+            left = budget
+            reason = None
+            while within and left > 0:
+                read, reason = reader.read(min(PARSE_CHUNK, left))
+                self._bytes += read
+                left -= read
+                self._parse(reader, now)
+                within = self._spend(started, allowance)
+                if read == 0:
+                    break
+            if not within or left <= 0:
+                self._skipped += reader.skip()
             reasons.append(reason)
-            for ref, text in reader.decoder.take():
-                self._take(self._parser.feed(text, now if ref is None else min(ref, now)))
-            for ref, tail in reader.decoder.tails():
-                if tail:
-                    self._take(self._parser.peek(tail, now if ref is None else min(ref, now)))
         self._reason = next((r for r in reasons if r is not None), None)
         if self._lines_total != lines_before:
             self._last_line_at = now
 
+    def _parse(self, reader: _FileReader, now: float) -> None:
+        for ref, text in reader.decoder.take():
+            self._take(self._parser.feed(text, now if ref is None else min(ref, now)))
+        for ref, tail in reader.decoder.tails():
+            if tail:
+                self._take(self._parser.peek(tail, now if ref is None else min(ref, now)))
+
     def _poll_journal(self, now: float) -> None:
         assert self._journal is not None
-        entries, read, self._reason = self._journal.read(self._budget)
-        self._bytes += read
+        allowance, started = self._allowance(now), self._cpu_clock()
+        if allowance <= 0:
+            return
+        left = self._budget
+        while left > 0:
+            entries, read, self._reason = self._journal.read(min(PARSE_CHUNK, left))
+            self._bytes += read
+            left -= read
+            self._feed_journal(entries, now)
+            if not self._spend(started, allowance):
+                break
+            if read == 0:
+                return
+        self._skipped += self._journal.skip(JOURNAL_SKIP_LIMIT)
+
+    def _feed_journal(self, entries: list[JournalEntry], now: float) -> None:
         for entry in entries:
             text = entry.message
             self._journal_lines += 1 + text.count("\r") + text.count("\n") - text.count("\r\n")
@@ -795,6 +959,8 @@ class LogSource:
             lines_total=self._lines_total,
             bytes_total=self._bytes,
             last_line_at=self._last_line_at,
+            skipped_bytes=self._skipped,
+            closed=self._closed,
         )
 
 

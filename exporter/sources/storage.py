@@ -210,7 +210,7 @@ class WeightStorage:
         if key not in self._facts:
             layer = describe(placed, mounts, self._sys_root)
             probe = None
-            if layer.kind is StorageKind.FUSE and layer.passthrough is None:
+            if layer.kind is StorageKind.FUSE:  # a passthrough too: direct_io is per open
                 probe = probe_fuse(self._probe_candidates(placed), self._weights.include)
             self._facts[key] = _MountFacts(layer, placed, probe)
         return self._facts[key]
@@ -357,13 +357,12 @@ _MEMORY_REASON = "the weights are on a memory filesystem: in memory by construct
 
 def _verdicts(mounts: tuple[MountStorage, ...], unplaced: tuple[str, ...]) -> StorageDescription:
     bypassed = [m for m in mounts if m.bypass.value]
-    unknown = [m for m in mounts if not m.page_cache.value or m.residency.value is False]
+    unknown = [m for m in mounts if _unknown_why(m) is not None]
     in_memory = bool(mounts) and all(m.in_memory for m in mounts)
     if bypassed:
         reason: str | None = f"{bypassed[0].mount_point}: {bypassed[0].bypass.reason}"
     elif unknown:
-        m = unknown[0]
-        reason = f"{m.mount_point}: {(m.residency if m.page_cache.value else m.page_cache).reason}"
+        reason = f"{unknown[0].mount_point}: {_unknown_why(unknown[0])}"
     else:
         reason = _MEMORY_REASON if in_memory else None
     return StorageDescription(
@@ -374,6 +373,19 @@ def _verdicts(mounts: tuple[MountStorage, ...], unplaced: tuple[str, ...]) -> St
         bypass=bool(bypassed),
         reason=reason,
     )
+
+
+def _unknown_why(mount: MountStorage) -> str | None:
+    """Why residency is no cache temperature on this mount, or None when it is one: another
+    cache serves the reads, residency cannot be measured, or whether reads skip the page cache
+    cannot be told (a FUSE mount: `bypass` then `unknown`, never a guess of cold)."""
+    if not mount.page_cache.value:
+        return mount.page_cache.reason
+    if mount.residency.value is False:
+        return mount.residency.reason
+    if mount.bypass.value is None:
+        return mount.bypass.reason
+    return None
 
 
 def _read_rate(layer: Layer, devices: tuple[str, ...], lower: tuple[str, ...]) -> Fact:
@@ -429,10 +441,13 @@ def _bypass(kind: StorageKind, facts: _MountFacts) -> Fact:
         return Fact(False, "buffered reads go through the page cache (a loader may still open "
                     "files with O_DIRECT: see the weight files' direct flag)")  # fmt: skip
     probe = facts.probe
-    if facts.passthrough is not None:
-        return Fact(False, f"the passthrough reads {facts.passthrough} through its page cache")
     if probe is None or probe.direct is None:
-        return Fact(None, probe.reason if probe is not None else "not probed")
+        why = probe.reason if probe is not None else "not probed"
+        return Fact(None, f"cannot tell whether reads through this FUSE mount skip the page "
+                    f"cache (direct_io shows in no mount option): {why}")  # fmt: skip
+    if not probe.direct and facts.passthrough is not None:
+        return Fact(False, f"the passthrough reads {facts.passthrough} through its page cache "
+                    f"and the mount keeps pages: {probe.reason}")  # fmt: skip
     return Fact(probe.direct, probe.reason)
 
 

@@ -68,9 +68,12 @@ class FakeServers:
         env: dict[str, str] | None = None,
         cwd: Path = Path("/"),
         prefix: Sequence[str] = (),
+        wrap: Sequence[str] = (),
         stderr: Path | None = None,
     ) -> None:
-        """`stderr`: a file every process gets as its standard error (appended to)."""
+        """`prefix` runs as root before the user's ids are taken, `wrap` as the user after
+        (`unshare -Ur`: a user namespace of the user's own making); `stderr`: a file every
+        process gets as its standard error (appended to)."""
         encoded = []
         for argv in argvs:
             raw = b"\0".join(os.fsencode(a) for a in argv)
@@ -79,7 +82,7 @@ class FakeServers:
         ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         errors = stderr.open("ab") if stderr is not None else None
         self.proc = subprocess.Popen(
-            [*prefix, SETPRIV[0], *ids, SYSTEM_PYTHON, "-c", _CHILD, "x" * _AREA],
+            [*prefix, SETPRIV[0], *ids, *wrap, SYSTEM_PYTHON, "-c", _CHILD, "x" * _AREA],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errors if errors is not None else subprocess.DEVNULL,

@@ -39,7 +39,9 @@ class ExporterProcess:
         nofile: int | None = None,
         scheme: str = "http",
         env: dict[str, str] | None = None,
+        code: Path = REPO,
     ) -> None:
+        """`code`: the checkout whose exporter runs (a benchmark's older commit)."""
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self._stderr = tempfile.NamedTemporaryFile(prefix="exporter-stderr-", delete=False)  # noqa: SIM115
@@ -60,8 +62,8 @@ class ExporterProcess:
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
             preexec_fn=limits,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            cwd=code,
+            env={**os.environ, "PYTHONPATH": str(code), **(env or {})},
         )
 
     @property

@@ -48,7 +48,7 @@ class ExitClock:
 
     def join(self, timeout: float) -> float:
         self._thread.join(timeout)
-        assert self.exited_at is not None, f"{self.proc.args} still running after {timeout}s"
+        assert self.exited_at is not None, f"{self.proc.args!r} still running after {timeout}s"
         return self.exited_at
 
 
