@@ -203,7 +203,7 @@ def check(load: dict[str, Any], cache: str) -> None:
     assert abs(phases["initializing"] - truth["initializing_seconds"]) <= 1.5, (phases, truth)
     # Its imports are starting, whatever they read: no weight file is opened before its line.
     assert said["phases_seen_during_imports"] == ["starting"], said
-    assert said["imports_seconds"] > 20.0, said
+    assert said["imports_seconds"] > 10.0, said  # 20 to 125 s here, with the machine's load
     # Its fine steps: the weights live, with the shards its bars count; on CPU no graphs are
     # captured, and the KV cache and uvicorn's start can share one stamped second (both then
     # pass between two looks), so those two are held to the finished load.
