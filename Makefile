@@ -92,15 +92,34 @@ $(LLAMA_SERVER)/.installed:
 	cmake --build $(LLAMA_SERVER)/build --target llama-server -j $(shell nproc) >/dev/null
 	touch $@
 
+# Triton Inference Server 2.51 as the nvidia-pytriton wheel ships it, used as a plain binary (not
+# through pytriton's API): its bin, backends and caches copied out of the package, and the Python
+# backend's stub for this Python put beside the backend. The venv it leaves (safetensors, numpy)
+# is the Python the stub embeds and that the test's model.py imports.
+TRITON_VERSION := 0.7.0
+TRITON := $(SERVERS_CACHE)/triton-$(TRITON_VERSION)
+
+$(TRITON)/.installed:
+	rm -rf $(TRITON) && $(PYTHON) -m venv $(TRITON)/venv
+	$(TRITON)/venv/bin/pip install --quiet nvidia-pytriton==$(TRITON_VERSION) safetensors numpy
+	site=$$($(TRITON)/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+		&& pyver=$$($(TRITON)/venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+		&& cp -a $$site/pytriton/tritonserver/bin $$site/pytriton/tritonserver/backends \
+			$$site/pytriton/tritonserver/caches $(TRITON)/ \
+		&& cp $$site/pytriton/tritonserver/python_backend_stubs/$$pyver/triton_python_backend_stub \
+			$(TRITON)/backends/python/ \
+		&& ln -sfn $$site/nvidia_pytriton.libs $(TRITON)/libs
+	touch $@
+
 SERVER_STAMPS := $(VLLM)/.installed $(LLAMACPP)/.installed $(SGLANG)/.installed $(LIBCUDA)/.installed \
-	$(LLAMA_SERVER)/.installed
+	$(LLAMA_SERVER)/.installed $(TRITON)/.installed
 
 servers: $(SERVER_STAMPS)
 
 test-servers: $(BIN)/model-load-exporter $(SERVER_STAMPS)
 	MLE_VLLM_PYTHON=$(VLLM)/bin/python MLE_LLAMACPP_PYTHON=$(LLAMACPP)/bin/python \
 		MLE_SGLANG_PYTHON=$(SGLANG)/bin/python MLE_LIBCUDA_DIR=$(LIBCUDA)/lib \
-		MLE_LLAMA_SERVER=$(LLAMA_SERVER)/build/bin/llama-server \
+		MLE_LLAMA_SERVER=$(LLAMA_SERVER)/build/bin/llama-server MLE_TRITON_DIR=$(TRITON) \
 		$(BIN)/pytest -ra -n 0 tests/servers
 
 # Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).

@@ -341,6 +341,16 @@ class LoadState(Document):
     fatal: str | None
     failed_probes: int  # distinct failed probes in a row
     hung: bool  # ready, its process running, and its endpoint stopped answering
+    # true when the current (or last) load is a running server's (a model loaded into it)
+    in_server: bool | None = field(default=None, metadata=OPTIONAL)
+    # what the running server last unloaded (its log's name for it), until its next load
+    unloaded: str | None = field(default=None, metadata=OPTIONAL)
+    # Seconds since each measured signal (weight_bytes, storage_reads, log_lines, gpu_memory,
+    # cpu) last moved; optional, as exporters before it do not say.
+    activity: Mapping[str, float] | None = field(default=None, metadata=OPTIONAL)
+    cpu_share: float | None = field(default=None, metadata=OPTIONAL)  # of one core, last 10 s
+    process_state: str | None = field(default=None, metadata=OPTIONAL)  # T, D, R, S (/proc)
+    exited_at: float | None = field(default=None, metadata=OPTIONAL)  # the process seen gone
 
 
 @dataclass(frozen=True)
@@ -516,6 +526,29 @@ class RestartForecast(Document):
     reason: str | None
 
 
+@dataclass(frozen=True)
+class Probes(Document):
+    """What /probe/alive and /probe/ready answer for the target now (exporter/liveness.py)."""
+
+    alive: bool
+    alive_line: str
+    ready: bool
+    ready_line: str
+
+
+@dataclass(frozen=True)
+class StartupProbe(Document):
+    """The fixed startupProbe window this target's cold loads need (exporter/startupwindow.py);
+    the numbers None and `reason` said when history has no cold load."""
+
+    period_seconds: int | None
+    failure_threshold: int | None
+    window_seconds: int | None
+    cold_loads: int
+    cold_p99_seconds: float | None
+    reason: str | None
+
+
 # --- /api/v1/status ----------------------------------------------------------------------------
 
 
@@ -546,6 +579,8 @@ class Target(Document):
     unbacked_weight_paths: tuple[str, ...] | None = field(default=None, metadata=OPTIONAL)
     unbacked_note: str | None = field(default=None, metadata=OPTIONAL)
     restart_forecast: RestartForecast | None = field(default=None, metadata=OPTIONAL)
+    probes: Probes | None = field(default=None, metadata=OPTIONAL)
+    startup_probe: StartupProbe | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from exporter import api
+from exporter import api, liveness
 from exporter.discovery import DiscoveredServer
 from exporter.sampler import Reading, health
 from exporter.snapshot import Snapshot, TargetView
@@ -21,6 +21,7 @@ from exporter.sources.gpu import pcie_rx_since
 from exporter.sources.pagecache import ResidencySample
 from exporter.sources.storage import MountStorage, StorageDescription
 from exporter.sources.weightfiles import WeightFilesSample
+from exporter.startupwindow import StartupAdvice
 from exporter.tracker import LoadRecord, TargetState
 from exporter.untrusted import clean
 
@@ -209,10 +210,27 @@ def _discovered(found: DiscoveredServer) -> api.Discovered:
 
 def _state(state: TargetState) -> api.LoadState:
     last = state.last_record
-    return _mirror(api.LoadState, state, last_record=_load(last) if last else None)
+    return _mirror(
+        api.LoadState,
+        state,
+        last_record=_load(last) if last else None,
+        in_server=state.in_server or None,
+        unloaded=clean(state.unloaded, 256) if state.unloaded else None,  # the server's words
+    )
 
 
-def _target(snap: Snapshot, view: TargetView, disk: DiskSample | None) -> api.Target:
+def _probes(view: TargetView, now: float, interval: float) -> api.Probes:
+    alive, ready = liveness.alive(view, now, interval), liveness.ready(view)
+    return api.Probes(alive.ok, alive.line, ready.ok, ready.line)
+
+
+def _startup_probe(advice: StartupAdvice) -> api.StartupProbe:
+    return _mirror(api.StartupProbe, advice)
+
+
+def _target(
+    snap: Snapshot, view: TargetView, disk: DiskSample | None, interval: float
+) -> api.Target:
     name = view.name
     pagecache, files = view.reading(PAGECACHE), view.reading(WEIGHT_FILES)
     storage = view.value(STORAGE)
@@ -258,6 +276,10 @@ def _target(snap: Snapshot, view: TargetView, disk: DiskSample | None) -> api.Ta
             if view.forecast is not None
             else None
         ),
+        probes=_probes(view, snap.time, interval),
+        startup_probe=(
+            _startup_probe(view.startup_advice) if view.startup_advice is not None else None
+        ),
     )
 
 
@@ -268,7 +290,7 @@ def status_document(snap: Snapshot, sample_interval: float) -> api.Status:
         time=snap.time,
         version=snap.build["version"],
         sample_interval_seconds=sample_interval,
-        targets=tuple(_target(snap, view, disk) for view in snap.targets),
+        targets=tuple(_target(snap, view, disk, sample_interval) for view in snap.targets),
         host_sources={
             source: _source_reading(snap.host[source], snap.time) for source in sorted(snap.host)
         },

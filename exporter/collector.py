@@ -231,6 +231,12 @@ RESTART_FORECAST = _gauge(
     "How long a restart begun now would take to be ready (residency now, past rates and phases).",
     "target",
 )
+STARTUP_WINDOW = _gauge(
+    "startup_probe_window_seconds",
+    "The fixed startupProbe window (periodSeconds x failureThreshold) this target's cold loads"
+    " need: their p99 with a margin; absent without a cold load in history.",
+    "target",
+)
 LOAD_DURATION = _histogram(
     "duration_seconds", "Duration of finished loads.", "target", "cache", "outcome"
 )
@@ -248,7 +254,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
     WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LAST_SLOWER,
-    RESTART_FORECAST,
+    RESTART_FORECAST, STARTUP_WINDOW,
     LOAD_DURATION, PHASE_DURATION,
 )  # fmt: skip
 
@@ -473,6 +479,8 @@ def _history(out: Scrape, snap: Snapshot) -> None:
     for view in snap.targets:
         if view.forecast is not None:
             out.add(RESTART_FORECAST, [view.name], view.forecast.seconds)
+        if view.startup_advice is not None:
+            out.add(STARTUP_WINDOW, [view.name], view.startup_advice.window_seconds)
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):

@@ -33,6 +33,7 @@ import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from urllib.parse import quote
 
 import yaml
 
@@ -41,6 +42,7 @@ from exporter.config import DISCOVERY_SERVERS, EndpointConfig, WeightsConfig
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
 from exporter.serverargs import Evidence, Recognised, find_launch, recognise
+from exporter.servers.server import Role
 from exporter.sources.process import boot_time, read_stat
 from exporter.untrusted import clean
 from exporter.vocabulary import ProbeKind
@@ -268,13 +270,14 @@ class Discoverer:
         view = _View.of(self._proc_root, pid, environ)
         refuse = _Refuser(self.refusals, key)
         try:
-            recognised, weights, weight_evidence = self._actor.call(
+            recognised, weights, weight_evidence, models = self._actor.call(
                 rights, lambda: _on_behalf(argv, environ, view, self._kinds, refuse)
             )
         except (RightsError, TimeoutError) as exc:
             refuse("hung" if isinstance(exc, TimeoutError) else "unreadable", "", str(exc))
             recognised = recognise(argv, environ, self._kinds, read_config=lambda path: None)
             weights, weight_evidence = (), [Evidence("weights", "unknown", f"files: {exc}")]
+            models = ()
         if recognised is None:
             return None
         evidence = list(recognised.evidence)
@@ -289,9 +292,16 @@ class Discoverer:
             evidence.append(Evidence("probe host", host, note))
         evidence.extend(weight_evidence)
         command = recognised.command
+        only = models[0] if len(models) == 1 else None  # a repository's only model
         model = recognised.served_model_name or (
-            recognised.model if command.model_is != "repository" else None
+            recognised.model if command.model_is != "repository" else only
         )
+        probe_path = command.probe_path
+        default_control = command.defaults.get(Role.MODEL_CONTROL)
+        if only and command.model_ready_path and recognised.model_control == default_control:
+            probe_path = command.model_ready_path.format(model=quote(only, safe=""))
+            why = "the repository's only model, loaded at start"
+            evidence.append(Evidence("probe", probe_path, why))
         headers = {"Authorization": f"Bearer {recognised.api_key}"} if recognised.api_key else {}
         if headers and _HEADER_BAD.search(headers["Authorization"]):
             headers = {}  # a line break would forge the probe's request
@@ -303,7 +313,7 @@ class Discoverer:
             start_time=self._start_time(start_ticks),
             url=f"http://{_url_host(host)}:{recognised.port}",
             probe=command.probe,
-            probe_path=command.probe_path,
+            probe_path=probe_path,
             model=clean(model) if model is not None else None,
             weights=weights,
             weights_include=command.include,
@@ -360,16 +370,48 @@ def _on_behalf(
     view: _View,
     kinds: Sequence[str],
     refuse: _Refuser,
-) -> tuple[Recognised | None, tuple[str, ...], list[Evidence]]:
-    """What needs the process's files: its config, home, weights. Runs with its rights."""
+) -> tuple[Recognised | None, tuple[str, ...], list[Evidence], tuple[str, ...]]:
+    """What needs the process's files: its config, home, weights, and the models of a model
+    repository. Runs with its rights."""
     view = replace(view, home=(environ or {}).get("HOME") or _passwd_home(view, refuse))
     recognised = recognise(
         argv, environ, kinds, read_config=lambda path: _read_config(view, path, refuse)
     )
     if recognised is None:
-        return None, (), []
+        return None, (), [], ()
     weights, evidence = _weights(recognised, view, environ, refuse)
-    return recognised, weights, evidence
+    repository = recognised.command.model_is == "repository"
+    models = _repository_models(weights[0]) if repository and len(weights) == 1 else ()
+    return recognised, weights, evidence, models
+
+
+def _repository_models(path: str) -> tuple[str, ...]:
+    """The models of a model repository (Triton's): its directories holding a config.pbtxt or
+    a numbered version directory, at most MAX_SNAPSHOTS entries looked at."""
+    models = []
+    try:
+        with os.scandir(path) as entries:
+            for i, entry in enumerate(entries):
+                if i >= MAX_SNAPSHOTS:
+                    break
+                if entry.is_dir(follow_symlinks=False) and _is_model_dir(entry.path):
+                    models.append(entry.name)
+    except OSError:
+        return ()
+    return tuple(sorted(models))
+
+
+def _is_model_dir(path: str) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            for i, entry in enumerate(entries):
+                if i >= MAX_SNAPSHOTS:
+                    break
+                if entry.name == "config.pbtxt" or (entry.name.isdigit() and entry.is_dir()):
+                    return True
+    except OSError:
+        pass
+    return False
 
 
 def _awaits_weights(server: DiscoveredServer) -> bool:

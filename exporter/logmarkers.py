@@ -17,16 +17,20 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   still open ends them first: ranks synchronise before allocating the KV cache, and a release
   that reworded its "weights done" line still gets its boundary (detail "implied by: ...").
 
-A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one.
+A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one, as does
+a load_begin (a model loaded into a running server) once the weights of the cycle before are in.
+unloaded (a model let go by a running server) belongs to no cycle.
 
-Event time: the line's own timestamp where the format has one, else the reference time the caller
-gives (journald's `__REALTIME_TIMESTAMP`, or when the line was read). A stamp is corrected by a
-whole number of quarter hours towards the reference (a container logging in UTC beside an exporter
-in local time) and used only within `MAX_SKEW` of it; a whole-second stamp is refined by the
-reference within its second (journald's time is exact to the microsecond). vLLM and Triton stamps
-carry no year, so the reference's year is taken (the previous one across New Year). Event times
-never go back, except that a line without the stamp its format has (a tqdm redraw, dated when it
-was read) does not push the next stamped line past that line's own second.
+Event time: the process's start plus a line's time since that start (llama-server's stamps), where
+the caller knows the log is that process's own; else the line's own timestamp where the format
+has one, else the reference time the caller gives (journald's `__REALTIME_TIMESTAMP`, or when the
+line was read). A clock stamp is corrected by a whole number of quarter hours towards the
+reference (a container logging in UTC beside an exporter in local time) and used only within
+`MAX_SKEW` of it; a whole-second stamp is refined by the reference within its second (journald's
+time is exact to the microsecond). vLLM and Triton stamps carry no year, so the reference's year is
+taken (the previous one across New Year). Event times never go back, except that a line without
+the stamp its format has (a tqdm redraw, dated when it was read) does not push the next stamped
+line past that line's own second.
 """
 
 from __future__ import annotations
@@ -82,7 +86,16 @@ _AFTER_WEIGHTS = frozenset(
         EventKind.READY,
     }
 )
-_ONCE = frozenset({EventKind.KV_CACHE, EventKind.WARMUP_BEGIN, EventKind.READY, EventKind.FATAL})
+_ONCE = frozenset(
+    {
+        EventKind.KV_CACHE,
+        EventKind.WARMUP_BEGIN,
+        EventKind.READY,
+        EventKind.FATAL,
+        EventKind.LOAD_BEGIN,
+    }
+)
+_CYCLE_BEGINS = frozenset({EventKind.WEIGHTS_BEGIN, EventKind.LOAD_BEGIN})
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class _Prefix:
     resolution: float  # a whole-second stamp says "some time within this second"
     who: str | None
     message: str
+    exact: float | None = None  # the process's start plus the time since it, never after `ref`
 
 
 _RANK_RES = (re.compile(r"TP(\d+)"), re.compile(r"rank=(\d+)"), re.compile(r"DP(\d+)"))
@@ -215,8 +229,11 @@ class MarkerParser:
     for progress only, since a tqdm bar stays unterminated until its next redraw.
     """
 
-    def __init__(self, fmt: str = AUTO) -> None:
-        """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO."""
+    def __init__(self, fmt: str = AUTO, origin: float | None = None) -> None:
+        """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO.
+        `origin`: the start of the process whose log this is alone (unix seconds), which makes
+        a stamp of the time since its start exact; None where the log may be another's."""
+        self._origin = origin
         self.format: str | None = None if fmt == AUTO else fmt  # the kind; None: undecided
         self.format_reason = "configured" if self.format else "auto: no recognisable line yet"
         self.unknown_announced = False  # set once `auto` has seen DETECT_ANNOUNCE_LINES in vain
@@ -341,7 +358,7 @@ class MarkerParser:
             if progress_only and rule.kind not in _PROGRESS:
                 continue
             if prefix is None:
-                prefix = _split_prefix(spec, line, ref)
+                prefix = _split_prefix(spec, line, ref, self._origin)
             match = rule.pattern.search(prefix.message)
             if match is None:
                 continue
@@ -363,18 +380,27 @@ class MarkerParser:
         groups = match.groupdict()
         who = groups.get("who") or prefix.who
         cycle = self._cycle
-        if cycle.finished:
-            if kind is not EventKind.WEIGHTS_BEGIN:
+        detail = prefix.message.strip()
+        if prefix.exact is not None:
+            at = prefix.exact
+        else:
+            at = _event_time(prefix.stamp, prefix.resolution, ref)
+        if kind is EventKind.UNLOADED:  # no part of any load
+            self._emit(events, kind, self._stamp(at), who, detail)
+            return
+        # A model loaded into a running server once the weights before are in is a load of its
+        # own (Triton's explicit mode: the server was ready before it).
+        over = cycle.finished or (
+            kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once
+        )
+        if over:
+            if kind not in _CYCLE_BEGINS:
                 return
             cycle = self._cycle = _Cycle()
             self._cause = None
-        detail = prefix.message.strip()
-        at = max(_event_time(prefix.stamp, prefix.resolution, ref), self._last_at)
-        if prefix.stamp is not None or self._spec is None or self._spec.stamp is None:
-            # A line without the stamp its format has (a tqdm redraw) is dated when it was read,
-            # which may be after the next stamped line was written: it must not push that one
-            # past its own second ("Load weight end" after the bar's last redraw).
-            self._last_at = at
+        # A line without the stamp its format has (a tqdm redraw) is dated when it was read.
+        dated = prefix.stamp is not None or prefix.exact is not None
+        at = self._stamp(at, dated or self._spec is None or self._spec.stamp is None)
         stated = groups.get("seconds")
         seconds = float(stated) if stated else None  # a duration the line itself states
         done = total = None
@@ -402,6 +428,16 @@ class MarkerParser:
         elif kind is EventKind.READY:
             cycle.finished = True
         self._emit(events, kind, at, who, detail, done, total, seconds)
+
+    def _stamp(self, at: float, dated: bool = True) -> float:
+        """Event times never go back: the log is written in order. A line not `dated` by the
+        stamp its format has (a tqdm redraw, dated when it was read) leaves the floor where it
+        was: it may have been read after the next stamped line was written, which keeps its own
+        second ("Load weight end" after the weights bar's last redraw)."""
+        at = max(at, self._last_at)
+        if dated:
+            self._last_at = at
+        return at
 
     def _weights_in_before(
         self, kind: EventKind, events: list[LogEvent], at: float, who: str | None, detail: str
@@ -438,8 +474,8 @@ def _fraction(progress: tuple[int, int]) -> float:
     return done / total if total > 0 else 1.0
 
 
-def _split_prefix(spec: LogFormat, line: str, ref: float) -> _Prefix:
-    stamp = who = None
+def _split_prefix(spec: LogFormat, line: str, ref: float, origin: float | None) -> _Prefix:
+    stamp = who = exact = None
     resolution = 1.0
     message = line
     if spec.prefix is not None:
@@ -452,11 +488,14 @@ def _split_prefix(spec: LogFormat, line: str, ref: float) -> _Prefix:
                 stamp = spec.stamp(m, ref)
                 fraction = groups.get("f")
                 resolution = 10.0 ** -len(fraction) if fraction else 1.0
+            if spec.elapsed is not None and origin is not None:
+                since = spec.elapsed(m)
+                exact = None if since is None else min(origin + since, ref)
     if spec.rank_in_message is not None:
         r = spec.rank_in_message.search(message)
         if r is not None:
             who = r.group(0)
-    return _Prefix(stamp, resolution, who, message)
+    return _Prefix(stamp, resolution, who, message, exact)
 
 
 def _rank(who: str | None) -> int | None:
@@ -558,8 +597,10 @@ class StepTimeline:
 
     def apply(self, event: LogEvent) -> None:
         kind, at = event.kind, event.time
+        if kind is EventKind.UNLOADED:
+            return
         if self.finished:
-            if kind is not EventKind.WEIGHTS_BEGIN:
+            if kind not in _CYCLE_BEGINS:
                 return
             self._reset()
         if kind in _ENTERS:

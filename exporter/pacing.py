@@ -5,14 +5,15 @@ readings checks every rule without sleeping (tests/test_pacing.py).
 
 * The probe (`ProbeCadence`): probing a serving instance costs it work (the default probe is a
   1-token completion), and probing a loading one is how its end is seen. While `initializing`
-  (weights in, endpoint not ready yet): several probes per sample interval (every interval / 4,
-  at least 50 ms apart), so the load's end is seen within a fraction of a second of the
-  server's first answer. While `ready`, with process matching, and the last probe said ready:
-  every `endpoint.ready_interval` (default 10 s); a restart or an exit is seen at once anyway
-  (the runtime watches the process through a pidfd) and moves the phase, which brings the fast
-  pace back. Otherwise, and from the first failed probe on: every sample interval. Without
-  process matching a restart shows only as failing probes, so the endpoint is then probed every
-  sample interval even while ready.
+  (weights in, endpoint not ready yet), and through a load inside a running server (a model
+  loaded into Triton: the server answers throughout, and ends it in one answer): several probes
+  per sample interval (every interval / 4, at least 50 ms apart), so the load's end is seen
+  within a fraction of a second of the server's first answer. While `ready`, with process
+  matching, and the last probe said ready: every `endpoint.ready_interval` (default 10 s); a
+  restart or an exit is seen at once anyway (the runtime watches the process through a pidfd)
+  and moves the phase, which brings the fast pace back. Otherwise, and from the first failed
+  probe on: every sample interval. Without process matching a restart shows only as failing
+  probes, so the endpoint is then probed every sample interval even while ready.
 * The weight files: FILE_LOOKS_PER_INTERVAL looks per interval while a load is starting or
   loading its weights: a shard opened and closed between two looks is never seen held.
 * Quiet mode (DESIGN, "idle costs next to nothing"): once every target is settled (ready, and
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from exporter.vocabulary import Phase, ProbeResult
+from exporter.vocabulary import IN_PROGRESS, Phase, ProbeResult
 
 INITIALIZING_PROBES_PER_INTERVAL = 4
 MIN_PROBE_GAP = 0.05
@@ -59,6 +60,7 @@ class ProbeCadence:
             interval, max(MIN_PROBE_GAP, interval / INITIALIZING_PROBES_PER_INTERVAL)
         )
         self._phase: Phase | None = None
+        self._in_server = False
 
     @property
     def phase(self) -> Phase | None:
@@ -67,17 +69,18 @@ class ProbeCadence:
     def delay(self, last: ProbeResult | None) -> float:
         """Seconds from one probe to the next, given the last probe's result."""
         phase = self._phase
-        if phase is Phase.INITIALIZING:
+        if phase is Phase.INITIALIZING or (self._in_server and phase in IN_PROGRESS):
             return self.initializing_interval
         if phase is Phase.READY and self.process_matching and last is ProbeResult.READY:
             return self.ready_interval
         return self.interval
 
-    def set_phase(self, phase: Phase) -> bool:
-        """Record the tracker's phase; True when the next probe is now due sooner than planned
-        (the caller wakes the probing loop so the faster pace starts at once)."""
+    def set_phase(self, phase: Phase, in_server: bool = False) -> bool:
+        """Record the tracker's phase (`in_server`: of a load inside the running server); True
+        when the next probe is now due sooner than planned (the caller wakes the probing loop
+        so the faster pace starts at once)."""
         before = self.delay(ProbeResult.READY)
-        self._phase = phase
+        self._phase, self._in_server = phase, in_server
         return self.delay(ProbeResult.READY) < before
 
 

@@ -45,6 +45,7 @@ from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked
 from exporter.sampler import Reading, Sampler
+from exporter.servers import SERVERS
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
@@ -69,7 +70,7 @@ from exporter.sources.gpu import (
     mark_pcie,
     process_gpu_memory,
 )
-from exporter.sources.logs import LogSource, new_events
+from exporter.sources.logs import LogSample, LogSource, new_events
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
 from exporter.sources.nvml_pids import NvmlPidCheck
@@ -83,6 +84,7 @@ from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
+from exporter.startupwindow import ADVICE_LOADS, StartupAdvice, advise
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
@@ -133,7 +135,6 @@ class TargetRuntime:
     hung: bool = False  # ready, process running, endpoint failing: logged once
     watched_pid: int | None = None  # the server process whose exit a pidfd reports
     last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
-    log_wanted: bool = False  # a ready answer ended a load: tick once the log has been read
     # The weight files' first open, last let-go and whether all were consumed, as last acted on.
     files_news: tuple[float | None, float | None, bool] = (None, None, False)
     residency_seen: float | None = None  # when the residency pass the loops acted on ran
@@ -142,6 +143,7 @@ class TargetRuntime:
     # as the current (or last) load began: None when unknown.
     reads_seen: deque[_Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
     reads_at_start: Counters | None = None
+    files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
 
     @property
     def settled(self) -> bool:
@@ -186,6 +188,7 @@ class Runtime:
         self._rates: dict[str, Rates] = {}  # what each target's past loads measured
         self._last: dict[str, float] = {}
         self._slower: dict[str, str] = {}  # the last load's reason, when it was slower
+        self._advice: dict[str, StartupAdvice] = {}  # the startupProbe window each would need
         self._ticked = threading.Event()
         self._last_tick: float | None = None
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
@@ -318,7 +321,7 @@ class Runtime:
             self.sampler.discard(STORAGE, target.name)
         if runtime.finder is not None and target.weights is not None:
             name = target.name
-            files = WeightFilesSource(
+            files = runtime.files = WeightFilesSource(
                 target.weights,
                 lambda: self.sampler.value(PROCESS, name),
                 proc_root=self._proc_root,
@@ -335,6 +338,7 @@ class Runtime:
             )
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
+            runtime.files = None
         for watcher in (self.disk, self.netfs, self.zfs):
             watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
@@ -525,12 +529,13 @@ class Runtime:
                 runtime.pcie_at_start = {}
                 runtime.reads_at_start = _counters_before(runtime.reads_seen, state)
                 self._measure_now(runtime)
+                self._files_afresh(runtime, state)
             gpus = self.sampler.latest(NVML)
             if state.in_progress and gpus is not None:  # each GPU's first counter in the load
                 runtime.pcie_at_start = mark_pcie(
                     runtime.pcie_at_start, gpus.good, gpus.finished_at, state.started_at
                 )
-            if runtime.cadence.set_phase(state.phase):
+            if runtime.cadence.set_phase(state.phase, state.in_server and state.in_progress):
                 moved = True
             self._note_hung(runtime, state)
             with self._lock:
@@ -538,6 +543,14 @@ class Runtime:
         if self.pacing.note((runtime.settled for runtime in runtimes), moved):
             self.sampler.wake_all()
         self._ticked.set()
+
+    def _files_afresh(self, runtime: TargetRuntime, state: TargetState) -> None:
+        """A model loaded into the running server reads its files again: the file view starts
+        over (the tracker holds the older account off: what the load before consumed is no
+        progress of this one)."""
+        if state.in_server and runtime.files is not None:
+            runtime.files.restart()
+            self.sampler.sample_soon(WEIGHT_FILES, runtime.config.name)
 
     @property
     def quiet(self) -> bool:
@@ -687,20 +700,10 @@ class Runtime:
         result = value.result if value is not None else None
         changed, runtime.last_result = result != runtime.last_result, result
         ready = result is ProbeResult.READY
-        loading = runtime.cadence.phase in IN_PROGRESS
-        news = ready if loading else changed or not ready
+        news = ready if runtime.cadence.phase in IN_PROGRESS else changed or not ready
         if news:
-            if ready and loading and runtime.logs is not None:
-                # The load ends once the log has been read past this answer (its last step's
-                # line may be unread yet): read it now, and tick after that read.
-                runtime.log_wanted = True
-                self.sampler.sample_soon(LOGS, runtime.config.name)
-            self.sampler.run_soon(TRACKER_LOOP)
-
-    def _after_log(self, runtime: TargetRuntime) -> None:
-        """A read the tracker waits for (a ready answer ended the load): tick now."""
-        if runtime.log_wanted:
-            runtime.log_wanted = False
+            if ready and runtime.logs is not None:
+                self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
     def _probe_result(self, name: str) -> ProbeResult | None:
@@ -779,7 +782,7 @@ class Runtime:
             log.info("target %s: no log found: %s", name, finding.why)
             return
         log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf)
+        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf, origin=start)
 
     def _on_behalf_of(self, pid: int) -> OnBehalf:
         """A configured target's process, read for with its own rights as a discovered one's
@@ -798,9 +801,11 @@ class Runtime:
         since: float,
         whole_files: tuple[str, ...] = (),
         behalf: OnBehalf | None = None,
+        origin: float | None = None,
     ) -> None:
         """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
-        with the exporter's own rights."""
+        with the exporter's own rights; `origin`: the start of the one process the log belongs
+        to (a found log), else None."""
         opener = None
         if behalf is not None:  # a discovered server's log is read with its own rights
 
@@ -814,14 +819,38 @@ class Runtime:
             clock=self._clock,
             opener=opener,
             rights=behalf.current if behalf is not None else None,
+            origin=origin,
         )
         self.sampler.add(
             LOGS,
             runtime.config.name,
             runtime.logs.sample,
-            every=self._pace_of(LOGS, runtime),
-            after=lambda _: self._after_log(runtime),
+            every=self._log_pace(runtime),
+            after=lambda reading: self._after_log(runtime, reading),
         )
+
+    def _log_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
+        """A gauge's pace, except for a server that loads models in place (Triton): only its log
+        says at once that a load began inside it, so it is read every interval even when quiet
+        (a pread of nothing new, some microseconds)."""
+        name = runtime.config.name
+
+        def pace() -> float:
+            reading = self.sampler.latest(LOGS, name)
+            kind = reading.good.format if reading is not None and reading.good else None
+            in_place = kind is not None and SERVERS[kind].loads_in_place
+            return self.pacing.source(runtime.settled and not in_place, self._failing(LOGS, name))
+
+        return pace
+
+    def _after_log(self, runtime: TargetRuntime, reading: Reading[LogSample]) -> None:
+        """Tick now when the log has news the tracker acts on: a load that answered ready waits
+        for a read of the log after the answer (it dates a short load's phases); between loads,
+        a line may begin a load inside the running server, or say it unloaded a model."""
+        in_progress = runtime.cadence.phase in IN_PROGRESS
+        news = reading.good is not None and reading.good.last_seq > runtime.log_seq
+        if (runtime.last_result is ProbeResult.READY) if in_progress else news:
+            self.sampler.run_soon(TRACKER_LOOP)
 
     def _observe(
         self, runtime: TargetRuntime, now: float, disk: DiskSample | None
@@ -839,7 +868,12 @@ class Runtime:
         events = new_events(log_sample, runtime.log_seq) if log_sample is not None else ()
         if log_sample is not None:
             runtime.log_seq = log_sample.last_seq
-        files = self.sampler.value(WEIGHT_FILES, name) if runtime.finder is not None else None
+        files: WeightFilesSample | None = None
+        files_looked = False  # the view has reported on this target at least once
+        if runtime.finder is not None:
+            looked = self.sampler.latest(WEIGHT_FILES, name)
+            files_looked = looked is not None
+            files = looked.good if looked is not None else None
         gpu = self.sampler.value(NVML)
         probe_value = probe.good if probe is not None else None
         gpu_memory: dict[int, int] = {}
@@ -865,9 +899,11 @@ class Runtime:
             log_events=events,
             log_lines=log_sample.activity if log_sample is not None else None,
             log_read_at=min(logs.finished_at, now) if logs is not None else None,
-            files=_file_view(files, process),
+            files=_file_view(files, process, files_looked),
             gpu_rx_bytes=_tree_rx(gpu, gpus),
             storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
+            process_cpu_seconds=process.cpu_seconds if process else None,
+            process_state=process.state if process else None,
         )
         return observation, gpu_memory
 
@@ -934,6 +970,7 @@ class Runtime:
         slower: dict[str, str] = {}
         recent = {name: self.history.loads(name, EXPECTATION_LOADS) for name in list(self.targets)}
         known = {name: rates(loads) for name, loads in recent.items()}
+        advice = {name: advise(self.history.loads(name, ADVICE_LOADS)) for name in recent}
         for name, loads in recent.items():
             newest = loads[0].report if loads else None
             if newest is not None and newest.reason is not None:
@@ -947,7 +984,7 @@ class Runtime:
                 last[name] = last_value
         with self._lock:
             self._expected, self._last, self._slower = expected, last, slower
-            self._rates = known
+            self._rates, self._advice = known, advice
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -968,6 +1005,7 @@ class Runtime:
                     pcie_at_start=rt.pcie_at_start,
                     forecast=self._forecast(name, by_target.get(name, {})),
                     log_finding=rt.log_finding,
+                    startup_advice=self._advice.get(name),
                 )
                 for name, rt in self.targets.items()
             )
@@ -1023,14 +1061,21 @@ def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
     return sum(c for c in counters if c is not None)
 
 
-def _file_view(files: WeightFilesSample | None, process: ProcessSample | None) -> FileView | None:
+def _file_view(
+    files: WeightFilesSample | None, process: ProcessSample | None, looked: bool = True
+) -> FileView | None:
     """The weight files as the tracker sees them, None where they cannot be seen (the tracker
-    then falls back on the tree's counters). A process the file view has not looked at yet holds
-    nothing known: its imports must not read as weights while the view catches up."""
-    if files is None or not files.visible or process is None or not process.found:
+    then falls back on the tree's counters). A process the file view has not looked at yet (a
+    target just discovered, a new process) holds nothing known: its imports must not read as
+    weights while the view catches up, so the view is `pending` rather than absent."""
+    if process is None or not process.found:
+        return None
+    if files is None and not looked:
+        return FileView(None, False, None, 0, 0, 0, pending=True)
+    if files is None or not files.visible:
         return None
     if files.root_pid != process.root_pid:
-        return FileView(None, False, None, 0, 0, files.total_bytes)
+        return FileView(None, False, None, 0, 0, files.total_bytes, pending=True)
     return FileView(
         first_open_at=files.first_open_at,
         first_open_seen=files.first_open_seen,

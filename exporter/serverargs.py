@@ -68,6 +68,7 @@ class Recognised:
     hub_cache: str | None
     evidence: tuple[Evidence, ...]
     api_key: str | None = field(default=None, repr=False)
+    model_control: str | None = None
 
     @property
     def kind(self) -> str:
@@ -302,6 +303,7 @@ def recognise(
         hub_cache=values.get(Role.CACHE_DIR),
         evidence=tuple(evidence),
         api_key=values.get(Role.API_KEY),
+        model_control=values.get(Role.MODEL_CONTROL),
     )
 
 

@@ -18,6 +18,7 @@ from exporter.logfind import LogFinding
 from exporter.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
 from exporter.sources.gpu import PcieMarks
+from exporter.startupwindow import StartupAdvice
 from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, ServerKind
 
@@ -41,6 +42,8 @@ class TargetView:
     pcie_at_start: PcieMarks = field(default_factory=dict)
     log_finding: LogFinding | None = None  # where its unconfigured log was found, or why not
     forecast: Forecast | None = None  # how long a restart begun now would take
+    # The fixed startupProbe window its cold loads would need; None until history was read.
+    startup_advice: StartupAdvice | None = None
 
     @property
     def name(self) -> str:

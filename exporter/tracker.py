@@ -22,8 +22,15 @@ Rules, because every number on the dashboard comes from them:
   process is gone first (or replaced by another one), or at once when the server's log reports a
   fatal error (with the server's message). With a log, a process exit waits one tick for the
   log's last lines, which say why, and a ready answer waits (an interval at most) for a read of
-  the log after it, whose lines may end a step; the load ends at the answer all the same.
-  `failed` stays until the next load.
+  the log after it, whose lines date the phases of a load shorter than an interval. It ends at
+  the log's ready line instead where that is earlier and no answer after the line said not
+  ready (a load over before the exporter first asked). `failed` stays until the next load.
+* A running server that loads a model (its log's load_begin, stamped after its last ready
+  answer: Triton's `loading: NAME` in explicit or poll mode) starts a load at that line, its
+  process the same: `in_server`, with the phases, progress, stall and record of any load; its
+  cache temperature discounts the storage the tree read before it. One that fails (its log's
+  fatal) is failed, and the server's next load_begin is a load again. A model it unloads is
+  said so (`unloaded`) until its next load; the phase stays ready.
 * A ready server that stops answering while its process runs on (process matching) stays `ready`:
   no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
   hang once after 3 of them. Without process matching those 3 failures start a load (above).
@@ -77,7 +84,9 @@ Rules, because every number on the dashboard comes from them:
   `starting`, and the server's own log, where there is one, gives the exact boundaries and wins.
 * A tick "moved" when any byte signal changed by 1 MiB or more since the previous tick, the probe
   result changed, or the phase changed; CPU time is deliberately not a signal. Stalled = in
-  progress and nothing moved for `stall_after`.
+  progress and nothing moved for `stall_after`. Beside that rule, each signal's own movement
+  (weight bytes, storage reads, log lines, GPU memory, the tree's CPU: exporter/activity.py) is
+  followed for the stall's reason only: it never raises or clears a stall.
 * Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
   driving signal, so the weights ETA (remaining weights / throughput) has no basis before the
   weights begin. ETA = that + the medians history has for the phases still ahead, from loads of
@@ -93,11 +102,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypedDict
 
+from exporter.activity import ActivityWatch
 from exporter.api import LoadReport
 from exporter.logmarkers import EventKind, LogEvent, StepTimeline, tighten
-from exporter.vocabulary import IN_PROGRESS, Cache, Outcome, Phase, ProbeResult, Signal, Step
+from exporter.vocabulary import (
+    IN_PROGRESS,
+    Activity,
+    Cache,
+    Outcome,
+    Phase,
+    ProbeResult,
+    Signal,
+    Step,
+)
 
 # Tie-break order when two signals report the same progress.
 PROGRESS_SOURCES = tuple(Signal)
@@ -138,6 +157,9 @@ class FileView:
     seen_bytes: int  # sizes of the files held so far: the most the tree can have consumed
     total_bytes: int
     direct: bool = False  # a weight file was opened with O_DIRECT: reads around the page cache
+    # Not looked at this process yet: nothing held, and not kept as the last view if the next
+    # look cannot see (another user's tree): the counters take over then.
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +189,8 @@ class Observation:
     # go around the page cache), unknown (the page cache is not what serves them), warm (in
     # memory by construction, tmpfs), or None: residency decides.
     storage_cache: Cache | None = None
+    process_cpu_seconds: float | None = None  # CPU time the tree used (not a progress signal)
+    process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
 
 
 @dataclass(frozen=True)
@@ -224,6 +248,24 @@ class TargetState:
     # Ready, its process running, and ENDPOINT_FAILURES_FOR_LOAD probes in a row failed: no
     # new process, so no load, but the endpoint stopped answering (the ModelServerHung alert).
     hung: bool = False
+    in_server: bool = False  # the load is a running server's (a model loaded into it)
+    # What the running server last unloaded (its log's name for it), until its next load.
+    unloaded: str | None = None
+    # Seconds since each measured signal last moved (exporter/activity.py): what a stall's
+    # reason is made of. A signal not measured is absent.
+    activity: Mapping[str, float] = field(default_factory=dict)
+    cpu_share: float | None = None  # the tree's CPU over the last 10 s, share of one core
+    process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
+    exited_at: float | None = None  # the watched process was seen gone then; None: running
+
+
+class _Watched(TypedDict):
+    """TargetState's fields of what the process visibly does (`Tracker._watched`)."""
+
+    activity: Mapping[str, float]
+    cpu_share: float | None
+    process_state: str | None
+    exited_at: float | None
 
 
 class Expectations(Protocol):
@@ -284,14 +326,18 @@ class _Load:
     rx_at_open: int | None = None  # the GPUs' PCIe receive counter then
     startup_reads: int | None = None  # storage bytes read at the last look before that open
     files: FileView | None = None  # the last view of the weight files in this load
+    files_looked: bool = False  # the view has looked at this load's process (not pending)
     # First seen mid-way with no weight file held: the weights may be behind or ahead of it,
     # so its phases are unknown unless a weight file is seen opening after all.
     phases_unknown: bool = False
     steps: StepTimeline = field(default_factory=StepTimeline)  # the log's fine steps, this load
     fatal: str | None = None
     fatal_at: float | None = None
-    ready_at: float | None = None  # the endpoint answered ready: the load ends once the log is in
+    ready_at: float | None = None  # the first ready answer, while the log is read up to it
     log_weights_began: float | None = None  # when the log's weights-begin line was dated
+    unready_at: float | None = None  # the last answer that said not ready
+    in_server: bool = False  # a running server's load: its process started before it
+    reads_base: int | None = None  # the tree's storage reads as an in-server load began
     bytes_read: int | None = None
     weights_bytes: int | None = None
     evidence: dict[Signal, _Evidence] = field(default_factory=dict)
@@ -324,6 +370,11 @@ class Tracker:
         self._failed_probes = 0  # distinct failed probes in a row
         self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
+        # The last load's ready answer (or an in-server load's end): a load_begin line stamped
+        # before it is no load inside the running server.
+        self._serving_since: float | None = None
+        self._unloaded: str | None = None
+        self._activity = ActivityWatch()
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
@@ -338,6 +389,8 @@ class Tracker:
         record = None
         if obs.process_configured:
             record = self._track_process(obs)
+            if record is None:
+                self._in_server(obs)
         else:
             self._track_endpoint(obs, probe)
         load = self._load
@@ -351,15 +404,61 @@ class Tracker:
                 record = self._finish(load, load.fatal_at, Outcome.FAILED)
             elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
+                load.unready_at = probe.time
             elif probe is not None and probe.time > load.started_at and load.ready_at is None:
-                load.ready_at = probe.time  # when it answered: the load's end
-            if load.ready_at is not None and record is None and self._log_caught_up(obs, load):
-                record = self._finish(load, load.ready_at, Outcome.READY)
+                load.ready_at = probe.time  # when it first answered
+            if load.ready_at is not None and record is None and not self._awaits_log(obs, load):
+                record = self._finish(load, self._served_from(load), Outcome.READY)
         else:
             self._settle(obs)
+        self._watch_activity(obs)
         self._last_obs = obs
         self._recent.append(obs)
         return record
+
+    @staticmethod
+    def _served_from(load: _Load) -> float:
+        """The first ready answer, or the log's ready line where that is earlier and no answer
+        after the line said otherwise: a load over before it was first asked (a warm start
+        found by discovery a second late) ends when the server said it serves."""
+        answered = load.ready_at
+        assert answered is not None
+        said = load.steps.ready_at
+        if said is None or not load.started_at <= said < answered:
+            return answered
+        if load.unready_at is not None and load.unready_at >= said:
+            return answered
+        return said
+
+    def _awaits_log(self, obs: Observation, load: _Load) -> bool:
+        """A ready answer waits for a read of the log after it, an interval at most: the lines
+        written before it date the phases of a load shorter than an interval (a warm start)."""
+        at = load.ready_at
+        assert at is not None
+        read = obs.log_read_at
+        return self._logged and (read is None or read < at) and obs.time < at + self.interval
+
+    def _watch_activity(self, obs: Observation) -> None:
+        """Each signal's own movement, for the stall's reason (the stall rule is `_moved`'s)."""
+        load = self._load
+        weights: float | None = None
+        if obs.files is not None:
+            weights = obs.files.consumed_bytes
+        elif load is not None and load.progress is not None and load.basis is not None:
+            weights = load.progress * load.basis
+        reads = obs.process_read_bytes
+        if reads is None and obs.process_read_chars is None:
+            reads = obs.disk_read_bytes  # the tree cannot be read: the weights' devices
+        self._activity.update(
+            obs.time,
+            {
+                Activity.WEIGHT_BYTES: weights,
+                Activity.STORAGE_READS: reads,
+                Activity.LOG_LINES: obs.log_lines,
+                Activity.GPU_MEMORY: obs.process_gpu_bytes,
+                Activity.CPU: obs.process_cpu_seconds if obs.process_found else None,
+            },
+        )
 
     def reported(self, record: LoadRecord) -> None:
         """The last finished load with its report (exporter/explain.py), for what shows it."""
@@ -393,6 +492,9 @@ class Tracker:
                 fatal=load.fatal if load and phase is Phase.FAILED else None,
                 failed_probes=self._failed_probes,
                 hung=self._hung(),
+                in_server=load.in_server if load else False,
+                unloaded=self._unloaded,
+                **self._watched(now),
             )
         rate = self._rate(load)
         throughput = rate * load.basis if rate is not None and load.basis is not None else None
@@ -423,6 +525,19 @@ class Tracker:
             step=load.steps.step if self._logged else None,
             fatal=None,
             failed_probes=self._failed_probes,
+            in_server=load.in_server,
+            **self._watched(now),
+        )
+
+    def _watched(self, now: float) -> _Watched:
+        """The TargetState fields of what the process visibly does, for any phase."""
+        obs = self._last_obs
+        found = obs is not None and obs.process_found
+        return _Watched(
+            activity=self._activity.quiet_seconds(now),
+            cpu_share=self._activity.cpu_share(),
+            process_state=obs.process_state if obs is not None and found else None,
+            exited_at=self._proc_gone_at,
         )
 
     def _hung(self) -> bool:
@@ -486,19 +601,26 @@ class Tracker:
         self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
         return record
 
-    def _log_caught_up(self, obs: Observation, load: _Load) -> bool:
-        """Whether the log has been read since the server first answered, or need not be.
-
-        The log is sampled on its own thread: a server that answers right after its last step's
-        line ("Graph capturing finished in 3 secs", then the port opens) would end its load
-        before that line was read, and the step would be lost. So the end waits for a read of
-        the log after the answer, an interval at most; the load still ends when it answered.
-        """
-        ready_at = load.ready_at
-        assert ready_at is not None
-        read = obs.log_read_at
-        caught_up = read is not None and read >= ready_at
-        return not self._logged or caught_up or obs.time >= ready_at + self.interval
+    def _in_server(self, obs: Observation) -> None:
+        """A running server that loads a model (its log's load_begin after it served): a load of
+        this target from that line, its process the same; a model it unloads is said so."""
+        load = self._load
+        # A model that failed to load leaves the server serving the others: the next one loads.
+        after_failed = self._phase is Phase.FAILED and load is not None and load.in_server
+        if not (self._phase is Phase.READY or after_failed) or not obs.process_found:
+            return
+        for event in obs.log_events:
+            if event.kind is EventKind.UNLOADED:
+                self._unloaded = event.who or event.detail
+            elif event.kind is EventKind.LOAD_BEGIN and (
+                self._serving_since is None or event.time > self._serving_since
+            ):
+                self._unloaded = None
+                self._begin(obs, min(event.time, obs.time), partial=False, seen_failing=False)
+                assert self._load is not None
+                self._load.in_server = True
+                self._load.reads_base = obs.process_read_bytes
+                return
 
     def _count_failure(self, probe: _Probe) -> None:
         """Failed probes in a row: 3 start an endpoint-only load, or make a watched server hung."""
@@ -552,6 +674,7 @@ class Tracker:
             # Ready at the first chance to ask: the exporter watched no load at all.
             self._load = None
             self._phase = Phase.READY
+            self._serving_since = at
             return None
         # (phase, its start, whether that start was watched); the load's start always is.
         marks = [
@@ -592,6 +715,8 @@ class Tracker:
             startup_read_bytes=None if load.seen_late else load.startup_reads,
         )
         self._phase = Phase(outcome)
+        if outcome is Outcome.READY or load.in_server:
+            self._serving_since = at  # the lines before are this load's
         self._last_record = record
         return record
 
@@ -620,6 +745,8 @@ class Tracker:
                 self._phase = Phase.DOWN
         elif obs.process_found:
             self._phase = Phase.READY  # finished its load, or was ready on arrival
+            if self._serving_since is None:
+                self._serving_since = obs.time  # log lines before it are no load of ours
         else:
             gone = self._proc_gone_at
             fresh = ready and probe is not None and (gone is None or probe.time > gone)
@@ -630,7 +757,16 @@ class Tracker:
     def _follow(
         self, load: _Load, obs: Observation, prev: Observation | None, answer_changed: bool
     ) -> None:
-        if obs.files is None and load.files is not None:
+        files = obs.files
+        if (
+            load.in_server
+            and files is not None
+            and (files.first_open_at or load.started_at) < (load.started_at)
+        ):
+            # The account of the load before (the runtime starts the view over): its consumed
+            # files are no progress of this one.
+            obs = replace(obs, files=FileView(None, False, None, 0, 0, files.total_bytes, True))
+        if obs.files is None and load.files is not None and not load.files.pending:
             # Out of view for a moment (a sample failed): the last view holds, rather than the
             # counters that would count start-up reads as weights.
             obs = replace(obs, files=load.files)
@@ -707,10 +843,11 @@ class Tracker:
         """The storage reads at the first weight-file open (and at the look before it: what
         start-up read), and whether a late load's phases can be told at all."""
         files = obs.files
-        if files is None:
+        if files is None or files.pending:
             return
+        first_look, load.files_looked = not load.files_looked, True
         if files.first_open_at is None:
-            if load.seen_late and obs.time == load.seen_at:
+            if load.seen_late and first_look:
                 load.phases_unknown = True  # nothing held on arrival: before or after its weights?
             return
         if load.reads_at_open is None:
@@ -748,6 +885,8 @@ class Tracker:
         if measured < load.started_at:
             return
         read_since_start = obs.process_read_bytes if obs.process_found else None
+        if read_since_start is not None and load.reads_base is not None:
+            read_since_start -= load.reads_base  # an in-server load: since it began
         if load.seen_late and read_since_start is None:
             return
         load.resident_start = max(0, obs.resident_bytes - (read_since_start or 0))

@@ -128,3 +128,14 @@ class Step(StrEnum):
     CUDA_GRAPH = "cuda_graph"
     WARMUP = "warmup"
     NONE = "none"
+
+
+class Activity(StrEnum):
+    """What a load's process visibly does (`/api/v1/status` `activity`, the stall reasons): which
+    of these stopped and which still move tells a stall in compile from a dead NFS mount."""
+
+    WEIGHT_BYTES = "weight_bytes"  # of the weight files consumed (or the weights progress)
+    STORAGE_READS = "storage_reads"  # storage bytes the tree read (else the weights' devices)
+    LOG_LINES = "log_lines"  # lines the server's log wrote
+    GPU_MEMORY = "gpu_memory"  # GPU memory the tree holds, up or down
+    CPU = "cpu"  # the tree's CPU time: not progress (a hung collective spins), but a clue

@@ -595,3 +595,151 @@ def test_make_image_builds_the_dockerfile_with_either_engine(engine: str) -> Non
 def test_make_manifests_runs_the_generator() -> None:
     done = make_dry_run("manifests")
     assert done.returncode == 0 and "scripts/gen_prometheusrule.py" in done.stdout
+
+
+# --- Sidecar: the server's liveness from the exporter -----------------------------------------
+
+SIDECAR = K8S / "sidecar"
+SIDECAR_DEPLOYMENTS = ("vllm.yaml", "sglang.yaml")
+KSERVE = SIDECAR / "kserve-vllm.yaml"
+# Native sidecars (restartPolicy: Always on an init container) are on by default from 1.29.
+SIDECAR_VERSIONS = [f"1.{minor}.0" for minor in range(29, 38)]
+# KServe's ServingRuntimeSpec and its inline ServingRuntimePodSpec, by their JSON names
+# (pkg/apis/serving/v1alpha1/servingruntime_types.go): kubernetes-validate has no schema for
+# the CRD, so its own fields are held to these; its containers and volumes are validated below
+# as the Pod KServe makes of them.
+SERVING_RUNTIME_FIELDS = {
+    "supportedModelFormats", "multiModel", "disabled", "protocolVersions", "workerSpec",
+    "containers", "volumes", "nodeSelector", "affinity", "tolerations", "labels", "annotations",
+    "imagePullSecrets", "hostIPC", "grpcEndpoint", "grpcDataEndpoint", "httpDataEndpoint",
+    "replicas", "storageHelper", "builtInAdapter",
+}  # fmt: skip
+RUNTIME_POD_FIELDS = {"containers", "volumes", "nodeSelector", "affinity", "tolerations",
+                      "imagePullSecrets", "hostIPC"}  # fmt: skip
+
+
+def sidecar_pods() -> dict[str, dict[str, Any]]:
+    """Each manifest's pod spec; KServe's as the Pod it makes: the ServingRuntime's containers
+    and pod fields with the InferenceService predictor's pod fields merged over them."""
+    pods = {
+        name: documents(SIDECAR / name)[0]["spec"]["template"]["spec"]
+        for name in SIDECAR_DEPLOYMENTS
+    }
+    runtime, service = documents(KSERVE)
+    predictor = dict(service["spec"]["predictor"])
+    model = predictor.pop("model")
+    spec = {k: v for k, v in runtime["spec"].items() if k in RUNTIME_POD_FIELDS}
+    containers = json.loads(json.dumps(spec["containers"]).replace("{{.Name}}", "llama"))
+    containers[0]["resources"] = model["resources"]
+    pods[KSERVE.name] = {
+        **spec,
+        **predictor,
+        "containers": containers,
+        "volumes": spec.get("volumes", []) + predictor.get("volumes", []),
+    }
+    return pods
+
+
+@pytest.mark.system
+def test_sidecar_manifests_pass_kubernetes_validate_for_every_version_with_native_sidecars(
+    tmp_path: Path,
+) -> None:
+    pods = sidecar_pods()
+    kserve_pod = tmp_path / "kserve-pod.yaml"
+    kserve_pod.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "llama"},
+                "spec": pods[KSERVE.name],
+            }
+        )
+    )
+    files = [*(SIDECAR / n for n in SIDECAR_DEPLOYMENTS), kserve_pod]
+    for version in SIDECAR_VERSIONS:
+        done = subprocess.run(
+            [tool("kubernetes-validate"), "--strict", "-k", version, *map(str, files)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, (version, done.stdout + done.stderr)
+        assert done.stdout.count("passed for resource") == len(files), done.stdout
+    # A native sidecar's field is checked, not waved through: misspelt, it fails.
+    typo = tmp_path / "vllm.yaml"
+    typo.write_text((SIDECAR / "vllm.yaml").read_text().replace("restartPolicy:", "restartPolcy:"))
+    done = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", SIDECAR_VERSIONS[0], str(typo)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode != 0
+
+
+def test_kserve_objects_use_only_kserves_fields() -> None:
+    runtime, service = documents(KSERVE)
+    assert (runtime["apiVersion"], runtime["kind"]) == ("serving.kserve.io/v1alpha1",
+                                                        "ServingRuntime")  # fmt: skip
+    assert set(runtime["spec"]) <= SERVING_RUNTIME_FIELDS
+    assert (service["apiVersion"], service["kind"]) == ("serving.kserve.io/v1beta1",
+                                                        "InferenceService")  # fmt: skip
+    # Knative (Serverless mode) allows neither a shared PID namespace nor a probe on another
+    # container's port: the raw Deployment mode.
+    assert service["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    predictor = service["spec"]["predictor"]
+    assert predictor["model"]["runtime"] == runtime["metadata"]["name"]
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"  # the container KServe merges the model into
+    assert {f["name"] for f in runtime["spec"]["supportedModelFormats"]} == {
+        predictor["model"]["modelFormat"]["name"]
+    }
+
+
+@pytest.mark.parametrize("name", [*SIDECAR_DEPLOYMENTS, KSERVE.name])
+def test_sidecar_pods_probe_the_server_through_the_exporter(name: str) -> None:
+    spec = sidecar_pods()[name]
+    assert spec["shareProcessNamespace"] is True
+    (sidecar,) = spec["initContainers"]
+    (server,) = spec["containers"]
+    assert sidecar["restartPolicy"] == "Always"
+    name_, _, tag = sidecar["image"].partition(":")
+    assert (name_, tag) == (IMAGE_NAME, __version__)
+    args = serve_args(sidecar["args"])
+    assert not (args.target or args.config_file), "no config: discovery finds the server"
+    port = listen_port(args)
+    assert port == default_port() and sidecar["ports"][0]["containerPort"] == port
+    # The server starts once the exporter answers, so its liveness never meets a closed port.
+    assert sidecar["startupProbe"]["httpGet"] == {"path": READY, "port": port}
+    # Its liveness is the exporter's alive, with no fixed startup window; readiness its own.
+    assert "startupProbe" not in server
+    live = server["livenessProbe"]
+    assert live["httpGet"] == {"path": "/probe/alive", "port": port}
+    assert live["failureThreshold"] >= 3  # a restarting exporter must not kill the server
+    ready = server["readinessProbe"]["httpGet"]
+    assert ready["path"] == "/health" and ready["port"] != port
+    server_ports = {p.get("name") for p in server["ports"]} | {
+        p["containerPort"] for p in server["ports"]
+    }
+    assert ready["port"] in server_ports
+    # No capability on either side (tests/test_sidecar.py holds the kernel to why).
+    for container in (sidecar, server):
+        security = container["securityContext"]
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["allowPrivilegeEscalation"] is False
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    history = {m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert str(Path(DEFAULT_HISTORY_PATH).parent) in history
+
+
+def test_the_three_sidecars_are_one() -> None:
+    """One exporter sidecar, copied into three manifests: a change to one is made to all."""
+    pods = sidecar_pods()
+    first, *others = (pods[n]["initContainers"] for n in pods)
+    assert all(other == first for other in others)
+
+
+def test_deploy_doc_shows_the_sidecar_and_its_probes() -> None:
+    doc = DEPLOY_DOC.read_text()
+    section = doc.split("## Sidecar: probes from the exporter", 1)[1].split("\n## ", 1)[0]
+    for needle in ("restartPolicy: Always", "shareProcessNamespace: true", "/probe/alive",
+                   "readinessProbe", "sidecar/vllm.yaml", "sidecar/sglang.yaml",
+                   "sidecar/kserve-vllm.yaml", 'drop: ["ALL"]'):  # fmt: skip
+        assert needle in section, needle

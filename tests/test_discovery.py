@@ -85,7 +85,8 @@ def _dirs(root: Path, case: str, *names: str) -> list[Path]:
 
 def _cases(root: Path) -> dict[str, Case]:
     p = {
-        name: free_port() for name in ("sg", "sgs", "vh", "vm", "ls", "le", "lp", "tg", "tr", "mn")
+        name: free_port()
+        for name in ("sg", "sgs", "vh", "vm", "ls", "le", "lp", "tg", "tr", "tm", "te", "mn")
     }
     (sg,) = _dirs(root, "sg", "Qwen2.5-7B-Instruct")
     (sgs,) = _dirs(root, "sgs", "Llama-3-8B")
@@ -101,6 +102,12 @@ def _cases(root: Path) -> dict[str, Case]:
     (tgd,) = _dirs(root, "tgd", "falcon-7b")
     (tr,) = _dirs(root, "tr", "model_repository")
     (trd,) = _dirs(root, "trd", "model_repository")
+    (trm,) = _dirs(root, "trm", "repository")
+    (tre,) = _dirs(root, "tre", "repository")
+    for repository in (trm, tre):  # one model, and a directory that is none
+        (repository / "tiny" / "1").mkdir(parents=True)
+        (repository / "tiny" / "config.pbtxt").write_text('backend: "python"\n')
+        (repository / "notes").mkdir()
     hf_home = root / "hf"
     repo = hf_home / "hub" / "models--acme--Hub-Model"
     (repo / "snapshots" / REVISION).mkdir(parents=True)
@@ -200,6 +207,20 @@ def _cases(root: Path) -> dict[str, Case]:
         "triton-defaults": Case(
             in_netns("tritonserver", "--model-repository", str(trd)),
             kind="triton", url="http://127.0.0.1:8000", reachable=False,
+        ),
+        # One model, loaded before the ports open: its own ready answer is the readiness.
+        "triton-one-model": Case(
+            ["tritonserver", f"--model-repository={trm}", "--http-port", str(p["tm"])],
+            kind="triton", name=f"triton-tiny-{p['tm']}", url=f"{h}:{p['tm']}",
+            probe=("health", "/v2/models/tiny/ready"), model="tiny", weights=(str(trm),),
+            evidence=(("probe", "only model"),),
+        ),
+        # Explicit mode loads models on request: the server's readiness, not the model's.
+        "triton-explicit": Case(
+            ["tritonserver", f"--model-repository={tre}", "--http-port", str(p["te"]),
+             "--model-control-mode=explicit"],
+            kind="triton", name=f"triton-tiny-{p['te']}", url=f"{h}:{p['te']}",
+            probe=("health", "/v2/health/ready"), model="tiny", weights=(str(tre),),
         ),
         "sglang-own-mount-namespace": Case(
             ["unshare", "-m", "sh", "-c",
@@ -324,6 +345,8 @@ CASE_IDS = [
     "tgi-defaults",
     "triton-flags",
     "triton-defaults",
+    "triton-one-model",
+    "triton-explicit",
     "sglang-own-mount-namespace",
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import signal
@@ -162,6 +163,16 @@ def test_basic_auth_and_tls(start_exporter: Any, model_server: ModelServer, tmp_
         f"{running.url}/metrics", verify=str(cert), auth=("prometheus", "s3cret"), timeout=10
     )
     assert ok.status_code == 200 and "model_load_exporter_build_info" in ok.text
+    # The kubelet's probes are behind the same TLS and auth (a probe can send the header).
+    for path in ("/probe/alive", "/probe/ready?target=m"):
+        assert requests.get(running.url + path, verify=str(cert), timeout=10).status_code == 401
+    probe = requests.get(
+        f"{running.url}/probe/alive?target=m",
+        verify=str(cert),
+        headers={"Authorization": "Basic " + base64.b64encode(b"prometheus:s3cret").decode()},
+        timeout=10,
+    )
+    assert probe.status_code == 200 and probe.text.endswith("\n"), probe.text
 
 
 def test_a_partial_load_is_kept_in_history_and_adds_nothing_to_metrics(

@@ -56,6 +56,7 @@ from exporter.sources.process import ProcessSample
 from exporter.sources.storage import Fact, MountStorage, StorageDescription
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
+from exporter.startupwindow import StartupAdvice
 from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
     Cache,
@@ -169,6 +170,15 @@ def golden_snapshot() -> Snapshot:
             seconds_since_progress=0.0,
             cache=Cache.COLD,
             step=Step.WEIGHTS,
+            activity={
+                "weight_bytes": 0.0,
+                "storage_reads": 0.0,
+                "log_lines": 1.0,
+                "gpu_memory": 40.0,
+                "cpu": 0.0,
+            },
+            cpu_share=1.4,
+            process_state="R",
         ),
         readings={
             "endpoint": reading(
@@ -236,6 +246,8 @@ def golden_snapshot() -> Snapshot:
         # 25 % cached now: 60 s to start, 75 GiB from storage at 240 MB/s, 25 GiB from the
         # page cache at 3 GB/s, 180 s to initialize.
         forecast=Forecast(60.0 + 75 * GIB / 240e6 + 25 * GIB / 3e9 + 180.0, 0.25, None),
+        # Its slowest cold load of 12 took 755.2 s: with the margin, 95 periods of 10 s.
+        startup_advice=StartupAdvice(10, 95, 12, 755.2, None),
     )
     ready = TargetView(
         config=qwen,
@@ -269,6 +281,9 @@ def golden_snapshot() -> Snapshot:
             weights_include=("*.safetensors",),
             reachable=True,
             evidence=(),
+        ),
+        startup_advice=StartupAdvice(
+            None, None, 0, None, "no cold load finished ready in history (4 warm ready)"
         ),
     )
     loads, phases = Histograms(), Histograms()

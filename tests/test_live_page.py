@@ -220,6 +220,10 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
         assert stalled["badge"] == "stalled · loading_weights"
         assert rgb(stalled["color"]) == RED
         assert "No progress for" in stalled["text"]
+        # The liveness line says what stopped: the simulator sleeps, so bytes and CPU are idle.
+        probe = watch.until(lambda s: "liveness 503: stalled" in s["text"], timeout=10)
+        assert re.search(r"no weight bytes for \d+s", probe["text"]), probe["text"]
+        assert "CPU idle" in probe["text"], probe["text"]
         ready = watch.until(lambda s: s["phase"] == "ready", timeout=30)
         assert rgb(ready["color"]) != RED and ready["progress"] == 100
         shown = watch.until(lambda s: len(s["recent"]) == 3 and s["reasons"], timeout=15)
@@ -233,6 +237,9 @@ def test_live_page_follows_a_load(browser: Any, scene: Any, tmp_path: Path) -> N
         assert shown["reasons"] == [f"slower than expected: {reason}"]
         assert shown["links"] == [f"api/v1/loads/{x['id']}" for x in (newest, first_load)]
         assert_forecast_shown(watch, running)
+        advice = running.status()["targets"][0]["startup_probe"]
+        assert f"failureThreshold {advice['failure_threshold']} " in shown["text"], advice
+        assert f"of {advice['cold_loads']} loads)" in shown["text"]
     finally:
         feed.close()
         sim.stop()

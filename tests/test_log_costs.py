@@ -138,7 +138,7 @@ def test_a_noisy_log_leaves_other_targets_and_scrapes_on_time(
     written = noisy.stat().st_size
     assert written > RATE * WATCH_SECONDS / 2, "the writer kept up"
     assert max(ages) < 2.0, ages  # every 0.5 s; 2 s of slack on a shared machine
-    assert max(scrapes) < 1.0, scrapes
+    assert max(scrapes) < 2.0, scrapes  # the old parser took 4.7 s; a shared machine swings 3x
     assert cpu < 0.5, cpu  # the tests' own requests included
     assert noisy_log["format"] is None
     # Never behind: what was parsed and what was skipped reach what was written 2 s before.

@@ -44,14 +44,26 @@ FIXTURE_CASES = [
     # until the KV cache (whole-second stamps, but "Loading weights took 1.28 seconds").
     ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.04, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
     ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.28, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
-    ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 0.6, "kv_cache": 0.4, "warmup": 0.3}),
-    ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
+    # llama-server's weights begin at its `load_model: loading model` line, as it opens the GGUF.
+    ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 1.3, "kv_cache": 0.4, "warmup": 0.3}),
+    ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.4}),
     ("llamacpp-python-0.3.36-real.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 27.2, "kv_cache": 28.7}),
     ("llamacpp-python-0.3.36-real-fail.log", "llamacpp", "fatal", {}),
+    # Real llama-server (tests/servers/llama_server.py's build and model), at its default
+    # verbosity: only its own lines, stamped with the time since its start (read at 0.1 s a
+    # line here; test_llama_server_stamps_date_lines_from_the_process_start reads the stamps).
+    ("llama-server-real.log", "llamacpp", "weights_begin weights_end ready", {"weights": 0.1}),
+    ("llama-server-real-fail.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
     ("tgi-3.3-sharded.log", "tgi", "weights_begin weights_end warmup_begin kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 17.99, "warmup": 0.8, "kv_cache": 0.01, "cuda_graph": 8.39}),
     ("tgi-fatal.log", "tgi", "weights_begin fatal", {"weights": 15.69}),
-    ("triton-2.log", "triton", "weights_begin weights_end ready", {"weights": 41.2}),
-    ("triton-fatal.log", "triton", "weights_begin fatal", {"weights": 4.5}),
+    ("triton-2.log", "triton", "load_begin weights_begin weights_end ready", {"weights": 40.6}),
+    ("triton-fatal.log", "triton", "load_begin weights_begin fatal", {"weights": 4.0}),
+    # Real tritonserver 2.51 (tests/servers/triton_server.py's model): quoted messages; the
+    # weights from the instance's initialize() to `successfully loaded`. In explicit mode the
+    # HTTP service starts first, a model loads later, on request (a load of its own: its
+    # load_begin starts a new cycle), and is unloaded (no part of any load).
+    ("triton-2.51-real.log", "triton", "load_begin weights_begin weights_end ready unloaded", {"weights": 0.351}),
+    ("triton-2.51-real-explicit.log", "triton", "ready load_begin weights_begin weights_end unloaded", {"weights": 0.698}),
 ]  # fmt: skip
 
 JOURNAL_CASES = [
@@ -99,6 +111,25 @@ def test_every_fixture_is_in_a_table() -> None:
     named = {case[0] for case in FIXTURE_CASES + JOURNAL_CASES}
     on_disk = {p.name for p in FIXTURES.iterdir() if p.suffix in (".log", ".jsonl")}
     assert named == on_disk
+
+
+def test_llama_server_stamps_date_lines_from_the_process_start() -> None:
+    """Given the start of the process whose own log it is, a line stamped `M.SS.mmm.uuu` is at
+    that start plus the stamp, however late it is read; without one, when it was read."""
+    start = 1_780_000_000.0
+    late = replay_fixture("llama-server-real.log", start=start + 600.0, origin=start)
+    times = {e.kind.value: round(e.time - start, 6) for e in late.events}
+    assert times == {"weights_begin": 0.00395, "weights_end": 0.280076, "ready": 2.107408}
+    assert late.durations() == {"weights": 0.276}
+    failed = replay_fixture("llama-server-real-fail.log", start=start + 5.0, origin=start)
+    fatal = failed.first("fatal")
+    assert round(fatal.time - start, 6) == 0.004423
+    assert "failed to load model" in fatal.detail and "not within the file bounds" in fatal.detail
+    # Read as it is written (each line a moment after its stamp): never later than its reading.
+    live = replay_fixture("llama-server-real.log", start=start, origin=start, per_line=0.0001)
+    assert all(e.time - start <= 0.0001 * 20 for e in live.events)
+    unknown = replay_fixture("llama-server-real.log", start=start)  # no origin: read times
+    assert unknown.durations() == {"weights": 0.1}
 
 
 def test_tensor_parallel_ranks_merge_into_one_event_each() -> None:

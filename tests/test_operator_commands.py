@@ -4,6 +4,7 @@ simulator load real (evicted) shard files; the terminal path under a pseudo-term
 from __future__ import annotations
 
 import json
+import math
 import os
 import pty
 import re
@@ -93,7 +94,7 @@ def test_wait_in_a_pipe_prints_one_stable_line_per_phase(finished_load: dict[str
 def test_status_shows_every_target_in_a_table(host: Host, finished_load: dict[str, Any]) -> None:
     result = cli("status", "--exporter", host.exporter.url)
     assert result.returncode == 0, result.stderr
-    table, forecasts, storage = result.stdout.split("\n\n")
+    table, forecasts, probes, storage = result.stdout.split("\n\n")
     header, row = table.splitlines()
     assert header.split() == [
         "TARGET", "PHASE", "PROGRESS", "ETA", "ELAPSED", "CACHE", "ENDPOINT", "RESIDENT",
@@ -107,6 +108,17 @@ def test_status_shows_every_target_in_a_table(host: Host, finished_load: dict[st
     # Under the table, what a restart would cost now, or why that is not known yet.
     assert re.fullmatch(r"sim: a restart now: (~\S+|no forecast), \d+ % of the weights cached.*",
                         forecasts), forecasts  # fmt: skip
+    # What the kubelet probes answer, and the startupProbe window the one cold load needs.
+    alive, advice = probes.splitlines()
+    assert alive == "sim: alive 200: ready"
+    cold = json.loads(cli("history", "--exporter", host.exporter.url, "--json").stdout)["loads"]
+    seconds = [load["duration_seconds"] for load in cold if load["cache"] == "cold"]
+    periods = math.ceil(max(seconds) * 1.25 / 10)
+    assert re.fullmatch(
+        rf"sim: startupProbe without the exporter: periodSeconds 10 x failureThreshold {periods}"
+        rf" \({periods * 10}s; cold p99 \d+\.\ds of {len(seconds)} loads?\)",
+        advice,
+    ), advice
     # Then what holds the weights (a local filesystem here) and what it allows.
     lines = storage.splitlines()
     assert re.fullmatch(r"sim storage: \w+ on \w+.*", lines[0]), lines

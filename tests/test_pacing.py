@@ -99,6 +99,15 @@ def test_cadence_by_phase_and_process_matching() -> None:
     fast = ProbeCadence(interval=0.1, ready_interval=10.0, process_matching=True)
     fast.set_phase(Phase.INITIALIZING)
     assert fast.delay(None) == 0.05  # never closer than 50 ms
+    # A model loaded into a running server: it answers throughout and ends the load in one
+    # answer, which is seen within a quarter interval from the start of that load on.
+    cadence.set_phase(Phase.READY)
+    assert cadence.set_phase(Phase.STARTING, in_server=True) is True
+    assert cadence.delay(ProbeResult.HTTP_ERROR) == 0.25
+    cadence.set_phase(Phase.LOADING_WEIGHTS, in_server=True)
+    assert cadence.delay(ProbeResult.HTTP_ERROR) == 0.25
+    cadence.set_phase(Phase.READY, in_server=True)  # done: the ready pace again
+    assert cadence.delay(ProbeResult.READY) == 10.0
 
 
 def test_a_whole_load_then_a_quiet_spell_then_an_exit() -> None:

@@ -49,6 +49,7 @@ class Sim:
     probe: tuple[str, float] | None = None
     logged: bool = False  # the target has a log source
     files: bool = False  # the tree's weight files are in view (sources/weightfiles.py)
+    pending: int = 0  # ticks before the file view's first look at the process (it is pending)
     consumed: int = 0  # bytes of the weight files the tree has consumed
     seen: int = 0  # sizes of the weight files it has held
     first_open: float | None = None
@@ -56,8 +57,8 @@ class Sim:
     idle: float | None = None  # no weight file held since
     rx: int | None = None  # PCIe bytes received by the tree's GPUs; None: no such counter
     log_lines: int = 0
+    log_lag: float = 0.0  # how long before each tick the log was last read
     log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
-    log_lag: float = 0.0  # the log was last read this long before each tick
     states: list[TargetState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     records: list[LoadRecord] = field(default_factory=list)
@@ -115,7 +116,9 @@ class Sim:
             log_lines=self.log_lines if self.logged else None,
             log_read_at=self.time - self.log_lag if self.logged else None,
             files=(
-                FileView(
+                FileView(None, False, None, 0, 0, 0, pending=True)
+                if self.files and alive and self.ticks <= self.pending
+                else FileView(
                     self.first_open,
                     self.first_open_seen,
                     self.idle,
@@ -858,17 +861,47 @@ def test_log_markers_give_exact_boundaries_and_fine_steps() -> None:
     sim.endpoint = "ready"
     sim.tick()
     [record] = sim.records
+    # The last refused answer came before the ready line: the load ended at the line.
+    assert record.ended_at == sim.time - 0.5
     assert record.phase_seconds == pytest.approx(
         {
             "starting": began - T0,
             "loading_weights": weights_end - began,
-            "initializing": sim.time - weights_end,
+            "initializing": sim.time - 0.5 - weights_end,
             "kv_cache": 3.0,
             "cuda_graph": 10.0,
             "warmup": 1.5,
         }
     )
     assert sim.state.step == "none"
+
+
+def test_a_load_over_before_it_was_first_asked_ends_at_the_logs_ready_line() -> None:
+    """A warm llama-server is serving 70 ms after its start, before discovery has found it: the
+    first answer comes a second late, and its log's ready line says when it served. An answer
+    after that line that said not ready makes the line too early: the answer decides."""
+    sim = Sim(tracker(), logged=True, probe_every=3)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=0.99)
+    sim.say(EventKind.WEIGHTS_END, ago=0.98)
+    sim.say(EventKind.READY, ago=0.93)
+    sim.tick(3)  # the first answer, 3 s after the start
+    [record] = sim.records
+    assert record.ended_at == pytest.approx(T0 + 0.07)
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 0.01, "loading_weights": 0.01, "initializing": 0.05}
+    )
+
+    early = Sim(tracker(), logged=True)
+    early.spawn()
+    early.tick(2)  # refused
+    early.say(EventKind.READY, ago=0.9)  # "ready" in the log, yet refused after it:
+    early.tick()
+    early.endpoint = "ready"
+    early.tick()
+    [record] = early.records
+    assert record.ended_at == T0 + 4  # the answer
 
 
 def test_a_fatal_line_fails_the_load_at_once_with_the_servers_words() -> None:
@@ -929,6 +962,36 @@ def test_an_exit_waits_a_tick_for_the_logs_last_words() -> None:
     [record] = sim.records
     assert record.fatal == "torch.OutOfMemoryError: CUDA out of memory"
     assert record.ended_at == exited - 0.5  # the fatal line, just before the exit was seen
+
+
+def test_a_ready_answer_waits_for_the_log_read_after_it() -> None:
+    """A warm start shorter than an interval: the answer comes before the log's lines that
+    date its weights were read. The record waits for that read (an interval at most) and ends
+    at the answer, with the weights where the log put them."""
+    sim = Sim(tracker(), logged=True, log_lag=0.5)
+    sim.spawn()
+    sim.tick()
+    sim.endpoint = "ready"
+    sim.tick()
+    answered = sim.time
+    assert sim.records == [] and sim.state.in_progress  # the log was read before the answer
+    sim.log_lag = 0.0
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=1.6)
+    sim.say(EventKind.WEIGHTS_END, ago=1.2)
+    sim.tick()
+    [record] = sim.records
+    assert record.outcome == "ready" and record.ended_at == answered
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 1.4, "loading_weights": 0.4, "initializing": 0.2}
+    )
+
+    unread = Sim(tracker(), logged=True, log_lag=5.0)  # a log not read for a while
+    unread.spawn()
+    unread.tick()
+    unread.endpoint = "ready"
+    unread.tick(2)
+    [record] = unread.records  # an interval at most: then it ends without the log
+    assert record.ended_at == T0 + 2
 
 
 def test_an_exit_without_a_log_fails_at_once() -> None:
@@ -994,6 +1057,37 @@ def test_imports_are_starting_and_the_weights_begin_at_the_first_weight_file() -
         "loading_weights": weights - 1,
         "initializing": script.init + 1,
     }
+
+
+def test_imports_before_the_file_views_first_look_are_not_weights() -> None:
+    """A target just discovered ticks before the file view has looked at its process. A warm
+    start's read() bytes then are imports (5 % of a small model's size: Triton's stubs), never
+    weights; once the view looks, it decides. A view that turns out blind (another user's tree)
+    hands over to the counters instead of holding its empty pending view."""
+    size = 400 * MB
+    sim = Sim(tracker(), weights=size, files=True, resident=size)
+    sim.spawn()
+    sim.pending = 2
+    sim.tick(2, chars=10 * MB)
+    assert [s.phase for s in sim.states] == ["starting"] * 2
+    assert not sim.state.progress_ratio
+    sim.tick(1, chars=10 * MB)  # the view's first look: nothing held yet
+    assert sim.state.phase == "starting"
+    sim.hold(size)
+    sim.tick(2, consume=size // 4)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.progress_source == "weight_files"
+    assert sim.state.progress_ratio == pytest.approx(0.5)
+    assert sim.state_at(T0 + 3).phase == "starting"
+
+    blind = Sim(tracker(), weights=size, files=True, resident=size)
+    blind.spawn()
+    blind.pending = 1
+    blind.tick(1, chars=10 * MB)
+    blind.files = False  # the first look could not see: the counters drive from here
+    blind.tick(2, chars=100 * MB)
+    assert blind.state.progress_source == "process_read_chars"
+    assert blind.state.progress_ratio == pytest.approx(210 * MB / size)
 
 
 def test_before_the_weights_the_eta_is_historys_and_no_weights_eta_from_imports(
@@ -1290,3 +1384,95 @@ def test_a_load_records_what_start_up_read_from_storage_before_its_first_weight_
     python_server_load(sim)
     [record] = sim.records
     assert record.startup_read_bytes == 27 * MB
+
+
+# -- loads inside a running server ---------------------------------------------------------------
+
+
+def test_a_model_loaded_into_a_running_server_is_a_load_of_its_own() -> None:
+    """Triton in explicit mode: up and ready at once with nothing loaded, then a model loaded
+    on request. Its log's load_begin starts a load of the target (the same process) with its
+    own phases, progress and record; a stall is a stall; a model unloaded is said so."""
+    size = 400 * MB
+    sim = Sim(tracker(stall_after=5.0), weights=size, files=True, logged=True)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(2)
+    [started] = sim.records
+    assert sim.state.phase == "ready" and not sim.state.in_server
+    sim.endpoint = "http_error"  # /v2/health/ready says 400 while the model loads
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="tiny")
+    sim.tick()
+    began = sim.time - 0.5
+    state = sim.state
+    assert (state.phase, state.in_progress, state.in_server) == ("starting", True, True)
+    assert state.started_at == began and state.elapsed_seconds == 0.5
+    sim.tick()  # the backend's stub starts
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=0.25, who="tiny")
+    sim.hold(size)
+    sim.tick(2, consume=size // 4)
+    assert sim.state.phase == "loading_weights"
+    assert sim.state.progress_ratio == pytest.approx(0.5)
+    assert sim.state.progress_source == "weight_files"
+    sim.tick(2, consume=size // 4)
+    sim.let_go()
+    sim.say(EventKind.WEIGHTS_END, ago=0.75, who="tiny")
+    sim.tick()
+    assert sim.state.phase == "initializing"
+    sim.tick(6)  # nothing moves: a stall like any load's
+    assert sim.state.stalled
+    sim.endpoint = "ready"
+    sim.tick()
+    record = sim.records[-1]
+    assert record is not started and record.outcome == "ready" and not record.partial
+    assert (record.started_at, record.ended_at) == (began, sim.time)
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 2.25, "loading_weights": 3.5, "initializing": 7.75}
+    )
+    assert sim.state.phase == "ready" and not sim.state.in_progress
+    sim.say(EventKind.UNLOADED, who="tiny", detail="successfully unloaded 'tiny' version 1")
+    sim.tick()
+    assert sim.state.unloaded == "tiny" and sim.state.phase == "ready"
+    sim.say(EventKind.LOAD_BEGIN, who="tiny")  # loaded again: no longer unloaded
+    sim.tick()
+    assert sim.state.in_server and sim.state.unloaded is None
+
+
+def test_a_model_that_fails_to_load_into_a_running_server_fails_that_load_only() -> None:
+    """Triton's `failed to load 'tiny'` in explicit mode: that load failed, with the server's
+    words; the server runs on, and the next model it loads is a load again."""
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(2)
+    sim.endpoint = "http_error"  # 400 while a model loads
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="tiny")
+    sim.tick()
+    sim.say(EventKind.FATAL, ago=0.5, detail="failed to load 'tiny' version 1: Internal: boom")
+    sim.tick()
+    failed = sim.records[-1]
+    assert failed.outcome == "failed" and "boom" in (failed.fatal or "")
+    assert sim.state.phase == "failed" and sim.state.in_server
+    sim.endpoint = "ready"
+    sim.tick(2)
+    sim.endpoint = "http_error"
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="other")
+    sim.tick()
+    assert sim.state.in_progress and sim.state.started_at == sim.time - 0.5
+    sim.endpoint = "ready"
+    sim.tick()
+    assert sim.records[-1].outcome == "ready" and len(sim.records) == 3
+
+
+def test_a_load_line_from_before_the_server_answered_is_no_load_inside_it() -> None:
+    """The default mode logs `loading: NAME` before its ports open: read after the answer
+    (or by an exporter that arrived later), it is the start's, not a load of its own."""
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.tick(3)
+    sim.endpoint = "ready"
+    sim.tick()
+    assert len(sim.records) == 1 and sim.state.phase == "ready"
+    sim.say(EventKind.LOAD_BEGIN, ago=3.5, who="tiny")  # stamped during the start
+    sim.tick()
+    assert sim.state.phase == "ready" and not sim.state.in_progress and len(sim.records) == 1

@@ -187,8 +187,8 @@ def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
     source.sample()
     loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
     mapped = source.sample()
-    # Mapped, nothing touched: only the bytes of the commands the loader read on stdin (rchar
-    # while the shard's descriptor was open count as preads of it).
+    # Mapped, nothing touched: nothing consumed (the commands it read on stdin are no part of
+    # a mapped shard).
     assert mapped.held_files == 1 and mapped.consumed_bytes < 4096
     loader.do(f"touch {shards[0]} 0 {6 * MIB}")
     touched = source.sample()
@@ -208,6 +208,53 @@ def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
     assert consumed(swapped)[shards[0].name] == SHARD
     assert 2 * MIB <= consumed(swapped)[shards[1].name] <= 3 * MIB
     assert [f.held for f in swapped.files] == [False, True]
+
+
+def test_a_mapped_file_is_followed_by_its_pages_not_by_the_processs_reads(
+    shards: list[Path], loaders: list[Loader], tmp_path: Path
+) -> None:
+    """safe_open maps a shard while its descriptor is still open; whatever the process reads
+    with read() meanwhile (its imports, a config) is no read of that shard: a mapped file's
+    progress is its pages alone."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"touch {shards[0]} 0 {2 * MIB}")
+    first = source.sample()
+    loader.do(f"import {tmp_path / 'torch.so'}", f"touch {shards[0]} 0 {3 * MIB}")
+    second = source.sample()
+    assert 2 * MIB <= first.consumed_bytes <= 3 * MIB
+    # The 4 MiB read() of torch.so left the shard's offset at 0: not a pread of it.
+    assert 3 * MIB <= second.consumed_bytes <= 4 * MIB
+    assert second.files[0].how == "mmap" and second.files[0].held
+    loader.do(f"close {shards[0]}", f"unmap {shards[0]}")
+    assert source.sample().consumed_bytes == SHARD  # let go: done with it
+
+
+def test_a_restart_accounts_afresh_for_a_model_loaded_again_by_the_same_process(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """A model unloaded and loaded again inside a running server (Triton's explicit mode):
+    what the files were to the load before, consumed and let go, is no progress of this one."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}", f"unmap {shards[0]}")
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
+    held = source.sample()
+    loader.do(f"unmap {shards[0]}")
+    before = source.sample()
+    assert before.consumed_bytes == SHARD and before.first_open_at is not None  # let go: whole
+    source.restart()
+    fresh = source.sample()
+    assert fresh.root_pid == loader.pid and held.first_open_at is not None
+    assert (fresh.consumed_bytes, fresh.files, fresh.first_open_at) == (0, (), None)
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"close {shards[0]}")
+    loader.do(f"touch {shards[0]} 0 {4 * MIB}")
+    again = source.sample()
+    assert 4 * MIB <= again.consumed_bytes <= 5 * MIB and again.first_open_seen
 
 
 def test_a_pread_loader_is_followed_by_its_read_bytes_beyond_its_offset(

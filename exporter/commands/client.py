@@ -199,6 +199,8 @@ class ShownTarget:
     restart_forecast: api.RestartForecast | None = None
     detail: str | None = None  # e.g. the probe's answer, or why the exporter is not answering
     storage: api.Storage | None = None
+    probes: api.Probes | None = None  # what /probe/alive and /probe/ready answer now
+    startup_probe: api.StartupProbe | None = None  # the fixed window its cold loads need
 
     @property
     def resident_ratio(self) -> float | None:
@@ -231,6 +233,8 @@ class ShownTarget:
             expected_seconds=entry.expected_duration_seconds,
             restart_forecast=entry.restart_forecast,
             storage=entry.storage,
+            probes=entry.probes,
+            startup_probe=entry.startup_probe,
         )
         state = entry.state
         if state is None:

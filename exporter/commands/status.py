@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     terminal.show(terminal.table(terminal.STATUS_COLUMNS, rows, phase_column=1))
     forecasts = [line for line in map(terminal.forecast_line, views) if line is not None]
     storage = [line for view in views for line in terminal.storage_lines(view)]
-    for block in (forecasts, storage):
+    probes = [line for view in views for line in terminal.probe_lines(view)]
+    for block in (forecasts, probes, storage):
         if block:
             print()
             print("\n".join(block))

@@ -170,6 +170,32 @@ def forecast_line(view: ShownTarget) -> str | None:
     return None if known is None else f"{view.target}: {forecast_text(known)}"
 
 
+def probe_lines(view: ShownTarget) -> list[str]:
+    """`sim: alive 503: stalled in ...` and the startupProbe window its cold loads need (or why
+    there is none); nothing from an exporter older than the probes."""
+    lines = []
+    if view.probes is not None:
+        code = 200 if view.probes.alive else 503
+        lines.append(f"{view.target}: alive {code}: {view.probes.alive_line}")
+    advice = view.startup_probe
+    if advice is not None:
+        lines.append(f"{view.target}: {startup_text(advice)}")
+    return lines
+
+
+def startup_text(advice: api.StartupProbe) -> str:
+    """`startupProbe without the exporter: periodSeconds 10 x failureThreshold 95 (15m50s; cold
+    p99 12m35s of 12 loads)`, or why there is no advice."""
+    if advice.window_seconds is None:
+        return f"startupProbe without the exporter: no advice: {advice.reason or 'no basis'}"
+    return (
+        f"startupProbe without the exporter: periodSeconds {advice.period_seconds}"
+        f" x failureThreshold {advice.failure_threshold} ({duration(advice.window_seconds)};"
+        f" cold p99 {duration(advice.cold_p99_seconds)} of {advice.cold_loads}"
+        f" load{'s' if advice.cold_loads != 1 else ''})"
+    )
+
+
 def still_line(view: ShownTarget) -> str:
     """What `wait --max-wait` leaves: "still loading: sim loading_weights 64 %, ETA 2m10s"."""
     if not view.in_progress:

@@ -17,12 +17,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from exporter import api
+from exporter import api, liveness
 from exporter.api_build import load_document, loads_document, status_document
 from exporter.collector import ExporterCollector
 from exporter.http import livepage, protobuf
 from exporter.http.server import Limits, Server, somaxconn
 from exporter.http.webconfig import WebConfig
+from exporter.liveness import Question
 from exporter.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ StartResponse = Callable[..., Any]
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,4}\Z")  # ASCII digits only: "²".isdigit() is True
 _LOAD_ID = re.compile(r"[0-9]{1,18}\Z")  # a history row id (SQLite's are 64-bit)
 LOAD_PREFIX = "/api/v1/loads/"
+MAX_UNKNOWN_NAMES = 64  # probed names not watched that are logged (each once)
 NO_STORE = ("Cache-Control", "no-store")
 
 
@@ -63,7 +65,10 @@ class WebApp:
             "/-/ready": self._ready,
             "/api/v1/status": self._status,
             "/api/v1/loads": self._loads,
+            "/probe/alive": lambda environ, reply: self._probe(Question.ALIVE, environ, reply),
+            "/probe/ready": lambda environ, reply: self._probe(Question.READY, environ, reply),
         }
+        self._unknown_names: set[str] = set()  # probed names not watched, logged once each
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         # The server checked already (and cached the answer); this covers the app when another
@@ -124,6 +129,24 @@ class WebApp:
         runtime = self.runtime
         status = status_document(runtime.snapshot(), runtime.config.sample_interval)
         return _json(start_response, status.to_json())
+
+    def _probe(
+        self, question: Question, environ: dict[str, Any], start_response: StartResponse
+    ) -> Iterable[bytes]:
+        """/probe/alive and /probe/ready (exporter/liveness.py): a kubelet's httpGet probe; the
+        body is the one line `kubectl describe` shows."""
+        query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+        name = query.get("target", [None])[0]
+        runtime = self.runtime
+        snap = runtime.snapshot()
+        verdict, unknown = liveness.answer(
+            question, snap.targets, name, snap.time, runtime.config.sample_interval
+        )
+        seen = self._unknown_names
+        if unknown and name is not None and name not in seen and len(seen) < MAX_UNKNOWN_NAMES:
+            seen.add(name)
+            log.warning("probe for a target not watched: %s", verdict.line)
+        return _reply(start_response, verdict.status, f"{verdict.line}\n".encode())
 
     def _loads(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)

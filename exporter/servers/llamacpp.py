@@ -4,7 +4,7 @@
 llama-server's port is open from the start: every path answers 503 `Loading model` until the
 model is in, then /health is 200. llama-cpp-python has no /health, but it loads the model before
 uvicorn listens, so any answer of /v1/models means ready (a completion would run the model).
-Both log to stderr, without stamps.
+Both log to stderr; llama-server stamps each line with the time since it started.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from exporter.servers.logformat import CAUSE, CAUSE_RULES, EventKind, LogFormat, rule
+from exporter.servers.logformat import (
+    CAUSE,
+    CAUSE_RULES,
+    EventKind,
+    LogFormat,
+    elapsed_since_start,
+    rule,
+)
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 
@@ -74,13 +81,22 @@ LOG = LogFormat(
         r"|llm_load_\w+: |llama_(?:model_load|context|kv_cache|new_context)\w*: |print_info: "
         r"|srv\s+\w+: |gguf_init_from_file)"
     ),
-    prefix=re.compile(r"(?:\d+\.\d\d\.\d{3}\.\d{3} [IWEDN] )?"),
+    # llama-server stamps each line with the time since its start (`0.00.007.654 I `): with the
+    # process's start time, an exact time whenever the line was read.
+    prefix=re.compile(r"(?:(?P<em>\d+)\.(?P<es>\d\d)\.(?P<ems>\d{3})\.(?P<eus>\d{3}) [IWEDN] )?"),
     stamp=None,
+    elapsed=elapsed_since_start,
     rules=(
+        # llama-server's own line as it opens the GGUF (the only one at its default verbosity
+        # since it stamps its lines); llama-cpp-python's first is load_tensors.
+        rule(EventKind.WEIGHTS_BEGIN, "load_model: loading model", r"^srv\s+load_model: loading model '"),
         rule(EventKind.WEIGHTS_BEGIN, "load_tensors: ", r"^(?:llm_)?load_tensors: "),
         # Progress: a line of dots that grows while the tensors load and ends at 100 %.
         rule(EventKind.WEIGHTS_PROGRESS, "..", r"^(?P<dots>\.{2,})$"),
         rule(EventKind.WEIGHTS_END, "llama_context: constructing", r"^llama_context: constructing"),
+        # At its default verbosity, the first line once the model is in (its file mapped and
+        # populated, or read) and its context made; the warm-up run follows.
+        rule(EventKind.WEIGHTS_END, "llama threadpool init", r"^(?:cmn\s+)?init: llama threadpool init"),
         rule(EventKind.WEIGHTS_END, "llama_new_context_with_model", r"^llama_new_context_with_model: "),
         rule(EventKind.KV_CACHE, "KV buffer size", r"^llama_kv_cache\w*:\s+\S+ KV buffer size"),
         rule(EventKind.WARMUP_BEGIN, "warming up the model", r"warming up the model"),
@@ -88,7 +104,7 @@ LOG = LogFormat(
         rule(EventKind.READY, "server is listening on", r"^main: server is listening on "),
         # llama-cpp-python's server: uvicorn starts once the model is in.
         rule(EventKind.READY, "Uvicorn running on", r"Uvicorn running on"),
-        rule(EventKind.FATAL, "exiting due to model loading error", r"^main: exiting due to model loading error"),
+        rule(EventKind.FATAL, "exiting due to model loading error", r"^(?:srv\s+)?\w+: exiting due to model loading error"),
         rule(EventKind.FATAL, "failed to load model", r"^llama_model_load_from_file\w*: failed to load model"),
         *CAUSE_RULES,
         # Its own words for what went wrong, kept as the fatal's cause.

@@ -29,6 +29,9 @@ class EventKind(StrEnum):
     WARMUP_BEGIN = "warmup_begin"
     READY = "ready"
     FATAL = "fatal"
+    # A running server loads (a model into Triton in explicit or poll mode) or unloads one.
+    LOAD_BEGIN = "load_begin"
+    UNLOADED = "unloaded"
 
 
 CAUSE = "cause"  # a rule kind that records an error line for the next fatal instead of firing
@@ -47,6 +50,9 @@ def rule(kind: EventKind | str, keyword: str, pattern: str) -> Rule:
 
 # A prefix match and the reference time -> the line's stamp in unix seconds (None: no stamp).
 StampFn = Callable[[re.Match[str], float], float | None]
+# A prefix match -> seconds since the process's logger started (None: no such stamp); the
+# process's own start time makes it a unix time (llama.cpp's `M.SS.mmm.uuu`).
+ElapsedFn = Callable[[re.Match[str]], float | None]
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class LogFormat:
     rules: tuple[Rule, ...]
     # Where the message itself names the rank (TGI ends its lines with `rank=N`).
     rank_in_message: re.Pattern[str] | None = None
+    elapsed: ElapsedFn | None = None  # reads the prefix's groups em, es, ems, eus
     keywords: re.Pattern[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,15 @@ def stamp_local_no_year(m: re.Match[str], ref: float) -> float | None:
     if stamp > ref + 86400:  # a December line read in January
         stamp = _local(year - 1, *args)
     return stamp
+
+
+def elapsed_since_start(m: re.Match[str]) -> float | None:
+    """Minutes, seconds, milliseconds and microseconds since the logger started (llama.cpp
+    stamps every line so since 2024). None on a line without them (the prefix is optional)."""
+    if m.group("em") is None:
+        return None
+    g = m.group
+    return int(g("em")) * 60 + int(g("es")) + int(g("ems")) / 1e3 + int(g("eus")) / 1e6
 
 
 def stamp_utc(m: re.Match[str], ref: float) -> float | None:

@@ -30,6 +30,7 @@ class Role(StrEnum):
     REVISION = "revision"
     CACHE_DIR = "hub_cache"
     CONFIG = "config_file"
+    MODEL_CONTROL = "model_control_mode"  # Triton: whether models load at start or on request
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Command:
     model_is: str = "model"
     # `vllm serve MODEL --model X` serves MODEL; `sglang serve MODEL --model-path X` serves X.
     positional_wins: bool = False
+    # A repository server's readiness of one model (`{model}`): probed where discovery finds the
+    # repository holds one model and the server loads it at start (MODEL_CONTROL is its default).
+    model_ready_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class Server:
     commands: tuple[Command, ...]
     log: LogFormat
     answers: Answers = Answers()
+    # Loads models into a running process (Triton's explicit and poll modes), which only its
+    # log announces at once: its log is read every interval even while the target is settled.
+    loads_in_place: bool = False
 
     @property
     def default_port(self) -> int:

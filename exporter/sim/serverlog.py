@@ -404,10 +404,11 @@ class LlamaCppLog(ServerLog):
             f"main: HTTP server is listening, hostname: {c.host}, port: {c.port}, http threads: 15"
         )
         self.line("main: loading model")
-        self.line(f"srv    load_model: loading model '{c.model_path}'")
 
     def weights_begin(self) -> None:
         c = self.ctx
+        # llama-server's own line as it opens the GGUF: its weights begin here.
+        self.line(f"srv    load_model: loading model '{c.model_path}'")
         self.line(
             "llama_model_loader: loaded meta data with 33 key-value pairs and 292 tensors from "
             f"{c.model_path} (version GGUF V3 (latest))"

@@ -34,6 +34,12 @@ class ProcessSample(Sample):
     read_chars: int | None
     cmdline: str | None
     read_problem: str | None = None  # why the read counters are unknown
+    # CPU seconds the tree has used (user + system, with its reaped children's); readable for
+    # any user's process (/proc/PID/stat is 0444), so a stall can tell spinning from waiting.
+    cpu_seconds: float | None = None
+    # The most telling scheduler state in the tree (STATE_ORDER): a stopped or disk-waiting
+    # member explains a stall better than the sleeping rest.
+    state: str | None = None
 
     def health(self) -> Health:
         """The process found, but its read counters perhaps not: the status says why."""
@@ -43,12 +49,19 @@ class ProcessSample(Sample):
 NOT_FOUND = ProcessSample(False, (), None, None, None, None, None)
 
 
+# /proc/PID/stat states, most telling first: stopped (SIGSTOP, a debugger), waiting on storage
+# that does not answer (D), running, then the rest.
+STATE_ORDER = "TtDRSI"
+
+
 @dataclass(frozen=True)
 class _Proc:
     pid: int
     ppid: int
     start_ticks: int
     zombie: bool
+    state: str = "?"
+    cpu_ticks: int = 0  # utime + stime + cutime + cstime
 
     @property
     def key(self) -> tuple[int, int]:
@@ -119,6 +132,8 @@ class ProcessFinder:
             read_chars=read_chars,
             cmdline=root_cmdline,
             read_problem=read_problem,
+            cpu_seconds=sum(p.cpu_ticks for p in tree) / self._clock_ticks,
+            state=telling_state(p.state for p in tree),
         )
 
     def _count(
@@ -370,9 +385,20 @@ def read_stat(proc_root: str, pid: int) -> _Proc | None:
     # The command name is in parentheses and may itself contain spaces and parentheses.
     fields = text.rpartition(b")")[2].split()
     try:
-        return _Proc(pid, int(fields[1]), int(fields[19]), fields[0] in (b"Z", b"X"))
+        state = fields[0].decode("ascii", "replace")
+        cpu = sum(int(fields[i]) for i in range(11, 15))  # utime, stime, cutime, cstime
+        return _Proc(pid, int(fields[1]), int(fields[19]), state in ("Z", "X"), state, cpu)
     except (IndexError, ValueError):
         return None
+
+
+def telling_state(states: Iterable[str]) -> str | None:
+    """The state of the tree that says most about a stall (STATE_ORDER), None for no members."""
+    seen = set(states)
+    for state in STATE_ORDER:
+        if state in seen:
+            return state
+    return min(seen) if seen else None
 
 
 def boot_time(proc_root: str = "/proc") -> float | None:

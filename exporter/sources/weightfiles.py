@@ -11,7 +11,10 @@ process of the tree first opens or maps a weight file, and a file's progress is
   `smaps` where the kernel has no NUMA) for mmap loaders (safetensors, llama.cpp), summed over
   processes (ranks touch disjoint slices),
 * the process's `read()` bytes (`rchar`) beyond what its offsets explain, for `pread` loaders
-  (the offset never moves), credited to its open weight files whose offset stood still,
+  (the offset never moves), credited to its open weight files whose offset stood still and that
+  it does not map (a loader that maps a file and closes it at once, as safetensors' safe_open
+  does for Triton's Python models, is followed by its pages alone: reads through a mapping are
+  no `read()`),
 
 capped at the file's size and never falling; a file that was open or mapped and is no longer is
 consumed whole (its loader is done with it).
@@ -193,7 +196,14 @@ class WeightFilesSource:
         self._by_key: dict[FileKey, WeightFile] = {}
         self._by_ino: dict[bytes, list[WeightFile]] = {}
         self._root: tuple[int | None, float | None] | None = None
+        self._restart = False
         self._reset()
+
+    def restart(self) -> None:
+        """Account afresh from the next look, the same process running on: a model loaded into
+        a running server reads its files again, and what the files were to the load before
+        (consumed, let go) is no part of its progress. Safe from another thread."""
+        self._restart = True
 
     def _reset(self) -> None:
         self._procs: dict[int, _Proc] = {}
@@ -205,6 +215,9 @@ class WeightFilesSource:
         self._idle_since: float | None = None
 
     def sample(self) -> WeightFilesSample:
+        if self._restart:
+            self._restart = False
+            self._reset()
         now = self._clock()
         self._samples += 1
         self._refresh_weights()
@@ -494,7 +507,8 @@ class WeightFilesSource:
     def _reads(self, base: str, proc: _Proc, rchar: int | None) -> None:
         """read() bytes (rchar) beyond what the weight files' offsets explain.
 
-        With a weight file open whose offset stood still, they are its preads. Without one,
+        With a weight file open whose offset stood still, and that the process does not map,
+        they are its preads. Without one,
         enough of them (RESCAN_BYTES) may be a weight file opened on a reused descriptor number
         while the count stayed the same: every descriptor is looked at again.
         """
@@ -503,7 +517,9 @@ class WeightFilesSource:
         for number in proc.weights:
             fd = proc.fds[number]
             counted = fd.counted_pos or 0  # a new one was opened since the last look, at 0
-            if fd.pos == counted:
+            # A file this process maps is read through its pages, which rchar never counts:
+            # its read() bytes are another file's (safe_open keeps the descriptor a moment).
+            if fd.pos == counted and fd.key not in proc.mapped:
                 still.append(fd)
             moved += max(0, fd.pos - counted)
             fd.counted_pos = fd.pos

@@ -76,9 +76,11 @@ def replay(
     start: float = 0.0,
     year: int = 2026,
     per_line: float = 0.1,
+    origin: float | None = None,
 ) -> Replay:
-    """Feed `data` line by line, each at its simulated read time."""
-    parser = MarkerParser(fmt)
+    """Feed `data` line by line, each at its simulated read time; `origin`: the start of the
+    process whose own log this is (llama-server's stamps count from it)."""
+    parser = MarkerParser(fmt, origin)
     timeline = StepTimeline()
     events: list[LogEvent] = []
     now = start
@@ -92,7 +94,7 @@ def replay(
     return Replay(events, timeline, parser)
 
 
-def replay_fixture(name: str, fmt: str = "auto", **kwargs: float) -> Replay:
+def replay_fixture(name: str, fmt: str = "auto", **kwargs: float | None) -> Replay:
     return replay((FIXTURES / name).read_text(encoding="utf-8"), fmt, **kwargs)  # type: ignore[arg-type]
 
 

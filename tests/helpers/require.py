@@ -70,6 +70,18 @@ def _sglang() -> bool:
     return find_python() is not None
 
 
+def _llama_server() -> bool:
+    from servers.llama_server import find_binary
+
+    return find_binary() is not None
+
+
+def _triton() -> bool:
+    from servers.triton_server import find_dir
+
+    return find_dir() is not None
+
+
 def _tool(name: str) -> tuple[Callable[[], bool], str]:
     return (lambda: shutil.which(name) is not None), f"needs {name} (util-linux)"
 
@@ -100,6 +112,16 @@ NEEDS: dict[str, tuple[Callable[[], bool], str]] = {
         _llamacpp,
         "needs llama-cpp-python built from source: `make test-servers` installs it and"
         " names its python in MLE_LLAMACPP_PYTHON",
+    ),
+    "llama_server": (
+        _llama_server,
+        "needs llama.cpp's llama-server: `make test-servers` builds it and names it in"
+        " MLE_LLAMA_SERVER",
+    ),
+    "triton": (
+        _triton,
+        "needs tritonserver from the nvidia-pytriton wheel: `make test-servers` installs it"
+        " and names its folder in MLE_TRITON_DIR",
     ),
 }
 

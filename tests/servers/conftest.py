@@ -1,5 +1,7 @@
 """Fixtures for the tests against real model servers: vLLM and SGLang on CPU serving the test
-checkpoint, and llama.cpp (llama-cpp-python built from source) serving a GGUF.
+checkpoint, and llama.cpp (llama-cpp-python built from source) serving a GGUF. llama.cpp's own
+llama-server (test_llama_server.py) and Triton (test_triton.py) have their fixtures beside their
+tests.
 
 `make test` leaves this folder out (pyproject's addopts); `make test-servers` installs both and
 runs it. A vLLM start costs about two minutes on this 2-core machine, so each test starts only

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 import requests
+from helpers.cgroups import joining
 from helpers.processes import evict_dir
 
 from exporter.cachectl import prewarm
@@ -69,7 +70,9 @@ def set_cache(model: Path, cache: str) -> None:
 class VllmServer:
     """One vLLM API server on `port`, stdout and stderr appended to `log`."""
 
-    def __init__(self, python: str, model: Path, port: int, log: Path) -> None:
+    def __init__(
+        self, python: str, model: Path, port: int, log: Path, procs: Path | None = None
+    ) -> None:
         self.model = model
         self.port = port
         self.log = log
@@ -78,6 +81,8 @@ class VllmServer:
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
         ]  # fmt: skip
+        if procs is not None:
+            argv = joining([procs.parent], argv)  # in the cgroup (a blkio throttle) from the start
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

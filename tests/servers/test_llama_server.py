@@ -1,0 +1,191 @@
+"""The exporter with no config, watching llama.cpp's own llama-server load a GGUF: cold and warm,
+a GGUF in three splits, and `--load-mode none` (read, not mapped).
+
+llama-server opens its port at once and answers 503 `Loading model` until the model is in: that
+is loading, never failed. It stamps each log line with the time since it started
+(`0.00.007.654 I srv load_model: ...`), which the test reads itself: process start + stamp is
+when the line was written. The server runs in a blkio cgroup that reads the disk at THROTTLE, so
+a cold load takes seconds. Against its own answers and log: the load ends within 1 s of the first
+200 of /health (polled by the test every 20 ms, counted from the process's start), and the weights
+phase lies within 1 s of the `load_model: loading model` and `init: llama threadpool init`
+lines. The figures land in .servers/reports/llama-server.json.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.filesystems import scratch
+from helpers.hostile import ExporterProcess
+from helpers.require import require_all
+from test_disk import lsblk_whole_disk
+
+from exporter.cachectl import evict, prewarm
+from exporter.sources.process import process_start_time
+from servers import llama_server
+from servers.llama_server import LlamaServer
+from servers.watch import follow_load, last_load, live, write_report, zero_config_exporter
+
+THROTTLE = 100_000_000  # bytes per second from the disk: about 5.5 s for a cold load
+TOLERANCE = 1.0  # seconds, the issue's bar for the duration and the weights' boundaries
+# `M.SS.mmm.uuu L ` before each line: minutes, seconds, ms and µs since the server started.
+_STAMP = re.compile(r"^(\d+)\.(\d\d)\.(\d{3})\.(\d{3}) [IWEDN] ")
+# Its lines at its default verbosity around the weights: opening the GGUF, and the first once the
+# model is in (mapped and populated, or read) and its context made.
+BEGIN_LINE = "load_model: loading model '"
+END_LINE = "llama threadpool init"
+REPORT: dict[str, Any] = {"throttle_bytes_per_second": THROTTLE}
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    require_all("llama_server")
+    found = llama_server.find_binary()
+    assert found is not None
+    return found
+
+
+def since_start(log: str, marker: str) -> float:
+    """Seconds after the server's start of its first log line holding `marker`, by its stamp."""
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m and marker in line:
+            minutes, seconds, ms, us = (int(g) for g in m.groups())
+            return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+    raise AssertionError(f"no {marker!r} line in llama-server's log")
+
+
+class Readiness:
+    """/health polled every 20 ms from a thread of its own: when it first said 200, and what it
+    answered before that."""
+
+    def __init__(self, server: LlamaServer) -> None:
+        self.result: tuple[float, list[tuple[int, str]]] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(server,), daemon=True)
+        self._thread.start()
+
+    def _run(self, server: LlamaServer) -> None:
+        try:
+            self.result = server.wait_ready()
+        except BaseException as exc:  # reported by the test's thread
+            self.error = exc
+
+    def wait(self) -> tuple[float, list[tuple[int, str]]]:
+        self._thread.join(llama_server.START_TIMEOUT)
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def one_load(
+    exporter: ExporterProcess, binary: Path, model: Path, log: Path, procs: Path, *extra: str
+) -> dict[str, Any]:
+    """A load to ready, followed by the exporter, then stopped: its figures beside the server's."""
+    server = LlamaServer(binary, model, log, procs, extra)
+    try:
+        readiness = Readiness(server)
+        seen = follow_load(exporter, server.proc.pid, server.tail)
+        ready_at, before = readiness.wait()
+        started = process_start_time(server.proc.pid)
+        assert started is not None
+    finally:
+        assert server.stop() in (0, -15), server.tail()
+    text = log.read_text(errors="replace")
+    record = last_load(exporter, seen[-1]["target"])
+    phases = record["phase_seconds"]
+    began = record["started_at"] + phases.get("starting", float("nan"))
+    ended = began + phases.get("loading_weights", float("nan"))
+    final = seen[-1]
+    time.sleep(1.5)  # the exporter sees the exit before the next start
+    truth = ready_at - started
+    begin_line, end_line = since_start(text, BEGIN_LINE), since_start(text, END_LINE)
+    return {
+        "outcome": record["outcome"],
+        "cache": record["cache"],
+        "duration": record["duration_seconds"],
+        "first_ready_since_start": round(truth, 3),
+        "duration_minus_first_ready": round(record["duration_seconds"] - truth, 3),
+        "phases": phases,
+        "log_weights_seconds": round(end_line - begin_line, 3),
+        "weights_began_minus_log": round(began - started - begin_line, 3),
+        "weights_ended_minus_log": round(ended - started - end_line, 3),
+        "answers_before_ready": [f"{code} {body[:80]}" for code, body in before],
+        "phases_seen": sorted({s["phase"] for s in seen}),
+        "weights_bytes": record["weights_bytes"],
+        "discovered_weights": final["discovered"]["weights"],
+        "log_found_by": (final.get("log") or {}).get("found_by"),
+        "log_format": (final.get("log") or {}).get("format"),
+        "live": live(seen),
+    }
+
+
+def check(r: dict[str, Any], cache: str) -> None:
+    assert r["outcome"] == "ready" and r["cache"] == cache, r
+    assert abs(r["duration_minus_first_ready"]) <= TOLERANCE, r
+    assert abs(r["weights_began_minus_log"]) <= TOLERANCE, r
+    assert abs(r["weights_ended_minus_log"]) <= TOLERANCE, r
+    assert "failed" not in r["phases_seen"], r
+    assert r["log_found_by"] and r["log_format"] == "llamacpp", r
+
+
+def test_a_zero_config_exporter_follows_real_llama_server_cold_then_warm(
+    binary: Path, tmp_path: Path
+) -> None:
+    model = llama_server.ensure_model(binary)
+    exporter = zero_config_exporter(tmp_path)
+    try:
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(model), THROTTLE)
+            for cache in ("cold", "warm"):
+                (evict if cache == "cold" else prewarm)(str(model))
+                log = tmp_path / f"llama-server-{cache}.log"
+                REPORT[cache] = one_load(exporter, binary, model, log, procs)
+    finally:
+        exporter.stop()
+        write_report("llama-server.json", REPORT)
+    for cache in ("cold", "warm"):
+        check(REPORT[cache], cache)
+    # It answered 503 `Loading model` while it loaded (the exporter: loading, never failed).
+    cold = REPORT["cold"]
+    assert any(a.startswith("503") and "Loading model" in a for a in cold["answers_before_ready"])
+    assert any(
+        s["phase"] == "loading_weights" and 0.0 < (s["progress"] or 0) < 1.0 for s in cold["live"]
+    ), cold["live"]
+
+
+def test_a_gguf_in_splits_and_a_load_without_mmap(binary: Path, tmp_path: Path) -> None:
+    """Three split files load as one model (the weights are all three); `--load-mode none`
+    reads the file instead of mapping it, and the file view follows its offset."""
+    split = llama_server.ensure_model(binary, splits=3)
+    whole = llama_server.ensure_model(binary)
+    exporter = zero_config_exporter(tmp_path)
+    try:
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(whole), THROTTLE)
+            for part in llama_server.parts(split):
+                evict(str(part))
+            REPORT["split"] = one_load(exporter, binary, split, tmp_path / "split.log", procs)
+            evict(str(whole))
+            REPORT["no_mmap"] = one_load(
+                exporter, binary, whole, tmp_path / "none.log", procs, "--load-mode", "none"
+            )
+    finally:
+        exporter.stop()
+        write_report("llama-server.json", REPORT)
+    parts = llama_server.parts(split)
+    r = REPORT["split"]
+    check(r, "cold")
+    assert len(parts) == 3 and sorted(r["discovered_weights"]) == sorted(map(str, parts)), r
+    assert r["weights_bytes"] == sum(p.stat().st_size for p in parts), r
+    check(REPORT["no_mmap"], "cold")
+    assert any(
+        0.0 < (s["progress"] or 0) < 1.0 and s["source"] == "weight_files"
+        for s in REPORT["no_mmap"]["live"]
+    ), REPORT["no_mmap"]["live"]
