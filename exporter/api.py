@@ -259,6 +259,8 @@ class LoadReport(Document):
     storage_reads: tuple[StorageRead, ...] | None  # None: the counters at its start are unknown
     read_rate: ReadRate | None
     reason: str | None  # why it was slower than expected; None unless it was
+    # Read from storage by the server's tree before its first weight file: its own environment.
+    startup_storage_bytes: int | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,7 @@ class Load(Document):
     seen_late: bool
     fatal: str | None  # the server's own fatal message, when its log gave one
     id: int | None = field(default=None, metadata=OPTIONAL)  # /api/v1/loads/ID; None: not kept
+    startup_read_bytes: int | None = field(default=None, metadata=OPTIONAL)
     report: LoadReport | None = field(default=None, metadata=OPTIONAL)
 
     @property

@@ -114,6 +114,7 @@ def report(
         storage_reads=reads,
         read_rate=rate,
         reason=reason,
+        startup_storage_bytes=record.startup_read_bytes,
     )
 
 
@@ -173,6 +174,10 @@ def _reason(
             top = step
     cache = None if top in CACHE_INDEPENDENT else record.cache
     text = _took(NAMES.get(top, top), top in PLURAL, cache, *timed[top])
+    if top == Phase.STARTING and record.startup_read_bytes:
+        # Start-up reads no weight file: what it read from storage was the server's own files.
+        text += (f": it read {_size(record.startup_read_bytes)} of its environment (packages,"
+                 " libraries) from storage before its first weight file")  # fmt: skip
     if top == Phase.LOADING_WEIGHTS and rate is not None:
         text += f": {READ_FROM[rate.source]} delivered {_rate(rate.bytes_per_second)}"
         if rate.best_before_bytes_per_second:
@@ -191,7 +196,12 @@ def _took(name: str, plural: bool, cache: Cache | None, seconds: float, median: 
 
 def _rate(bytes_per_second: float) -> str:
     """80 MB/s, 8.5 MB/s, 3.2 GB/s: decimal, as storage is rated."""
-    if bytes_per_second >= 1e9:
-        return f"{bytes_per_second / 1e9:.1f} GB/s"
-    mb = bytes_per_second / 1e6
-    return f"{mb:.0f} MB/s" if mb >= 10 else f"{mb:.1f} MB/s"
+    return f"{_size(bytes_per_second)}/s"
+
+
+def _size(count: float) -> str:
+    """80 MB, 8.5 MB, 3.2 GB: decimal, as storage is rated."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f} GB"
+    mb = count / 1e6
+    return f"{mb:.0f} MB" if mb >= 10 else f"{mb:.1f} MB"

@@ -10,7 +10,14 @@ overnight waits for storage. Both are knowable before the restart:
   residency now makes the restart (cold, mixed or warm), else of any temperature, as the tracker's
   ETA takes them: imports, NCCL set-up, compile and graphs read no weight files, but imports come
   faster from a warm cache, and an mmap loader (llama.cpp) still faults weights in after its
-  weights phase, in the warm-up of initializing;
+  weights phase, in the warm-up of initializing. Starting, though, reads no weight file at all:
+  what it reads is the server's own environment (interpreter, packages, libraries: SGLang's
+  first start after they left the page cache spent 25 s more importing). So where loads say what
+  start-up read from storage, starting is the median of those that found their environment
+  cached (read at most ENVIRONMENT_READ_SHARE of what the most-reading one did, once one read
+  ENVIRONMENT_BYTES), whatever the weights' temperature: a restart follows a run, which read it.
+  An environment evicted since is not foreseen (its residency is not measured): such a restart
+  takes longer by what its imports read;
 * weights = bytes not in the page cache now / storage rate + bytes in it / page-cache rate, each
   rate the median over the past loads that measured it: a load that had at most COLD_SHARE of
   its weights cached read at the storage's rate, one with at least WARM_SHARE at the cache's
@@ -35,6 +42,10 @@ from exporter.tracker import COLD_SHARE, WARM_SHARE, LoadRecord, temperature
 from exporter.vocabulary import Cache, Outcome, Phase
 
 NEGLIGIBLE_SHARE = 0.01
+# A start-up that read at most this share of what the most-reading one did found its environment
+# in the page cache; below ENVIRONMENT_BYTES read by any, none read it from storage.
+ENVIRONMENT_READ_SHARE = 0.1
+ENVIRONMENT_BYTES = 64 << 20
 
 
 class _Phases(NamedTuple):
@@ -57,13 +68,19 @@ class Rates:
     loads: int  # the good loads they come from
     anywhere: _Phases = _UNTIMED
     by_cache: Mapping[Cache, _Phases] = field(default_factory=dict)
+    # Starting's median over the loads whose start-up found the environment cached.
+    starting_cached_environment: float | None = None
 
     def phases(self, cache: Cache) -> _Phases:
         """Starting and initializing for a load of this temperature: its own loads' medians,
-        else those of any temperature."""
+        else those of any temperature; starting from loads that found the environment cached
+        where start-up's reads are known."""
         own = self.by_cache.get(cache, _UNTIMED)
+        starting = self.starting_cached_environment
+        if starting is None:
+            starting = own.starting if own.starting is not None else self.anywhere.starting
         return _Phases(
-            own.starting if own.starting is not None else self.anywhere.starting,
+            starting,
             own.initializing if own.initializing is not None else self.anywhere.initializing,
         )
 
@@ -99,7 +116,20 @@ def rates(loads: Sequence[LoadRecord]) -> Rates:
             for c in {r.cache for r in good}
             if c is not None
         },
+        starting_cached_environment=_median(
+            r.phase_seconds.get(Phase.STARTING) for r in _environment_cached(good)
+        ),
     )
+
+
+def _environment_cached(loads: Sequence[LoadRecord]) -> list[LoadRecord]:
+    """The loads whose start-up read little of the server's environment from storage; none
+    where no start-up read much of it (the temperatures' own medians hold then)."""
+    known = [r for r in loads if r.startup_read_bytes is not None]
+    most = max((r.startup_read_bytes or 0 for r in known), default=0)
+    if most < ENVIRONMENT_BYTES:
+        return []
+    return [r for r in known if (r.startup_read_bytes or 0) <= ENVIRONMENT_READ_SHARE * most]
 
 
 def forecast(known: Rates, weights_bytes: int | None, resident_bytes: int | None) -> Forecast:

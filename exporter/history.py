@@ -35,7 +35,7 @@ from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -71,11 +71,14 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("CREATE INDEX IF NOT EXISTS loads_by_end ON loads (ended_at)",),
     ("ALTER TABLE loads ADD COLUMN resident_bytes_at_start INTEGER",),
     ("ALTER TABLE loads ADD COLUMN report TEXT",),
+    ("ALTER TABLE loads ADD COLUMN startup_read_bytes INTEGER",),
 )
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
-    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start, report"
+    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start, report, "
+    "startup_read_bytes"
 )
+_PLACES = ",".join("?" * len(_COLUMNS.split(",")))
 _SELECT = f"id, {_COLUMNS}"
 _NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
 
@@ -96,6 +99,7 @@ _Row = tuple[
     str | None,
     int | None,
     str | None,
+    int | None,
 ]
 
 
@@ -167,7 +171,7 @@ class HistoryStore:
             while self._pending:
                 try:
                     db.execute(
-                        f"INSERT INTO loads ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        f"INSERT INTO loads ({_COLUMNS}) VALUES ({_PLACES})",
                         _row(self._pending[0]),
                     )
                 except sqlite3.Error as exc:
@@ -400,12 +404,13 @@ def _row(record: LoadRecord) -> tuple[object, ...]:
         record.fatal,
         record.resident_bytes_at_start,
         json.dumps(record.report.to_json()) if record.report is not None else None,
+        record.startup_read_bytes,
     )
 
 
 def _record(row: _Row) -> LoadRecord:
     (load_id, target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late,
-     fatal, resident, report) = row  # fmt: skip
+     fatal, resident, report, startup) = row  # fmt: skip
     try:
         parsed = json.loads(phases)
     except ValueError:
@@ -429,6 +434,7 @@ def _record(row: _Row) -> LoadRecord:
         seen_late=bool(late),
         fatal=fatal,
         resident_bytes_at_start=resident,
+        startup_read_bytes=startup,
         id=load_id,
         report=_report(report),
     )

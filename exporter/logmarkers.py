@@ -28,7 +28,9 @@ line was read). A clock stamp is corrected by a whole number of quarter hours to
 reference (a container logging in UTC beside an exporter in local time) and used only within
 `MAX_SKEW` of it; a whole-second stamp is refined by the reference within its second (journald's
 time is exact to the microsecond). vLLM and Triton stamps carry no year, so the reference's year is
-taken (the previous one across New Year). Event times never go back.
+taken (the previous one across New Year). Event times never go back, except that a line without
+the stamp its format has (a tqdm redraw, dated when it was read) does not push the next stamped
+line past that line's own second.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class _Span:
     ended_once: bool = False
     begun: set[str | None] = field(default_factory=set)
     ended: set[str | None] = field(default_factory=set)
+    ended_at: float | None = None  # when it last ended (its end line, or a later step's)
 
 
 class _Cycle:
@@ -162,12 +165,12 @@ class _Cycle:
         self.fired: set[EventKind] = set()
         self.finished = False
 
-    def close(self, begin: EventKind) -> bool:
+    def close(self, begin: EventKind, at: float) -> bool:
         """End a span still open (its end line never came); whether it was open."""
         span = self.spans[begin]
         if not span.open:
             return False
-        span.open, span.ended_once = False, True
+        span.open, span.ended_once, span.ended_at = False, True, at
         return True
 
     def unseen(self, begin: EventKind) -> bool:
@@ -175,8 +178,16 @@ class _Cycle:
         span = self.spans[begin]
         return not span.open and not span.ended_once
 
-    def merge(self, kind: EventKind, who: str | None) -> bool:
-        """Whether this rank's begin, end or once-per-load marker fires an event now."""
+    def merge(
+        self, kind: EventKind, who: str | None, at: float, seconds: float | None = None
+    ) -> bool:
+        """Whether this rank's begin, end or once-per-load marker fires an event at `at` now.
+
+        An end line without its begin line seen fires when it is the span's first end, or when
+        the duration it states began after the span last ended: a second run (SGLang's prefill
+        then decode graphs) and not the same one told again (every rank, and vLLM's "Model
+        loading took" after its "Loading weights took"). Stamps are whole seconds: one of slack.
+        """
         if kind in _SPAN_BEGINS:
             span = self.spans[kind]
             if span.open:
@@ -191,13 +202,16 @@ class _Cycle:
         if begin is not None:
             span = self.spans[begin]
             if not span.open:
-                # The begin was never seen (read from the middle): the first end counts, once.
-                first = not span.ended_once
-                span.ended_once = True
-                return first
+                # The begin was never seen (read from the middle, or the server logs none).
+                last = span.ended_at
+                anew = seconds is not None and last is not None and at - seconds > last - 1.0
+                if span.ended_once and not anew:
+                    return False
+                span.ended_once, span.ended_at = True, at
+                return True
             span.ended.add(who)
             if span.begun - {None} <= span.ended:
-                span.open, span.ended_once = False, True
+                span.open, span.ended_once, span.ended_at = False, True, at
                 return True
             return False
         if kind in _ONCE:
@@ -230,7 +244,7 @@ class MarkerParser:
         self._seq = 0
         self._line_no = 0
         self._cause: tuple[int, str] | None = None
-        self._last_at = 0.0  # event times never go back: the log is written in order
+        self._last_at = 0.0  # stamped event times never go back: the log is written in order
 
     @property
     def seq(self) -> int:
@@ -384,14 +398,18 @@ class MarkerParser:
                 return
             cycle = self._cycle = _Cycle()
             self._cause = None
-        at = self._stamp(at)
+        # A line without the stamp its format has (a tqdm redraw) is dated when it was read.
+        dated = prefix.stamp is not None or prefix.exact is not None
+        at = self._stamp(at, dated or self._spec is None or self._spec.stamp is None)
+        stated = groups.get("seconds")
+        seconds = float(stated) if stated else None  # a duration the line itself states
         done = total = None
         if kind in _PROGRESS:
             done, total = _progress(groups, partial)
             if done is None or total is None:
                 return
             begin = _BEGIN_OF_PROGRESS[kind]
-            if cycle.unseen(begin) and cycle.merge(begin, who):
+            if cycle.unseen(begin) and cycle.merge(begin, who, at):
                 # A bar is the first sign of its span (vLLM's CUDA graphs, a missed begin line).
                 self._weights_in_before(begin, events, at, who, detail)
                 self._emit(events, begin, at, who, detail)
@@ -401,7 +419,7 @@ class MarkerParser:
             if cycle.last_progress.get(kind) == (done, total):
                 return
             cycle.last_progress[kind] = (done, total)
-        elif not cycle.merge(kind, who):
+        elif not cycle.merge(kind, who, at, seconds):
             return
         self._weights_in_before(kind, events, at, who, detail)
         if kind is EventKind.FATAL:
@@ -409,19 +427,23 @@ class MarkerParser:
             detail = self._with_cause(detail)
         elif kind is EventKind.READY:
             cycle.finished = True
-        seconds = groups.get("seconds")
-        self._emit(events, kind, at, who, detail, done, total, float(seconds) if seconds else None)
+        self._emit(events, kind, at, who, detail, done, total, seconds)
 
-    def _stamp(self, at: float) -> float:
-        """Event times never go back: the log is written in order."""
-        self._last_at = max(at, self._last_at)
-        return self._last_at
+    def _stamp(self, at: float, dated: bool = True) -> float:
+        """Event times never go back: the log is written in order. A line not `dated` by the
+        stamp its format has (a tqdm redraw, dated when it was read) leaves the floor where it
+        was: it may have been read after the next stamped line was written, which keeps its own
+        second ("Load weight end" after the weights bar's last redraw)."""
+        at = max(at, self._last_at)
+        if dated:
+            self._last_at = at
+        return at
 
     def _weights_in_before(
         self, kind: EventKind, events: list[LogEvent], at: float, who: str | None, detail: str
     ) -> None:
         """Ranks synchronise before the KV cache: a later step means the weights are in."""
-        if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN):
+        if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN, at):
             self._emit(events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}")
 
     def _with_cause(self, detail: str) -> str:
@@ -512,6 +534,25 @@ def _event_time(stamp: float | None, resolution: float, ref: float) -> float:
 
 # --- fine steps from events ----------------------------------------------------------------------
 
+STAMP_WINDOW = 1.0  # how long before its event time a whole-second stamped line was written
+
+
+def tighten(began: float, ended: float, seconds: float | None) -> tuple[float, float]:
+    """A step's begin and end from its two lines, made exact by the duration the end line states.
+
+    Each line's event time is at or after the moment it names (a whole-second stamp, refined by
+    when the line was read: `_event_time`), so `ended - seconds` and `began + seconds` are upper
+    bounds too, and the smaller of each pair is the closer. A stated duration that disagrees with
+    the lines by more than a stamp's second measures something else: the lines stand.
+    """
+    if seconds is None:
+        return began, ended
+    said_begin, said_end = ended - seconds, began + seconds
+    if said_begin < began - STAMP_WINDOW or said_end < ended - STAMP_WINDOW:
+        return began, ended
+    return min(began, said_begin), min(ended, said_end)
+
+
 _ENTERS = {
     EventKind.WEIGHTS_BEGIN: Step.WEIGHTS,
     EventKind.KV_CACHE: Step.KV_CACHE,
@@ -567,14 +608,16 @@ class StepTimeline:
         elif kind in _LEAVES:
             step = _LEAVES[kind]
             if self.step is step:
+                if self.since is not None:
+                    self.since, at = tighten(self.since, at, event.seconds)
                 self._leave(at)
-            elif event.seconds is not None and step not in self.durations:
+            elif event.seconds is not None:
                 # "Graph capturing finished in 3 secs" without its begin line: it ran for the
                 # seconds it states, up to now; a step still open ended where this one began.
                 began = at - event.seconds
                 if self.since is not None:
                     self._leave(max(self.since, began))
-                self.durations[step] = event.seconds
+                self.durations[step] = self.durations.get(step, 0.0) + event.seconds
         elif kind in _PROGRESS_STEP:
             step = _PROGRESS_STEP[kind]
             if self.step is Step.NONE and step not in self.durations:

@@ -106,7 +106,7 @@ from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import ActivityWatch
 from exporter.api import LoadReport
-from exporter.logmarkers import EventKind, LogEvent, StepTimeline
+from exporter.logmarkers import EventKind, LogEvent, StepTimeline, tighten
 from exporter.vocabulary import (
     IN_PROGRESS,
     Activity,
@@ -210,6 +210,9 @@ class LoadRecord:
     seen_late: bool = False  # first seen mid-way: duration exact, only watched phases recorded
     fatal: str | None = None  # the server's own fatal message, when its log gave one
     resident_bytes_at_start: int | None = None  # weights in the page cache as it began
+    # Storage bytes the tree read before its first weight file: its own environment (the
+    # interpreter, packages, libraries), gigabytes when they had left the page cache.
+    startup_read_bytes: int | None = None
     id: int | None = None  # history's row id, once stored and read back
     report: LoadReport | None = None  # where its time went and why (exporter/explain.py)
 
@@ -321,6 +324,7 @@ class _Load:
     # start-up (imports), never weights.
     reads_at_open: int | None = None
     rx_at_open: int | None = None  # the GPUs' PCIe receive counter then
+    startup_reads: int | None = None  # storage bytes read at the last look before that open
     files: FileView | None = None  # the last view of the weight files in this load
     files_looked: bool = False  # the view has looked at this load's process (not pending)
     # First seen mid-way with no weight file held: the weights may be behind or ahead of it,
@@ -330,6 +334,7 @@ class _Load:
     fatal: str | None = None
     fatal_at: float | None = None
     ready_at: float | None = None  # the first ready answer, while the log is read up to it
+    log_weights_began: float | None = None  # when the log's weights-begin line was dated
     unready_at: float | None = None  # the last answer that said not ready
     in_server: bool = False  # a running server's load: its process started before it
     reads_base: int | None = None  # the tree's storage reads as an in-server load began
@@ -707,6 +712,7 @@ class Tracker:
             gpu_bytes_at_weights_end=load.gpu_at_weights_end if load.weights_ended_seen else None,
             fatal=load.fatal,
             resident_bytes_at_start=load.resident_start,
+            startup_read_bytes=None if load.seen_late else load.startup_reads,
         )
         self._phase = Phase(outcome)
         if outcome is Outcome.READY or load.in_server:
@@ -778,7 +784,7 @@ class Tracker:
             load.disk_base = obs.disk_read_bytes
         if load.gpu_base is None and obs.process_gpu_bytes:
             load.gpu_base = obs.process_gpu_bytes
-        self._note_files(load, obs)
+        self._note_files(load, obs, prev)
         self._note_residency(load, obs)
         self._note_storage(load, obs)
         self._follow_log(load, obs)
@@ -798,11 +804,14 @@ class Tracker:
             if event.time < load.started_at - LOG_SKEW_SECONDS:
                 continue
             at = min(max(event.time, load.started_at), obs.time)
+            if load.ready_at is not None:
+                at = min(at, load.ready_at)  # read while waiting for the log: the load has ended
             load.steps.apply(replace(event, time=at))
             kind = event.kind
             # The log dates a boundary exactly, even one crossed before the exporter arrived.
             if kind is EventKind.WEIGHTS_BEGIN:
                 load.log_weights_open = load.log_from_start = True
+                load.log_weights_began = at
                 if self._phase is Phase.STARTING:
                     self._begin_weights(load, at, load.progress or 0.0, obs.time, seen=True)
                 elif self._phase is Phase.LOADING_WEIGHTS:
@@ -812,6 +821,10 @@ class Tracker:
             elif kind is EventKind.WEIGHTS_END:
                 load.log_weights_open = False
                 load.progress = 1.0
+                began = load.log_weights_began
+                if began is not None and self._phase is Phase.LOADING_WEIGHTS:
+                    # "Load weight end. elapsed=4.98 s" dates both lines to the millisecond.
+                    load.weights_began, at = tighten(began, at, event.seconds)
                 if self._phase is Phase.STARTING and event.seconds is not None:
                     # "Loading weights took 2.65 seconds" with no begin line seen: it dates both.
                     began = max(at - event.seconds, load.started_at)
@@ -826,9 +839,9 @@ class Tracker:
                 load.fatal = event.detail or FATAL_WITHOUT_DETAIL
                 load.fatal_at = at
 
-    def _note_files(self, load: _Load, obs: Observation) -> None:
-        """The storage reads at the first weight-file open, and whether a late load's phases can
-        be told at all."""
+    def _note_files(self, load: _Load, obs: Observation, prev: Observation | None) -> None:
+        """The storage reads at the first weight-file open (and at the look before it: what
+        start-up read), and whether a late load's phases can be told at all."""
         files = obs.files
         if files is None or files.pending:
             return
@@ -839,6 +852,8 @@ class Tracker:
             return
         if load.reads_at_open is None:
             load.reads_at_open = obs.process_read_bytes
+            before = prev.process_read_bytes if prev is not None else None
+            load.startup_reads = obs.process_read_bytes if before is None else before
         if load.rx_at_open is None:
             load.rx_at_open = obs.gpu_rx_bytes
         if files.first_open_seen:

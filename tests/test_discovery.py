@@ -128,7 +128,7 @@ def _cases(root: Path) -> dict[str, Case]:
              "--host", "127.0.0.1", "--served-model-name", "qwen-chat", "--api-key", "sk-sglang"],
             env={"STANDIN_FORK_WORKERS": "2"},
             kind="sglang", name=f"sglang-qwen-chat-{p['sg']}", url=f"{h}:{p['sg']}",
-            probe=("health", "/health"), model="qwen-chat", weights=(str(sg),),
+            probe=("completion", "/v1/completions"), model="qwen-chat", weights=(str(sg),),
             headers={"Authorization": "Bearer sk-sglang"},
             evidence=(("port", "--port"), ("served_model_name", "--served-model-name")),
         ),

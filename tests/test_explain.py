@@ -4,6 +4,7 @@ against the best before, and the one-line reason only for a load slower than exp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,17 @@ def test_storage_reads_from_counters_at_the_start_and_the_end() -> None:
     assert storage_reads({}, {}) == ()  # no storage counted at all: nothing read from any
     reads = storage_reads(start, end)
     assert report(load(T0, 500.0), NO_BASELINE, reads).storage_reads == reads
+
+
+def test_a_slow_start_up_says_what_it_read_of_its_environment(history: HistoryStore) -> None:
+    """Issue 26: SGLang's first start after its environment left the page cache spent 25 s more
+    in its imports; the report says what start-up read from storage, and why it was slow."""
+    slow = replace(load(T0 + 7200, WEIGHTS / 240e6, starting=400.0), startup_read_bytes=int(6.1e9))
+    result = explained(history, slow)
+    assert result.reason == (
+        "start-up took 20.0x its cold median: it read 6.1 GB of its environment (packages,"
+        " libraries) from storage before its first weight file"
+    )
+    assert result.startup_storage_bytes == int(6.1e9)
+    quick = explained(history, replace(load(T0 + 9000, WEIGHTS / 240e6), startup_read_bytes=0))
+    assert quick.reason is None and quick.startup_storage_bytes == 0

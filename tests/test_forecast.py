@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -99,3 +100,24 @@ def test_a_warm_load_whose_weights_were_in_before_they_could_be_timed_costs_them
     assert half == pytest.approx(1.2 + WEIGHTS / 2 / STORAGE)
     # Storage too: a small model on a fast disk may be in between two looks.
     assert rates([load(0, 0.0)]).storage_bytes_per_second == math.inf
+
+
+def test_a_cold_restart_is_not_forecast_with_imports_that_read_the_environment_from_disk() -> None:
+    """Issue 26, real SGLang: the first (cold) start read 6 GB of its environment from storage
+    and spent 88 s starting; the warm one after it, its environment cached, 66 s. The next cold
+    restart starts as the warm one did: its environment was read by the run before it."""
+    first = replace(load(0, WEIGHTS / STORAGE, starting=88.0), startup_read_bytes=6_000_000_000)
+    second = replace(
+        load(WEIGHTS, WEIGHTS / CACHE, starting=66.0, cache=Cache.WARM),
+        startup_read_bytes=20_000_000,
+    )
+    known = rates([second, first])
+    assert known.starting_cached_environment == 66.0
+    cold_restart = forecast(known, WEIGHTS, 0)
+    assert cold_restart.seconds == pytest.approx(66.0 + WEIGHTS / STORAGE + 100.0)
+    # Without start-up's reads (an older history), or when none read much, as before.
+    for older in ([second, replace(first, startup_read_bytes=None)],
+                  [second, replace(first, startup_read_bytes=30_000_000)]):  # fmt: skip
+        assert forecast(rates(older), WEIGHTS, 0).seconds == pytest.approx(
+            88.0 + WEIGHTS / STORAGE + 100.0
+        )

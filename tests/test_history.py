@@ -186,8 +186,11 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
     store.add(replace(record(30.0, seen_late=True), resident_bytes_at_start=7))
     assert store.loads()[0].seen_late and store.enabled
     assert store.loads()[0].resident_bytes_at_start == 7
+    assert old.startup_read_bytes is None  # nor start-up's reads by one before version 6
+    store.add(replace(record(40.0), startup_read_bytes=6_100_000_000))
+    assert store.loads()[0].startup_read_bytes == 6_100_000_000
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
     assert store.loads()[-1].report is None  # no report was made of it
 
 

@@ -19,26 +19,31 @@ from exporter.logmarkers import (
     StepTimeline,
     clean,
     detect,
+    tighten,
 )
 from exporter.servers import SERVERS
 from exporter.sim.serverlog import LOG_WRITERS, LogContext
 from exporter.vocabulary import AUTO, ServerKind, Step
 
 # (fixture, detected format, event kinds in order ("kind*n" = n in a row), seconds per step).
-# Stamped logs take their durations from the stamps; llama.cpp's from 0.1 s per line.
+# Stamped logs take their durations from the stamps, made exact by the durations the end lines
+# state where those agree within a stamp's second; llama.cpp's from 0.1 s per line.
 FIXTURE_CASES = [
     ("sglang-0.5-tp2.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 20.85, "kv_cache": 0.5, "cuda_graph": 12.35, "warmup": 3.251}),
-    ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.0, "warmup": 1.8}),
+    ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.28, "warmup": 1.8}),
+    # Real SGLang 0.5.23 on CPU (tests/servers/test_exporter_on_sglang.py): no CUDA graphs; the
+    # warm-up step runs from uvicorn's start to "fired up" (the completions answered meanwhile).
+    ("sglang-0.5.23-cpu-cold.log", "sglang", "weights_begin weights_progress*4 weights_end kv_cache warmup_begin ready", {"weights": 13.64, "kv_cache": 1.0, "warmup": 3.0}),
     ("sglang-fatal.log", "sglang", "weights_begin weights_end fatal", {"weights": 8.0}),
-    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 32.0, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 11.9}),
-    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.0, "compile": 45.0, "kv_cache": 0.2, "cuda_graph": 12.8}),
+    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 31.4, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 12.0}),
+    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.02, "compile": 45.2, "kv_cache": 0.2, "cuda_graph": 13.0}),
     ("vllm-0.6.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 7.0, "kv_cache": 2.0, "cuda_graph": 11.0}),
-    ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 25.0, "kv_cache": 0.6}),
+    ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 24.8, "kv_cache": 0.6}),
     # Real vLLM 0.32 on CPU (bench/vllm_file_timeline.py): "Warming up model for the
     # compilation..." begins the compile, "Initial profiling/warmup run took" the dummy runs
-    # until the KV cache (whole-second stamps: the warm weights' 1.28 s reads as 1.0 s).
-    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.0, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
-    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.0, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
+    # until the KV cache (whole-second stamps, but "Loading weights took 1.28 seconds").
+    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.04, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
+    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.28, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
     # llama-server's weights begin at its `load_model: loading model` line, as it opens the GGUF.
     ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 1.3, "kv_cache": 0.4, "warmup": 0.3}),
     ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.4}),
@@ -64,7 +69,7 @@ FIXTURE_CASES = [
 JOURNAL_CASES = [
     # The simulator under systemd-cat (2 s of init), read back with journalctl -o json: the
     # byte-array MESSAGEs of \r-redrawn bars, and whole-second stamps refined by journald's time.
-    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end warmup_begin ready", {"weights": 0.002, "kv_cache": 0.301, "compile": 1.052, "cuda_graph": 1.204, "warmup": 0.451}),
+    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end warmup_begin ready", {"weights": 0.0, "kv_cache": 0.301, "compile": 1.052, "cuda_graph": 1.2, "warmup": 0.451}),
     # The real llama-cpp-python server in a unit's cgroup: no stamps, journald's time only.
     ("journald-llamacpp-python-0.3.36-real.jsonl", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 0.057, "kv_cache": 0.062}),
 ]  # fmt: skip
@@ -247,7 +252,12 @@ def test_a_new_load_after_ready_starts_a_new_cycle() -> None:
     result = replay(text + text.replace("2025-01-20 08:15", "2025-01-20 08:25"))
     assert result.kinds.count("weights_begin") == 2
     assert result.kinds.count("ready") == 2
-    assert result.durations() == {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.0, "warmup": 1.8}
+    assert result.durations() == {
+        "weights": 5.0,
+        "kv_cache": 1.0,
+        "cuda_graph": 4.28,
+        "warmup": 1.8,
+    }
 
 
 def test_after_fatal_only_a_new_load_fires() -> None:
@@ -310,6 +320,78 @@ def test_an_end_line_that_states_its_duration_counts_without_its_begin() -> None
     # The graphs ran 47..50 by their own account: the KV cache step ended where they began.
     assert timeline.durations == {Step.KV_CACHE: 2.0, Step.CUDA_GRAPH: 3.0}
     assert timeline.step is Step.NONE
+
+
+# The end-line rule on varied shapes (issue 32, row 1): (format, log lines as (seconds, line),
+# the steps they must give). `{v}` is a vLLM stamp, `{s}` SGLang's, of the line's own second.
+_V, _VO = (
+    "(EngineCore_DP0 pid=9) INFO {v} [r.py:1] ",
+    "(VllmWorker rank=0 pid=9) INFO {v} [r.py:1] ",
+)
+END_LINE_SHAPES = {
+    "vllm: after the KV cache lines, no begin": ("vllm", [
+        (10, _V + "Available KV cache memory: 1.00 GiB"),
+        (10, "(EngineCore_DP0 pid=8) INFO {v} [k.py:1] GPU KV cache size: 9,000 tokens"),
+        (13, _V + "Graph capturing finished in 3 secs, took 0.45 GiB"),
+        (14, "(APIServer pid=7) INFO {v} [a.py:1] init engine (profile, create kv cache, warmup model) took 5.00 seconds"),
+    ], {Step.KV_CACHE: 0.0, Step.CUDA_GRAPH: 3.0}),
+    "vllm-old: another process's KV line, then the worker's end line": ("vllm", [
+        (10, "INFO {v} [executor_base.py:1] # cuda blocks: 1000, # CPU blocks: 500"),
+        (14, _VO + "Graph capturing finished in 3 secs, took 0.45 GiB"),
+    ], {Step.KV_CACHE: 1.0, Step.CUDA_GRAPH: 3.0}),
+    "vllm-old: no step open at all": ("vllm", [
+        (10, _VO + "Loading weights took 2.00 seconds"),
+        (22, _VO + "torch.compile takes 12.5 s in total"),
+    ], {Step.WEIGHTS: 2.0, Step.COMPILE: 12.5}),
+    "vllm: each rank and a second wording tell the same step": ("vllm", [
+        (30, _V + "Loading weights took 20.00 seconds"),
+        (30, _V.replace("EngineCore_DP0", "Worker_TP1") + "Loading weights took 20.50 seconds"),
+        (31, _V + "Model loading took 9.5 GiB and 20.9 seconds"),
+    ], {Step.WEIGHTS: 20.0}),
+    "sglang: prefill then decode graphs, their begin lines missed": ("sglang", [
+        (10, "[{s}] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 16384"),
+        (13, "[{s}] Capture target prefill CUDA graph end. elapsed=2.00 s, mem usage=0.10 GB, avail mem=9.00 GB."),
+        (17, "[{s}] Capture target decode CUDA graph end. bs=[1, 2, 4], elapsed=4.00 s, mem usage=0.10 GB, avail mem=8.90 GB."),
+    ], {Step.KV_CACHE: 1.0, Step.CUDA_GRAPH: 6.0}),
+    "sglang: a weights end line read from the middle, a CPU graph after": ("sglang", [
+        (16, "[{s}] Load weight end. elapsed=6.37 s, type=LlamaForCausalLM, avail mem=18.93 GB, mem usage=1.34 GB."),
+        (18, "[{s}] KV Cache is allocated. dtype: torch.float32, #tokens: 16384"),
+        (21, "[{s}] Capture target decode CPU graph end. bs=[1], elapsed=2.50 s, mem usage=0.00 GB, avail mem=8.90 GB."),
+    ], {Step.WEIGHTS: 6.37, Step.KV_CACHE: 0.5, Step.CUDA_GRAPH: 2.5}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(END_LINE_SHAPES))
+def test_an_end_line_stating_its_duration_counts_whatever_came_before(shape: str) -> None:
+    """Each line is read as it is written (stamp + 0.2 s): the step ends at the line, began the
+    seconds it states before, and a step still open ended there."""
+    fmt, lines, expected = END_LINE_SHAPES[shape]
+    base = time.mktime((2026, 3, 2, 10, 0, 0, 0, 0, -1))
+    timeline, parser = StepTimeline(), MarkerParser(fmt)
+    for second, line in lines:
+        stamp = time.localtime(base + second)
+        text = line.replace("{v}", time.strftime("%m-%d %H:%M:%S", stamp))
+        text = text.replace("{s}", time.strftime("%Y-%m-%d %H:%M:%S", stamp))
+        for event in parser.feed(text + "\n", base + second + 0.2):
+            timeline.apply(event)
+    timeline.close(base + lines[-1][0] + 0.2)
+    assert timeline.durations == pytest.approx(expected, abs=0.25), timeline.durations
+
+
+@pytest.mark.parametrize(
+    ("began", "ended", "seconds", "expected"),
+    [
+        (10.0, 16.0, 5.3, (10.0, 15.3)),  # the end line read late
+        (10.0, 16.0, 6.7, (9.3, 16.0)),  # the begin line read late
+        (10.0, 16.0, None, (10.0, 16.0)),  # no duration stated
+        (10.0, 16.0, 2.0, (10.0, 16.0)),  # it measured something shorter: the lines stand
+        (10.0, 16.0, 9.0, (10.0, 16.0)),  # or longer
+    ],
+)
+def test_a_stated_duration_tightens_the_lines_within_a_stamps_second(
+    began: float, ended: float, seconds: float | None, expected: tuple[float, float]
+) -> None:
+    assert tighten(began, ended, seconds) == pytest.approx(expected)
 
 
 SIMULATED_STEPS = {
@@ -387,6 +469,22 @@ def test_a_later_step_implies_the_weights_are_in() -> None:
     end = result.first("weights_end")
     assert end.detail.startswith("implied by: Capturing CUDA graphs")
     assert result.durations() == {"weights": 20.1}
+
+
+def test_a_bar_read_late_does_not_push_the_next_stamped_line_past_its_second() -> None:
+    """Real SGLang, warm: the weights bar's last redraw has no stamp and is dated when read;
+    "Load weight end" was still written within its own stamped second."""
+    base = time.mktime((2026, 12, 2, 8, 55, 0, 0, 0, -1))
+    parser = MarkerParser("sglang")
+    parser.feed("[2026-12-02 08:55:04] Load weight begin. avail mem=18.66 GB\n", base + 5.2)
+    bar = "Multi-thread loading shards: 100% Completed | 4/4 [00:01<00:00,  2.90it/s]\n"
+    [progress] = parser.feed(bar, base + 6.39)
+    [end] = parser.feed(
+        "[2026-12-02 08:55:05] Load weight end. elapsed=1.39 s, type=LlamaForCausalLM\n",
+        base + 6.4,
+    )
+    assert progress.time == base + 6.39
+    assert end.time == base + 6.0 and end.seconds == 1.39
 
 
 NOISE_SHAPES = {

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import requests
-from helpers import containerlog
+from helpers import containerlog, loglines
 from helpers.cgroups import cgroups, hierarchies, joining
 from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
@@ -123,8 +123,8 @@ def step_seconds(kind: str) -> dict[Step, float]:
 
 
 @contextlib.contextmanager
-def running_command(command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+def running_command(command: list[str], **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, **popen)
     try:
         yield child
     finally:
@@ -610,3 +610,73 @@ def test_no_log_found_says_why_in_the_status(tmp_path: Path, start_exporter: Any
                         r"no systemd service, Docker container or Kubernetes pod",
                         log["not_found"]), log  # fmt: skip
     assert "logs" not in running.status()["targets"][0]["sources"]
+
+
+# --- a step's end line read just before the server answers (issue 32, row 1) -------------------
+
+LOGLINES = Path(loglines.__file__)
+_VLLM = "(EngineCore_DP0 pid=12) INFO {vllm} [gpu_model_runner.py:1] "
+_VLLM_OLD = "(VllmWorker rank=0 pid=13) INFO {vllm} [model_runner.py:1] "
+_SGLANG = "[{sglang}] "
+# (weights lines, the KV cache lines, the end line that states 3 s, the last line before the
+# port opens): the graph step has no begin line in any of them.
+_INIT = "init engine (profile, create kv cache, warmup model) took 6.00 seconds"
+END_LINE_LOGS = {
+    "vllm": (
+        [_VLLM + "Starting to load model /m...", _VLLM + "Loading weights took 1.00 seconds"],
+        [_VLLM + "Available KV cache memory: 10.00 GiB",
+         "(EngineCore_DP0 pid=12) INFO {vllm} [kv.py:1] GPU KV cache size: 9,000 tokens"],
+        _VLLM + "Graph capturing finished in 3 secs, took 0.45 GiB",
+        _VLLM + _INIT,
+    ),
+    "vllm-old": (
+        [_VLLM_OLD + "Starting to load model /m...",
+         _VLLM_OLD + "Loading weights took 1.00 seconds"],
+        ["INFO {vllm} [executor_base.py:1] # cuda blocks: 1000, # CPU blocks: 500"],
+        _VLLM_OLD + "Graph capturing finished in 3 secs, took 0.45 GiB",
+        "INFO {vllm} [llm_engine.py:1] " + _INIT,
+    ),
+    "sglang": (
+        [_SGLANG + "Load weight begin. avail mem=20.27 GB",
+         _SGLANG + "Load weight end. elapsed=1.00 s, type=LlamaForCausalLM, avail mem=18.93 GB"],
+        [_SGLANG + "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 16384"],
+        _SGLANG + "Capture target decode CUDA graph end. bs=[1], elapsed=3.00 s, mem usage=0.1 GB",
+        _SGLANG + "INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(END_LINE_LOGS))
+def test_a_step_ended_just_before_the_port_opens_is_in_the_load(
+    shape: str, tmp_path: Path, start_exporter: Any
+) -> None:
+    """A real process writes the log as it goes and opens its port 20 ms after the end line
+    that states the step's 3 s, before the exporter's log thread can have read it: the finished
+    load still has the step, and the KV cache only the time before it began."""
+    weights, kv, end, last = END_LINE_LOGS[shape]
+    script = [[1.0, line] for line in weights[:1]] + [[2.0, line] for line in weights[1:]]
+    script += [[3.0, line] for line in kv] + [[6.0, end], [6.02, last]]
+    port, log, pidfile = free_port(), tmp_path / "server.log", tmp_path / "server.pid"
+    running = start_exporter(
+        {
+            "sample_interval": "200ms",
+            "history_path": str(tmp_path / "history.sqlite"),
+            "targets": [
+                {
+                    "name": "t",
+                    "endpoint": {"url": f"http://127.0.0.1:{port}", "probe": "health"},
+                    "process": {"pidfile": str(pidfile)},
+                    "log": {"file": str(log)},
+                }
+            ],
+        }
+    )
+    argv = [sys.executable, str(LOGLINES), str(port), str(pidfile), json.dumps(script)]
+    with log.open("wb") as out, running_command(argv, stdout=out):
+        [load] = loads_of(running, 1)
+    phases = load["phase_seconds"]
+    assert load["outcome"] == "ready", load
+    assert phases.get("cuda_graph") == pytest.approx(3.0, abs=0.05), phases
+    # The KV cache ran from its line (3 s) until the graphs began (6 s - 3 s): whole-second
+    # stamps, each refined by when it was read, put that under a second.
+    assert phases.get("kv_cache", -1) < 1.0, phases

@@ -36,6 +36,8 @@ from exporter.sim.shards import (
     parse_layout,
     read_chunk,
 )
+from exporter.sim.simulate import Endpoint
+from exporter.vocabulary import ServerKind
 
 pytestmark = pytest.mark.system  # child processes, servers
 
@@ -820,3 +822,20 @@ def test_missing_weights_and_busy_port_fail_with_one_line_and_exit_1(tmp_path: P
         )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "cannot bind" in done.stderr
+
+
+@pytest.mark.parametrize("path", ["/health", "/health_generate", "/ready", "/ping"])
+def test_the_simulated_sglang_serves_generations_while_its_status_paths_say_503(path: str) -> None:
+    """As the real 0.5.23 does: its status paths read server_status, Starting until its own
+    warm-up request was answered; completions are served from the moment the port opens."""
+    endpoint = Endpoint(ServerKind.SGLANG, "m", "127.0.0.1", 0)
+    try:
+        endpoint.state = "warmup"
+        assert endpoint.respond("GET", path, b"")[0] == 503
+        body = b'{"model": "m", "prompt": "ping", "max_tokens": 1}'
+        status, answer = endpoint.respond("POST", "/v1/completions", body)
+        assert status == 200 and json.loads(answer)["choices"]
+        endpoint.state = "ready"
+        assert endpoint.respond("GET", path, b"")[0] == 200
+    finally:
+        endpoint.close()

@@ -1316,6 +1316,76 @@ def test_the_logs_shard_count_does_not_run_ahead_of_the_weight_files_bytes() -> 
     assert sim.state.progress_source == "weight_files"
 
 
+@pytest.mark.parametrize("lag", [0.3, 0.9])
+def test_a_ready_answer_waits_for_the_log_read_after_it_and_ends_the_load_at_the_answer(
+    lag: float,
+) -> None:
+    """The port opens right after the last step's end line, before the log's thread read it:
+    the load still ends at the answer, with the step that line states (issue 32, row 1)."""
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(5)
+    sim.say(EventKind.WEIGHTS_BEGIN)
+    sim.tick(3)
+    sim.say(EventKind.WEIGHTS_END, seconds=3.0)
+    sim.tick()
+    sim.say(EventKind.KV_CACHE)
+    sim.tick(3)
+    sim.log_lag = lag  # the next read of the log comes after the answer
+    sim.endpoint = "ready"
+    sim.tick()
+    answered = sim.time
+    assert sim.records == [] and sim.state.phase == "initializing"
+    sim.log_lag = 0.0
+    sim.say(EventKind.CUDA_GRAPH_END, ago=1.0 + 0.05, seconds=2.5)  # written just before it
+    sim.tick()
+    [record] = sim.records
+    assert record.ended_at == answered
+    assert record.phase_seconds["cuda_graph"] == pytest.approx(2.5)
+    assert record.phase_seconds["kv_cache"] == pytest.approx(3.0 - 0.05 - 2.5)
+
+
+def test_without_a_read_of_the_log_a_ready_answer_ends_the_load_an_interval_later() -> None:
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(3)
+    sim.say(EventKind.KV_CACHE)
+    sim.tick(2)
+    sim.log_lag = 5.0  # the log's reads have stopped (a hung journalctl)
+    sim.endpoint = "ready"
+    sim.tick()
+    answered = sim.time
+    assert sim.records == []
+    sim.tick()
+    [record] = sim.records
+    assert record.ended_at == answered and record.outcome == "ready"
+
+
+def test_the_elapsed_a_weights_end_line_states_dates_the_weights_to_the_millisecond() -> None:
+    """SGLang's lines are stamped to the second and may be read a second late: "Load weight
+    end. elapsed=5.30 s" says where within those seconds the weights ended."""
+    sim = Sim(tracker())
+    sim.spawn()
+    sim.tick(10)
+    sim.say(EventKind.WEIGHTS_BEGIN)  # dated 11.0 s after the start
+    sim.tick(6)
+    sim.say(EventKind.WEIGHTS_END, seconds=5.3)  # dated 17.0: written at 16.3, read late
+    sim.tick(3)
+    sim.endpoint = "ready"
+    record = sim.until_record()
+    assert record.phase_seconds["starting"] == pytest.approx(11.0)
+    assert record.phase_seconds["loading_weights"] == pytest.approx(5.3)
+
+
+def test_a_load_records_what_start_up_read_from_storage_before_its_first_weight_file() -> None:
+    """The tree's storage reads up to the look before a weight file first opened: the server's
+    own environment (27 MB here; gigabytes for SGLang once its packages left the page cache)."""
+    sim = Sim(tracker(), weights=1_340 * MB)
+    python_server_load(sim)
+    [record] = sim.records
+    assert record.startup_read_bytes == 27 * MB
+
+
 # -- loads inside a running server ---------------------------------------------------------------
 
 

@@ -150,6 +150,9 @@ def explained(load: api.Load) -> list[str]:
     ]  # fmt: skip
     if sources:
         lines.append(f"  read       {', '.join(sources)}")
+    if report.startup_storage_bytes is not None:
+        lines.append(f"  start-up   read {terminal.size(report.startup_storage_bytes)} of the "
+                     "environment from storage")  # fmt: skip
     for device in report.storage_reads or ():
         lines.append(f"  {device.kind} {device.name}: {terminal.size(device.read_bytes)} read "
                      "meanwhile (host-wide)")  # fmt: skip

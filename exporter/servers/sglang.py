@@ -1,9 +1,14 @@
 """SGLang (server_args.py, cli/serve.py): `python -m sglang.launch_server` or `sglang serve`.
 
-Its port stays closed during the weight load; then /health is 503 until the warm-up request has
-passed, 200 after. /v1/models answers 200 as soon as HTTP is up, so it is no readiness signal; a
-completion needs the served name right and runs a generation on every probe of a serving
-instance: the zero-config probe is /health. Logs to stderr, with `[date time TPn] ` prefixes.
+Its port stays closed until the scheduler is ready (weights, KV cache, CUDA graphs), then it
+answers generations at once. Its status paths do not say so: /health, /ready and /ping say 503
+until SGLang's own warm-up request (8 tokens) has been answered, seconds later on a slow host
+(5 s on 2 CPU cores), and /health sleeps a second and runs a 1-token generation of its own on
+every call while serving. /v1/models answers as soon as HTTP is up, before any generation has
+run. So the zero-config probe is what a client does: a 1-token completion of the served name
+(which SGLang takes from --served-model-name, else the model path, as discovery does). It costs
+a serving instance what /health costs it, one token per probe, and is answered the moment SGLang
+serves. Logs to stderr, with `[date time TPn] ` prefixes.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ COMMAND = Command(
         Role.CONFIG: ("--config",),
     },
     defaults={Role.HOST: "127.0.0.1", Role.PORT: "30000"},
-    probe=ProbeKind.HEALTH,
-    probe_path="/health",
+    probe=ProbeKind.COMPLETION,
+    probe_path="/v1/completions",
 )
 
 LOG = LogFormat(
@@ -63,7 +68,7 @@ LOG = LogFormat(
         rule(EventKind.KV_CACHE, "KV Cache is allocated", r"^KV Cache is allocated\."),
         rule(EventKind.COMPILE_BEGIN, "Compiling num tokens", r"Compiling num tokens \("),
         rule(EventKind.COMPILE_BEGIN, "DeepGEMM", r"Entering DeepGEMM JIT Pre-Compile|DeepGEMM warmup"),
-        rule(EventKind.CUDA_GRAPH_BEGIN, "graph begin", r"^Capture (?:\S+ \S+ )?(?:cuda|CUDA) graph begin\."),
+        rule(EventKind.CUDA_GRAPH_BEGIN, "graph begin", r"^Capture (?:\S+ ){0,3}(?:cuda|[A-Z]{2,}) graph begin\."),
         rule(
             EventKind.CUDA_GRAPH_PROGRESS,
             "Capturing batches",
@@ -72,7 +77,7 @@ LOG = LogFormat(
         rule(
             EventKind.CUDA_GRAPH_END,
             "graph end",
-            r"^Capture (?:\S+ \S+ )?(?:cuda|CUDA) graph end\.(?:.*?elapsed[:=] ?(?P<seconds>[\d.]+) s)?",
+            r"^Capture (?:\S+ ){0,3}(?:cuda|[A-Z]{2,}) graph end\.(?:.*?elapsed[:=] ?(?P<seconds>[\d.]+) s)?",
         ),
         # The port opens and the warm-up request is sent: uvicorn's own lines.
         rule(EventKind.WARMUP_BEGIN, "startup", r"Waiting for application startup\.|Application startup complete\."),

@@ -79,7 +79,8 @@ LOG = LogFormat(
         ),
         rule(EventKind.KV_CACHE, "Available KV cache memory", r"^Available KV cache memory: "),
         rule(EventKind.KV_CACHE, "KV cache size", r"KV cache size: [\d,]+ tokens"),
-        rule(EventKind.KV_CACHE, "# GPU blocks", r"^# GPU blocks: \d+"),
+        # 0.6: "# GPU blocks: N"; 0.7 and later name the device: "# cuda blocks: N".
+        rule(EventKind.KV_CACHE, " blocks: ", r"^# \w+ blocks: \d+"),
         rule(EventKind.CUDA_GRAPH_BEGIN, "Capturing cudagraphs", r"^Capturing cudagraphs for decoding"),
         rule(EventKind.CUDA_GRAPH_BEGIN, "Capturing the model for CUDA graphs", r"^Capturing the model for CUDA graphs"),
         rule(EventKind.CUDA_GRAPH_PROGRESS, "Capturing CUDA graph", r"Capturing CUDA graph(?:s| shapes)[^:]*" + TQDM),

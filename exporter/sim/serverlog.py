@@ -162,8 +162,8 @@ class SGLangLog(ServerLog):
             f"tp_size={c.tensor_parallel}, "
             "dtype='auto', mem_fraction_static=0.85, random_seed=0)"
         )
-        self.line("Init torch distributed begin.")
-        self.line("Init torch distributed ends. mem usage=0.00 GB")
+        self.line("Init parallel begin.")
+        self.line("Init parallel ends. elapsed=0.03 s")
 
     def weights_begin(self) -> None:
         self.line(f"Load weight begin. avail mem={GPU_AVAILABLE_GB:.2f} GB")
@@ -193,12 +193,12 @@ class SGLangLog(ServerLog):
             self.line("Entering DeepGEMM JIT Pre-Compile session. It may take a long time.")
         elif step == "cuda_graph":
             self.line(
-                "Capture normal decode CUDA graph begin. This can take up to several minutes. "
+                "Capture target decode CUDA graph begin. backend=full, num_tokens_per_req=1, "
                 f"avail mem={avail * 0.15:.2f} GB"
             )
             self.raw("\r" + self._capture_meter(0, 0.0))
         elif step == "warmup":
-            graphs = f"decode={self.timings.get('cuda_graph', 0):.2f}"
+            graphs = f"prefill=0.00, decode={self.timings.get('cuda_graph', 0):.2f}"
             self.line(
                 f"Engine startup timings (s): load_weight={self.timings.get('load_weight', 0):.2f}"
                 f", kv_cache_allocation={self.timings.get('kv_cache', 0):.2f}, "
@@ -232,8 +232,9 @@ class SGLangLog(ServerLog):
         if step == "kv_cache":
             self.line(f"Memory pool end. avail mem={self.avail_after_weights * 0.15:.2f} GB")
         elif step == "cuda_graph":
+            sizes = ", ".join(map(str, reversed(self._BATCH_SIZES)))
             self.line(
-                f"Capture normal decode CUDA graph end. elapsed={seconds:.2f} s, "
+                f"Capture target decode CUDA graph end. bs=[{sizes}], elapsed={seconds:.2f} s, "
                 f"mem usage=0.52 GB, avail mem={self.avail_after_weights * 0.14:.2f} GB."
             )
         elif step == "warmup":

@@ -292,6 +292,11 @@ class _Handler(BaseHTTPRequestHandler):
         """Probes arrive every second; the simulated server log stays about the startup."""
 
 
+# SGLang's paths that say 503 until its own warm-up request has been answered (they read
+# tokenizer_manager.server_status), while its generation paths already serve.
+_SGLANG_STATUS_PATHS = ("/health", "/health_generate", "/ready", "/ping")
+
+
 class Endpoint:
     """The server's HTTP face. States: loading (503 when listening), warmup (SGLang: /health 503,
     the rest served), ready.
@@ -343,9 +348,7 @@ class Endpoint:
     def respond(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
         """Status and JSON body for one request, given the current state."""
         path = target.split("?", 1)[0]
-        health_paths = (
-            ("/health", "/health_generate") if self.kind == ServerKind.SGLANG else ("/health",)
-        )
+        health_paths = _SGLANG_STATUS_PATHS if self.kind == ServerKind.SGLANG else ("/health",)
         if self.state == "loading":
             return 503, LOADING_BODY
         if self.state == "warmup" and path in health_paths:

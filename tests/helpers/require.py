@@ -64,6 +64,12 @@ def _llamacpp() -> bool:
     return find_python() is not None
 
 
+def _sglang() -> bool:
+    from servers.sglang_server import find_python
+
+    return find_python() is not None
+
+
 def _llama_server() -> bool:
     from servers.llama_server import find_binary
 
@@ -96,6 +102,11 @@ NEEDS: dict[str, tuple[Callable[[], bool], str]] = {
         _vllm,
         "needs vLLM on CPU: `make test-servers` installs it and names its python in"
         " MLE_VLLM_PYTHON",
+    ),
+    "sglang": (
+        _sglang,
+        "needs SGLang on its CPU engine and Debian's libcuda.so.1: `make test-servers`"
+        " installs both and names them in MLE_SGLANG_PYTHON and MLE_LIBCUDA_DIR",
     ),
     "llamacpp": (
         _llamacpp,

@@ -1,6 +1,7 @@
-"""Fixtures for the tests against real model servers: vLLM on CPU serving the test checkpoint,
-and llama.cpp (llama-cpp-python built from source) serving a GGUF. llama.cpp's own llama-server
-(test_llama_server.py) and Triton (test_triton.py) have their fixtures beside their tests.
+"""Fixtures for the tests against real model servers: vLLM and SGLang on CPU serving the test
+checkpoint, and llama.cpp (llama-cpp-python built from source) serving a GGUF. llama.cpp's own
+llama-server (test_llama_server.py) and Triton (test_triton.py) have their fixtures beside their
+tests.
 
 `make test` leaves this folder out (pyproject's addopts); `make test-servers` installs both and
 runs it. A vLLM start costs about two minutes on this 2-core machine, so each test starts only
@@ -16,7 +17,7 @@ import pytest
 from helpers.require import require_all
 from helpers.support import free_port
 
-from servers import checkpoint, llamacpp_server
+from servers import checkpoint, llamacpp_server, sglang_server
 from servers.vllm_server import CHECKPOINTS, START_TIMEOUT, VllmServer, find_python, set_cache
 
 HERE = Path(__file__).parent
@@ -83,3 +84,18 @@ def llamacpp_python() -> str:
 def gguf_model(llamacpp_python: str) -> Path:
     """The random-weight GGUF, written once into `.servers/checkpoints` and reused."""
     return llamacpp_server.ensure_model(llamacpp_python)
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """SGLang's venv python; a skip without it and its libcuda (a failure under MLE_STRICT=1)."""
+    require_all("sglang")
+    python = sglang_server.find_python()
+    assert python is not None
+    return python
+
+
+@pytest.fixture(scope="session")
+def sglang_checkpoint(sglang_python: str) -> Path:
+    """The same random-weight Llama as vLLM's (written with SGLang's torch if not there yet)."""
+    return checkpoint.ensure(CHECKPOINTS, sglang_python)
