@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import platform
@@ -40,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from exporter.libc import LIBC
 from exporter.safeio import Refused, open_checked, read_regular, resolve_in_root
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ _SYSCALLS = {
 }
 _NR = _SYSCALLS.get(platform.machine().lower())
 _CAP_V3 = 0x20080522
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc = LIBC
 _libc.syscall.restype = ctypes.c_long
 
 

@@ -9,13 +9,14 @@ bounded in size, and refused on a pseudo file system (proc, sysfs, devtmpfs and 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import posixpath
 import stat
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+from exporter.libc import LIBC
+
+_libc = LIBC
 _libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
 _libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import functools
 import logging
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from exporter.asprocess import OnBehalf
 from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
+from exporter.libc import LIBC
 from exporter.safeio import PSEUDO_MAGIC, Refused, path_magic
 from exporter.sources import Health, Sample
 
@@ -78,7 +78,7 @@ _LOW_BIT = bytes(i & 1 for i in range(256))
 _CONTAINED = re.compile(r"/proc/\d+/root(?:/|\Z)")
 PASS_TIMEOUT = 120.0  # a pass run with a process's rights (exporter/asprocess.py)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc = LIBC
 _libc.syscall.restype = ctypes.c_long  # no argtypes: converting them doubles the call's cost
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
