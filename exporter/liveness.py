@@ -21,6 +21,7 @@ from enum import StrEnum
 from http import HTTPStatus
 from typing import Protocol
 
+from exporter.activity import CPU_BUSY_SHARE
 from exporter.snapshot import TargetView
 from exporter.sources import ENDPOINT
 from exporter.untrusted import clean
@@ -178,6 +179,8 @@ def activity(state: Watched, window: float) -> list[str]:
     cpu_quiet, share = state.activity.get(Activity.CPU), state.cpu_share
     if cpu_quiet is not None and cpu_quiet >= window:
         parts.append(f"CPU idle for {_duration(cpu_quiet)}")
+    elif share is not None and share < CPU_BUSY_SHARE:  # it ran within the window, not lately
+        parts.append(f"CPU at {share * 100:.0f} % of a core")
     elif cpu_quiet is not None:
         busy = f" ({share * 100:.0f} % of a core)" if share is not None else ""
         parts.append(f"CPU busy{busy}")

@@ -107,6 +107,18 @@ def test_alive_while_a_load_progresses_and_says_what_moves() -> None:
     assert not ready(server.view()).ok
 
 
+def test_a_cpu_that_ran_within_the_window_but_not_lately_is_not_called_busy() -> None:
+    """llama.cpp waiting on its mapping's reads: CPU spent seconds ago, none in the last 10 s
+    (the real server's line said `CPU busy (0 % of a core)`)."""
+    server = Server()
+    loading(server)
+    server.tick(12, read=40 * MIB, cpu=0.0, lines=2)
+    server.tick(1, read=40 * MIB, cpu=0.1, lines=2)  # a tenth of a second of CPU in 10 s
+    ok, line = server.alive()
+    assert ok, line
+    assert "CPU at 1 % of a core" in line and "CPU busy" not in line, line
+
+
 @pytest.mark.parametrize("stall", [STALL, STALL + 17])
 def test_a_stall_in_compile_reads_differently_from_a_dead_mount(stall: float) -> None:
     """Same stall, two causes: bytes and logs stop in both; the CPU spins in one (compile, a
