@@ -15,10 +15,8 @@ log file it owns from the first byte.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -28,12 +26,12 @@ import requests
 from helpers.cgroups import joining
 from helpers.support import free_port
 
+from servers import launched
 from servers.vllm_server import CHECKPOINTS, REPO
 
 BINARY_ENV = "MLE_LLAMA_SERVER"
 WRITER = REPO / "tests" / "fixtures" / "logs" / "tiny_gguf.py"
 START_TIMEOUT = 120.0
-STOP_GRACE = 30.0
 # 0.55 GB of f32 (tiny_gguf.py's arguments: extra words, embedding, layers, heads, FFN, context):
 # about 5 s from a disk read at 100 MB/s, small enough for two cores.
 SHAPE = (64, 1024, 8, 16, 4096, 512)
@@ -132,13 +130,7 @@ class LlamaServer:
         raise AssertionError(f"llama-server not ready within {timeout:.0f} s:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return launched.tail(self.log, lines)
 
     def stop(self) -> int:
-        """SIGTERM, SIGKILL after STOP_GRACE; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.proc.wait(STOP_GRACE)
-        self.proc.kill()
-        return self.proc.wait(10)
+        return launched.stop(self.proc)

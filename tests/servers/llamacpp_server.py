@@ -14,8 +14,6 @@ enough on this machine's fast disk for read rates to mean something).
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,12 +21,12 @@ from pathlib import Path
 import requests
 from helpers.cgroups import joining
 
+from servers import launched
 from servers.vllm_server import CHECKPOINTS, REPO, executable
 
 PYTHON_ENV = "MLE_LLAMACPP_PYTHON"
 WRITER = REPO / "tests" / "fixtures" / "logs" / "tiny_gguf.py"
 START_TIMEOUT = 120.0
-STOP_GRACE = 30.0
 # 1.08 GB of f32 (tiny_gguf.py's arguments: extra words, embedding, layers, heads, FFN, context):
 # big enough that a cold load from a throttled disk takes seconds, small enough for this host.
 SHAPE = (64, 1024, 16, 16, 4096, 512)
@@ -102,13 +100,7 @@ class LlamaCppServer:
         raise AssertionError(f"llama.cpp not ready within {timeout:.0f} s:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return launched.tail(self.log, lines)
 
     def stop(self) -> int:
-        """SIGTERM, SIGKILL after STOP_GRACE; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.proc.wait(STOP_GRACE)
-        self.proc.kill()
-        return self.proc.wait(10)
+        return launched.stop(self.proc)

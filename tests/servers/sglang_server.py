@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import time
 from datetime import datetime
@@ -29,12 +28,12 @@ import psutil
 import requests
 from helpers.cgroups import joining
 
+from servers import launched
 from servers.vllm_server import SERVERS, executable
 
 PYTHON_ENV = "MLE_SGLANG_PYTHON"
 LIBCUDA_ENV = "MLE_LIBCUDA_DIR"
 START_TIMEOUT = 400.0  # about 75 s warm here on 2 shared cores, twice that with cold imports
-STOP_GRACE = 30.0
 # float32: on a CPU without AVX-512 BF16 or AMX, torch's bf16 matmuls take a slow path, so a
 # bf16 model's warm-up and first answers cost minutes where float32's cost seconds; the
 # checkpoint's bf16 tensors are converted as they load, as a user asking for float32 gets.
@@ -134,45 +133,17 @@ class SglangServer:
             time.sleep(0.2)
 
     def tree(self) -> list[psutil.Process]:
-        """SGLang's processes now: its process group (a session of its own)."""
-        group = []
-        for process in psutil.process_iter():
-            with contextlib.suppress(OSError, psutil.Error):
-                if os.getpgid(process.pid) == self.pid:
-                    group.append(process)
-        return group
+        """SGLang's processes now: the launcher, its scheduler and detokenizer."""
+        return launched.group(self.pid)
+
+    def tail(self, lines: int = 30) -> str:
+        return launched.tail(self.log, lines)
+
+    def stop(self) -> list[psutil.Process]:
+        return launched.stop_group(self.proc)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.text().splitlines()[-lines:])
-
-    def stop(self) -> list[psutil.Process]:
-        """SIGTERM to the launcher (it ends its children), SIGKILL to the group after
-        STOP_GRACE; returns the processes still alive after that (none, or a bug)."""
-        tree = self.tree()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(STOP_GRACE)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        others = [p for p in tree if p.pid != self.pid]
-        _, alive = psutil.wait_procs(others, timeout=10)
-        for process in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(alive, timeout=10)
-        return [p for p in others if _alive(p)]
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def describe(server: SglangServer) -> dict[str, Any]:

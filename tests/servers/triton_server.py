@@ -17,9 +17,7 @@ port stays closed until the model is loaded; in explicit mode the ports open at 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -30,12 +28,12 @@ import requests
 from helpers.cgroups import joining
 from helpers.support import free_port
 
+from servers import launched
 from servers.vllm_server import CHECKPOINTS
 
 DIR_ENV = "MLE_TRITON_DIR"
 MODEL = "tiny"
 START_TIMEOUT = 120.0
-STOP_GRACE = 30.0
 # 4 shards of 100 MB: about 4 s from a disk read at 100 MB/s, well under a second from the cache.
 SHARDS = 4
 SHARD_TENSORS = 6
@@ -196,32 +194,9 @@ class TritonServer:
         return sent, answered
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return launched.tail(self.log, lines)
 
     def stop(self) -> list[psutil.Process]:
-        """SIGTERM (it unloads its models and stops its stubs), SIGKILL after STOP_GRACE to
-        whatever of its session is left; the processes still alive after that (none)."""
-        group = _session(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(STOP_GRACE)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        _, alive = psutil.wait_procs(group, timeout=10)
-        for process in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(alive, timeout=10)
-        return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def _session(sid: int) -> list[psutil.Process]:
-    """The processes of the session the server leads (it was started in a new one)."""
-    found = []
-    for process in psutil.process_iter():
-        with contextlib.suppress(OSError, psutil.Error):
-            if os.getsid(process.pid) == sid and process.pid != sid:
-                found.append(process)
-    return found
+        """SIGTERM (it unloads its models and stops its stubs), SIGKILL after the grace to
+        whatever of its group is left; the processes still alive after that (none)."""
+        return launched.stop_group(self.proc)

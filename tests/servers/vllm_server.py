@@ -13,9 +13,7 @@ engine is ready, and `/health` answers 200 from then on.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -27,13 +25,13 @@ from helpers.cgroups import joining
 from helpers.processes import evict_dir
 
 from exporter.cachectl import prewarm
+from servers import launched
 
 REPO = Path(__file__).resolve().parents[2]
 SERVERS = REPO / ".servers"
 CHECKPOINTS = SERVERS / "checkpoints"
 PYTHON_ENV = "MLE_VLLM_PYTHON"
 START_TIMEOUT = 600.0  # about 2 minutes here on 2 shared cores, torch.compile included
-STOP_GRACE = 30.0  # SIGTERM to SIGKILL
 CACHES = ("cold", "warm")
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache, instead of a share of the node's memory
@@ -90,17 +88,6 @@ class VllmServer:
             )  # fmt: skip
         self.pid = self.proc.pid
 
-    def tree(self) -> list[psutil.Process]:
-        """vLLM's processes now: its process group (it was started in a session of its own), so
-        the API server, EngineCore, Worker and the resource tracker, and any of them a crash
-        orphaned."""
-        group = []
-        for process in psutil.process_iter():
-            with contextlib.suppress(OSError, psutil.Error):
-                if os.getpgid(process.pid) == self.pid:
-                    group.append(process)
-        return group
-
     def healthy(self) -> bool:
         try:
             return requests.get(f"{self.url}/health", timeout=5).status_code == 200
@@ -118,6 +105,17 @@ class VllmServer:
             time.sleep(0.25)
         raise AssertionError(f"vLLM not healthy within {timeout:.0f} s:\n{self.tail()}")
 
+    def tree(self) -> list[psutil.Process]:
+        """vLLM's processes now: the API server, EngineCore, Worker and the resource tracker,
+        and any of them a crash orphaned."""
+        return launched.group(self.pid)
+
+    def tail(self, lines: int = 30) -> str:
+        return launched.tail(self.log, lines)
+
+    def stop(self) -> list[psutil.Process]:
+        return launched.stop_group(self.proc)
+
     def complete(self, prompt: str, tokens: int) -> dict[str, Any]:
         """One greedy completion of exactly `tokens` tokens (random weights may say EOS early)."""
         body = {"model": str(self.model), "prompt": prompt, "max_tokens": tokens,
@@ -125,33 +123,3 @@ class VllmServer:
         response = requests.post(f"{self.url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
         return dict(response.json())
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> list[psutil.Process]:
-        """SIGTERM to the API server (it stops its engine), SIGKILL to whatever is left after
-        STOP_GRACE; returns the processes still alive after that (none, or a bug)."""
-        tree = self.tree()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(STOP_GRACE)  # reaped here, so its exit status is kept
-        others = [p for p in tree if p.pid != self.pid]
-        _, alive = psutil.wait_procs(others, timeout=max(0.0, deadline - time.monotonic()))
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        for process in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(alive, timeout=10)
-        return [p for p in others if _alive(p)]
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
