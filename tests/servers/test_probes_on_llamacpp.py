@@ -207,7 +207,7 @@ def test_alive_follows_the_real_llamacpp_through_its_life(
         # load's few seconds and its label was unknown (None), which is the forecast's and the
         # report's concern, not the probes' (the label's own tests are the loads' tests).
         prewarm(str(gguf_model))
-        assert fincore_bytes(gguf_model) == gguf_model.stat().st_size
+        assert fincore_bytes(gguf_model) >= gguf_model.stat().st_size  # whole pages
         assert life.through_ready(procs, "warm")["cache"] in ("warm", "None")
 
         # 4. A cold load killed mid-weights: dead within a period.
