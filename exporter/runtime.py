@@ -74,13 +74,13 @@ from exporter.sources.logs import LogSample, LogSource, new_events
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
 from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.pagecache import (
+from exporter.sources.pagecache import ResidencySample
+from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
+from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
-    ResidencySample,
     ResidencySource,
 )
-from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource

@@ -26,14 +26,13 @@ from helpers.users import NOBODY, as_nobody, nobody_python
 from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
-from exporter.sources.pagecache import (
+from exporter.sources.pagecache import discover, measure
+from exporter.sources.residency import (
     DEPARTED_SHARE_FOR_PASS,
     MIN_READS_FOR_PASS,
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
     ResidencySource,
-    discover,
-    measure,
 )
 
 MiB = 1 << 20
@@ -513,7 +512,7 @@ from exporter.sources import pagecache
 directory, path = sys.argv[1], sys.argv[2]
 out = {}
 for methods in (("cachestat", "mincore"), ("mincore",)):
-    src = pagecache.ResidencySource(
+    src = ResidencySource(
         WeightsConfig(paths=(directory,), include=("*.safetensors",)), methods=methods
     )
     s = src.sample()

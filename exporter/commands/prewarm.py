@@ -35,7 +35,8 @@ from exporter.config import DEFAULT_INCLUDE, WeightsConfig
 from exporter.ownedfiles import OwnedFiles
 from exporter.safeio import Refused
 from exporter.sources.memory import read_meminfo
-from exporter.sources.pagecache import PassResult, WeightFile, discover, measure_planned
+from exporter.sources.pagecache import PassResult, WeightFile, discover
+from exporter.sources.residency import measure_planned
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.vocabulary import StorageKind
 
