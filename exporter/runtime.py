@@ -398,7 +398,7 @@ class Runtime:
             elif runtime.discovered is not None:
                 runtime.gone_since = None
                 if runtime.discovered != server:
-                    self._follow(runtime, server)
+                    self._refresh_discovered(runtime, server)
         for runtime in list(self.targets.values()):
             if runtime.discovered is None or runtime.config.name in found:
                 continue
@@ -458,7 +458,7 @@ class Runtime:
             claimable[server.name] = server
         return claimable
 
-    def _follow(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
+    def _refresh_discovered(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
         """The same server, changed: restarted (a new process, so a new load) or new weights."""
         runtime.discovered = server
         fresh = _target_config(server)

@@ -314,7 +314,7 @@ def _pseudo(path: str) -> bool:
         return False  # gone, or not ours to see: the walk's own stat says so
 
 
-def discover(weights: WeightsConfig, max_entries: int | None = None) -> WeightTree:
+def walk_weights(weights: WeightsConfig, max_entries: int | None = None) -> WeightTree:
     """Weight files under each configured path, symlinks followed, each inode once.
 
     Never into a pseudo file system (/proc, /sys); `max_entries` bounds the entries looked at

@@ -23,9 +23,9 @@ from exporter.sources.pagecache import (
     ResidencySample,
     WeightFile,
     WeightTree,
-    discover,
     measure,
     sizes_only,
+    walk_weights,
 )
 from exporter.sources.storage import WeightStorage
 
@@ -184,7 +184,7 @@ class ResidencySource:
         """One pass and its CPU seconds, taken on the thread that runs it (an actor's, maybe)."""
         cpu_start = self._cpu_clock()
         if self._tree is None or self._tree.changed():
-            self._tree = discover(self._weights, self._max_entries)
+            self._tree = walk_weights(self._weights, self._max_entries)
         result = measure_planned(
             self._tree.files,
             self._storage,
