@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.config import WeightsConfig
-from exporter.sources.pagecache import ResidencySource
+from exporter.sources.residency import ResidencySource
 
 GiB = 1 << 30
 MiB = 1 << 20

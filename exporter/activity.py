@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from exporter.vocabulary import Activity
 
-MOVE_BYTES = 1 << 20  # a byte signal moved once it changed this much since its last move
+# A byte signal moved once it changed this much since its last move (the tracker's stall rule
+# too): above the noise of an idle tree (log writes, metadata reads), below any weight shard.
+MOVE_BYTES = 1 << 20
 CPU_BUSY_SHARE = 0.05  # a tick during which the tree used this share of one core moved the CPU
 CPU_WINDOW_SECONDS = 10.0  # the CPU share shown is over this window
 

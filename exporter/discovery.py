@@ -699,14 +699,14 @@ def _hub_snapshot(
             continue
         if host is None or not _usable(host, cache, refuse) or not os.path.isdir(host):
             continue
-        snapshot, how = _snapshot(host, recognised.revision, refuse)
+        snapshot, how = _revision_snapshot(host, recognised.revision, refuse)
         if snapshot is not None:
             return (snapshot,), [Evidence("weights", snapshot, f"hub cache from {source}; {how}")]
     searched = ", ".join(cache for cache, _ in caches) or "no cache directory known"
     return (), [Evidence("weights", "not found", f"hub id {repo_id} in none of: {searched}")]
 
 
-def _snapshot(
+def _revision_snapshot(
     repo: str, revision: str | None, refuse: Callable[[str, str, str], None] | None = None
 ) -> tuple[str | None, str]:
     """The snapshot a revision names (refs/<revision>, default main), as huggingface_hub does.

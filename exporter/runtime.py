@@ -74,13 +74,13 @@ from exporter.sources.logs import LogSample, LogSource, new_events
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
 from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.pagecache import (
+from exporter.sources.pagecache import ResidencySample
+from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
+from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
-    ResidencySample,
     ResidencySource,
 )
-from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
@@ -398,7 +398,7 @@ class Runtime:
             elif runtime.discovered is not None:
                 runtime.gone_since = None
                 if runtime.discovered != server:
-                    self._follow(runtime, server)
+                    self._refresh_discovered(runtime, server)
         for runtime in list(self.targets.values()):
             if runtime.discovered is None or runtime.config.name in found:
                 continue
@@ -458,7 +458,7 @@ class Runtime:
             claimable[server.name] = server
         return claimable
 
-    def _follow(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
+    def _refresh_discovered(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
         """The same server, changed: restarted (a new process, so a new load) or new weights."""
         runtime.discovered = server
         fresh = _target_config(server)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from exporter.sources import FINE, Health, Sample, SourceKey
+from exporter.sources import SourceKey
+from exporter.sources.sample import FINE, Health, Sample
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from exporter.vocabulary import Cache, Outcome
 
 PERIOD_SECONDS = 10  # the kubelet's default periodSeconds
 MARGIN = 1.25  # above the p99: a slower disk day must not be a restart loop
-PERCENTILE = 0.99
+PERCENTILE = 0.99  # the load the window must cover: all but the rarest, MARGIN covers the rest
 ADVICE_LOADS = 200  # the most recent loads the advice reads
 
 

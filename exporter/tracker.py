@@ -3,98 +3,34 @@
 Pure on purpose (no I/O, threads or clock: time arrives inside each Observation), so a 15-minute
 load replays in milliseconds in tests and only the sampler decides when things happen.
 
-Rules, because every number on the dashboard comes from them:
+The rules, in short (the long form, with the reasons, is docs/how-it-decides.md); every threshold
+is a named constant below, with why it has its value:
 
-* A load starts when a new server process (pid, start time) appears, at that process's own start
-  time. Without process matching: when a ready endpoint fails 3 distinct probes in a row (start =
-  the first failure), or when a never-ready endpoint answers "up but not ready" (503, timeout,
-  bad response). That last kind, and a process whose start time cannot be read, is `partial`:
-  its start is unknown, so it is kept in history but never observed into the histograms.
-* A process load first seen more than 2 intervals + 1 s after its start (the exporter started or
-  restarted mid-load) is `seen_late`: its duration is exact (the process's start time) and it is
-  observed like any other. Its residency at the start is rebuilt as the first pass's residency
-  less what the tree has read from storage since it started (/proc/PID/io counts from the
-  process start), and is unknown when those counters cannot be read. Phase boundaries it
-  crossed before its first tick are unknown, and the phases beside them are left out of its
-  record rather than reported as 0 s. A late load whose first fresh probe already says ready is
-  dropped: nothing of it was watched.
-* It ends `ready` on the first probe finished after the start that says ready; `failed` when the
-  process is gone first (or replaced by another one), or at once when the server's log reports a
-  fatal error (with the server's message). With a log, a process exit waits one tick for the
-  log's last lines, which say why, and a ready answer waits (an interval at most) for a read of
-  the log after it, whose lines date the phases of a load shorter than an interval. It ends at
-  the log's ready line instead where that is earlier and no answer after the line said not
-  ready (a load over before the exporter first asked). `failed` stays until the next load.
-* A running server that loads a model (its log's load_begin, stamped after its last ready
-  answer: Triton's `loading: NAME` in explicit or poll mode) starts a load at that line, its
-  process the same: `in_server`, with the phases, progress, stall and record of any load; its
-  cache temperature discounts the storage the tree read before it. One that fails (its log's
-  fatal) is failed, and the server's next load_begin is a load again. A model it unloads is
-  said so (`unloaded`) until its next load; the phase stays ready.
-* A ready server that stops answering while its process runs on (process matching) stays `ready`:
-  no new process, so no load; `endpoint_up` shows the failing probes and the runtime logs the
-  hang once after 3 of them. Without process matching those 3 failures start a load (above).
-* Where the tree's weight files can be seen (sources/weightfiles.py: the exporter may read the
-  tree's /proc/PID/fd, fdinfo and maps), they decide. The weights begin when a process of the
-  tree first opens or maps a weight file, at that look: everything read before (imports, NCCL
-  set-up) is start-up. Progress is the bytes of the weight files consumed, file by file
-  (`weight_files`), with more signals that may push it: residency growth of the weight files
-  (their own pages, even of files opened and closed between two looks; not for warm loads,
-  which read nothing from storage; llama.cpp maps its file whole and lets readahead fill it),
-  and, never past the files held so far, storage bytes the tree read since that first open and
-  PCIe bytes its GPUs received since then (`gpu_pcie`). The log's shard count does not: shards
-  differ in size, the files' bytes say it better. The weights end at 99.9 % (dated back to the
-  look that saw every file let go, when one did), or once the tree held no weight file for 5
-  intervals (from that look: a fast load opens and closes files between two looks), or at 90 %
-  once progress stopped rising for 5 intervals. A load first seen late with no weight file held
-  on arrival cannot say whether its weights are behind or ahead of it: its phases are unknown,
-  unless a weight file opens while watched. A look that fails mid-load keeps the last view.
-* Where they cannot be seen (another user's tree and no root), progress is the highest ratio
-  among the counters that may drive it, clamped to 0..1, and never falls within a load. The
-  signals, and what makes a ratio of 1.0:
-
-  | group   | signal                                              | 1.0 is                      |
-  |---------|-----------------------------------------------------|-----------------------------|
-  | storage | page_cache: residency growth of the weight files    | bytes not cached at start   |
-  | storage | process_reads: storage bytes the tree read          | same (else weights size)    |
-  | storage | disk_reads: the weights' devices (tree unreadable)  | same (else weights size)    |
-  | whole   | gpu_memory: the tree's GPU bytes past its first     | GPU bytes of the last good  |
-  |         | reading (the CUDA contexts)                         | load, else weights size     |
-  | whole   | process_read_chars: bytes through read() (rchar)    | weights size                |
-
-  Which group drives depends on the residency at the load's start:
-
-  | residency at the start            | drives                                              |
-  |-----------------------------------|-----------------------------------------------------|
-  | cold or mixed                     | storage; whole only when no storage signal exists   |
-  | warm                              | whole; storage only when no whole signal exists     |
-  | measurable, first pass not in yet | storage only                                        |
-  | not measurable                    | storage and read() bytes; GPU when none of those    |
-
-  Cold and mixed loads leave GPU memory out because servers allocate every parameter on the GPU
-  before reading any, and read() bytes because tensor-parallel ranks may each read every file;
-  warm loads read nothing from storage. Before the first pass, read() bytes would count the
-  interpreter reading its own libraries. The first pass's residency, less what the tree has read
-  from storage since its start, is the residency at the start (the pass lands up to two
-  intervals late). `starting` becomes `loading_weights` once progress reaches 1 %, backdated to
-  the last tick progress did not rise; weights are in at 99.9 %, or at 90 % once progress
-  stopped rising for 5 intervals (backdated to its last rise). Counters cannot tell imports from
-  weights: that is why the file view wins wherever it can be had.
-* Either way there is no way back, a load that never shows weights moving spends its time in
-  `starting`, and the server's own log, where there is one, gives the exact boundaries and wins.
-* A tick "moved" when any byte signal changed by 1 MiB or more since the previous tick, the probe
-  result changed, or the phase changed; CPU time is deliberately not a signal. Stalled = in
-  progress and nothing moved for `stall_after`. Beside that rule, each signal's own movement
-  (weight bytes, storage reads, log lines, GPU memory, the tree's CPU: exporter/activity.py) is
-  followed for the stall's reason only: it never raises or clears a stall.
-* Throughput is the progress gained over the last 10 s (at least 3 intervals) in bytes of the
-  driving signal, so the weights ETA (remaining weights / throughput) has no basis before the
-  weights begin. ETA = that + the medians history has for the phases still ahead, from loads of
-  the same cache temperature; the phases after the weights (and their fine steps) do not depend
-  on the page cache, so where those loads have none, loads of any temperature give them. Before
-  the weights it is history's medians alone; while initializing, the rest of its median, or,
-  where the log shows the fine steps and that runs out, the rest of the current step's median
-  and the medians of the steps not begun yet. None whenever a part has no basis.
+* A load starts when a new server process appears, at its own start time; without process
+  matching, when a ready endpoint fails ENDPOINT_FAILURES_FOR_LOAD distinct probes in a row, or
+  a never-ready one answers up-but-not-ready (then `partial`: never in the histograms). A
+  process first seen more than START_GRACE_INTERVALS intervals + START_GRACE_SECONDS after its
+  start is `seen_late`: exact duration, start residency rebuilt from /proc/PID/io, unseen phases
+  left out. A running server's log load_begin (Triton) starts an `in_server` load.
+* It ends `ready` at the first ready probe after the start (or the log's earlier ready line),
+  `failed` when the process goes first or the log reports a fatal error. A ready server whose
+  probes fail while its process runs stays `ready` (a hang, logged once).
+* Phases only move forward: starting -> loading_weights -> initializing -> ready; the log's
+  markers, where there is a log, give exact boundaries and win.
+* Where the tree's weight files can be seen (sources/weightfiles.py) they decide: the weights
+  begin at the first open or map; progress is the bytes consumed, pushed by residency, storage
+  and PCIe signals never past the files held. The weights end at DONE_RATIO, after
+  QUIET_INTERVALS with no weight file held, or at QUIET_DONE_RATIO once progress stopped rising
+  for QUIET_INTERVALS.
+* Elsewhere progress is the best ratio of the counters of one group, chosen by the start's cache
+  temperature (temperature(): WARM_SHARE, COLD_SHARE): storage signals for cold and mixed loads,
+  whole-tree signals (GPU memory, read() bytes) for warm ones. Weights begin at BEGIN_RATIO
+  (backdated to the last tick without a rise) and end as above.
+* A tick moved when a byte signal changed by MOVE_BYTES, the probe result or the phase changed;
+  CPU time is not progress. Stalled = in progress and nothing moved for `stall_after`.
+* Throughput is the progress over RATE_WINDOW_SECONDS (at least RATE_MIN_INTERVALS intervals);
+  ETA = remaining weights / throughput + history's medians for the phases ahead, from loads of
+  the same temperature (CACHE_INDEPENDENT phases from any). None wherever a part has no basis.
 """
 
 from __future__ import annotations
@@ -104,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypedDict
 
-from exporter.activity import ActivityWatch
+from exporter.activity import MOVE_BYTES, ActivityWatch
 from exporter.api import LoadReport
 from exporter.logmarkers import EventKind, LogEvent, StepTimeline, tighten
 from exporter.vocabulary import (
@@ -121,22 +57,40 @@ from exporter.vocabulary import (
 # Tie-break order when two signals report the same progress.
 PROGRESS_SOURCES = tuple(Signal)
 
+# Distinct failed probes in a row that make a ready endpoint-only target a load (and a hung
+# server with process matching worth a log line): one dropped probe is a network blip, not a load.
 ENDPOINT_FAILURES_FOR_LOAD = 3
+# A process first seen more than START_GRACE_INTERVALS sampling intervals plus START_GRACE_SECONDS
+# after its start is seen_late: one the exporter watched start is seen within a tick or two
+# (discovery, a slow tick), and the fixed second covers start-time rounding on short intervals.
 START_GRACE_INTERVALS = 2.0
 START_GRACE_SECONDS = 1.0
+# Resident share of the weights at the start that makes a load warm (>=) or cold (<=), mixed
+# between: a few pages either way (a stray read, some eviction) must not change the label.
 WARM_SHARE = 0.9
 COLD_SHARE = 0.1
+# Progress at which starting becomes loading_weights: above the noise counters show while the
+# interpreter imports, yet early enough that the weights phase loses almost nothing.
 BEGIN_RATIO = 0.01
+# Progress at which the weights are in: not 1.0, since sizes and counters rarely meet exactly.
 DONE_RATIO = 0.999
+# Progress at which weights that stopped rising for QUIET_INTERVALS count as in: a loader that
+# skips some bytes (unused tensors, a file read in part) never reaches DONE_RATIO.
 QUIET_DONE_RATIO = 0.9
+# Intervals without a rise (or with no weight file held) that end the weights: long enough for a
+# slow shard boundary, short enough that initializing is not mostly billed to the weights.
 QUIET_INTERVALS = 5
+# Throughput is the progress over the last RATE_WINDOW_SECONDS, and over no fewer than
+# RATE_MIN_INTERVALS intervals: smooth enough for an ETA, still following a change of pace.
 RATE_WINDOW_SECONDS = 10.0
 RATE_MIN_INTERVALS = 3
-MOVE_BYTES = 1 << 20
+# MOVE_BYTES (exporter/activity.py): a byte signal's change that counts as movement for stalls.
 # Phases whose length does not depend on the page cache: ETAs may take them from any load.
 FINE_STEPS = (Step.KV_CACHE, Step.COMPILE, Step.CUDA_GRAPH, Step.WARMUP)
 CACHE_INDEPENDENT: tuple[str, ...] = (Phase.INITIALIZING, *FINE_STEPS)
-LOG_SKEW_SECONDS = 1.0  # a log line stamped this much before a load's start still belongs to it
+# A log line stamped this much before a load's start still belongs to it: log stamps and the
+# process start time come from different clocks, and many servers stamp whole seconds.
+LOG_SKEW_SECONDS = 1.0
 FATAL_WITHOUT_DETAIL = "the server's log reported a fatal error"
 
 _STORAGE = (Signal.PAGE_CACHE, Signal.PROCESS_READS, Signal.DISK_READS)

@@ -7,6 +7,7 @@ it points to, goes stale when a file or a section moves.
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -18,6 +19,8 @@ MAX_README_LINES = 300
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 HEADING = re.compile(r"^#{1,6} +(.+?) *#*$")
+# `module.NAME`: the constant NAME of exporter/module.py, as docs/how-it-decides.md cites a rule.
+CONSTANT = re.compile(r"`((?:[a-z_]+\.)+)([A-Z][A-Z0-9_]*)`")
 
 
 def pages() -> list[Path]:
@@ -104,3 +107,18 @@ def test_anchors_follow_githubs_rule(tmp_path: Path) -> None:
         "notes",
         "notes-1",
     }
+
+
+def test_every_rule_constant_the_docs_cite_exists() -> None:
+    """how-it-decides.md cites each threshold by name (`tracker.DONE_RATIO`), so a reader finds
+    the rule and its reason in the code; a renamed or removed constant must not leave it pointing
+    at nothing."""
+    page = DOCS / "how-it-decides.md"
+    cited = {m.groups() for line in prose(page) for m in CONSTANT.finditer(line)}
+    missing = [
+        f"{module}{name}"
+        for module, name in sorted(cited)
+        if not hasattr(importlib.import_module(f"exporter.{module.rstrip('.')}"), name)
+    ]
+    assert len(cited) >= 10, f"how-it-decides.md cites only {len(cited)} constants"
+    assert not missing, f"how-it-decides.md cites constants that do not exist: {missing}"

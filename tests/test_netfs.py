@@ -27,7 +27,7 @@ from exporter.sources.netfs import (
     parse_llite_stats,
     parse_mountstats,
 )
-from exporter.sources.pagecache import ResidencySource
+from exporter.sources.residency import ResidencySource
 from exporter.sources.storage import WeightStorage
 from exporter.vocabulary import StorageKind
 

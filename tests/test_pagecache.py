@@ -26,14 +26,13 @@ from helpers.users import NOBODY, as_nobody, nobody_python
 from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
-from exporter.sources.pagecache import (
+from exporter.sources.pagecache import measure, walk_weights
+from exporter.sources.residency import (
     DEPARTED_SHARE_FOR_PASS,
     MIN_READS_FOR_PASS,
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
     ResidencySource,
-    discover,
-    measure,
 )
 
 MiB = 1 << 20
@@ -221,7 +220,7 @@ def test_include_globs_and_non_regular_files(tmp_path: Path) -> None:
     (tmp_path / "null.bin").symlink_to("/dev/null")
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(tmp_path / "sock.safetensors"))
-        tree = discover(weights(tmp_path, include=("*.safetensors", "*.gguf")))
+        tree = walk_weights(weights(tmp_path, include=("*.safetensors", "*.gguf")))
         s = ResidencySource(weights(tmp_path, include=("*.safetensors", "*.gguf"))).sample()
 
     assert [f.name for f in tree.files] == ["a.safetensors", "nested.safetensors/deep/c.gguf"]
@@ -257,7 +256,7 @@ def test_root_may_be_a_file_and_names_stay_unique_across_roots(tmp_path: Path) -
 def test_file_vanishing_between_discovery_and_measurement(tmp_path: Path) -> None:
     for name in ("a", "b", "c"):
         write_uncached(tmp_path / f"{name}.safetensors", MiB)
-    tree = discover(weights(tmp_path))
+    tree = walk_weights(weights(tmp_path))
     (tmp_path / "b.safetensors").unlink()
 
     r = measure(tree.files, per_file=True)
@@ -271,7 +270,7 @@ def test_file_vanishing_between_discovery_and_measurement(tmp_path: Path) -> Non
 def test_file_replaced_by_another_inode(tmp_path: Path) -> None:
     a = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
     b = write_uncached(tmp_path / "b.safetensors", 4 * MiB)
-    tree = discover(weights(tmp_path))
+    tree = walk_weights(weights(tmp_path))
     new = write_uncached(tmp_path / "new.tmp", 6 * MiB)
     read_part(new, 3 * MiB)
     os.replace(new, a)  # a is now a different, bigger, partly cached file
@@ -288,7 +287,7 @@ def test_file_replaced_by_another_inode(tmp_path: Path) -> None:
 @needs_fincore
 def test_file_shrunk_after_discovery(tmp_path: Path) -> None:
     a = write_uncached(tmp_path / "a.safetensors", 8 * MiB)
-    tree = discover(weights(tmp_path))
+    tree = walk_weights(weights(tmp_path))
     read_part(a, 8 * MiB)
     os.truncate(a, 5 * MiB + 10)
 
@@ -513,7 +512,7 @@ from exporter.sources import pagecache
 directory, path = sys.argv[1], sys.argv[2]
 out = {}
 for methods in (("cachestat", "mincore"), ("mincore",)):
-    src = pagecache.ResidencySource(
+    src = ResidencySource(
         WeightsConfig(paths=(directory,), include=("*.safetensors",)), methods=methods
     )
     s = src.sample()

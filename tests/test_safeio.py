@@ -10,7 +10,7 @@ import pytest
 
 from exporter.config import WeightsConfig
 from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
-from exporter.sources.pagecache import discover
+from exporter.sources.pagecache import walk_weights
 from exporter.untrusted import clean
 
 
@@ -64,11 +64,11 @@ def test_a_weights_walk_never_enters_proc_and_stops_at_its_bound(tmp_path: Path)
     for i in range(5):
         (model / f"model-{i}.safetensors").write_bytes(b"x")
     (model / "host").symlink_to("/proc")
-    tree = discover(WeightsConfig(paths=(str(model),)))
+    tree = walk_weights(WeightsConfig(paths=(str(model),)))
     assert len(tree.files) == 5
-    assert not discover(WeightsConfig(paths=("/proc",))).files
+    assert not walk_weights(WeightsConfig(paths=("/proc",))).files
     with pytest.raises(Refused) as refused:
-        discover(WeightsConfig(paths=(str(model),)), max_entries=4)
+        walk_weights(WeightsConfig(paths=(str(model),)), max_entries=4)
     assert refused.value.reason == "too_many_files"
 
 

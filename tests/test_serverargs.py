@@ -15,7 +15,13 @@ import pytest
 from helpers.require import require
 
 from exporter.config import ConfigError, parse_config
-from exporter.discovery import _local_addresses, _probe_host, _snapshot, _url_host, target_name
+from exporter.discovery import (
+    _local_addresses,
+    _probe_host,
+    _revision_snapshot,
+    _url_host,
+    target_name,
+)
 from exporter.serverargs import SECRET, find_launch, recognise
 
 LAUNCHES: list[tuple[list[str], str | None]] = [
@@ -262,10 +268,10 @@ def test_snapshot_follows_refs_like_huggingface_hub(tmp_path: Path) -> None:
     repo = _repo(tmp_path, old, new)
     (repo / "refs" / "main").write_text(old)
     (repo / "refs" / "v2").write_text(new + "\n")
-    assert _snapshot(str(repo), None)[0] == f"{repo}/snapshots/{old}"
-    assert _snapshot(str(repo), "v2")[0] == f"{repo}/snapshots/{new}"
-    assert _snapshot(str(repo), new)[0] == f"{repo}/snapshots/{new}"
+    assert _revision_snapshot(str(repo), None)[0] == f"{repo}/snapshots/{old}"
+    assert _revision_snapshot(str(repo), "v2")[0] == f"{repo}/snapshots/{new}"
+    assert _revision_snapshot(str(repo), new)[0] == f"{repo}/snapshots/{new}"
     (repo / "refs" / "main").unlink()
-    path, how = _snapshot(str(repo), None)
+    path, how = _revision_snapshot(str(repo), None)
     assert path == f"{repo}/snapshots/{new}" and "newest of 2" in how
-    assert _snapshot(str(tmp_path / "missing"), None)[0] is None
+    assert _revision_snapshot(str(tmp_path / "missing"), None)[0] is None

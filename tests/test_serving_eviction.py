@@ -25,7 +25,7 @@ from test_dashboard_prometheus import SIM, AlertStates, Prometheus
 from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
 from exporter.sim.shards import generate_shards
 from exporter.sources import MEMORY, PAGECACHE
-from exporter.sources.pagecache import SERVING_REFRESH_SECONDS
+from exporter.sources.residency import SERVING_REFRESH_SECONDS
 
 SHARDS, SHARD_SIZE = 4, 4 << 20
 DEADLINE = 60.0  # DESIGN: an eviction is seen within a minute

@@ -14,7 +14,7 @@ from test_netfs import FIXTURES, FakeHost
 from exporter.cachectl import prewarm
 from exporter.config import WeightsConfig
 from exporter.sources import ZFS
-from exporter.sources.pagecache import ResidencySource
+from exporter.sources.residency import ResidencySource
 from exporter.sources.storage import WeightStorage
 from exporter.sources.zfs import ZfsSource, parse_kstat_io, parse_kstat_named, pool_of
 from exporter.vocabulary import Cache, StorageKind

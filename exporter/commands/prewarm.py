@@ -35,7 +35,8 @@ from exporter.config import DEFAULT_INCLUDE, WeightsConfig
 from exporter.ownedfiles import OwnedFiles
 from exporter.safeio import Refused
 from exporter.sources.memory import read_meminfo
-from exporter.sources.pagecache import PassResult, WeightFile, discover, measure_planned
+from exporter.sources.pagecache import PassResult, WeightFile, walk_weights
+from exporter.sources.residency import measure_planned
 from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.vocabulary import StorageKind
 
@@ -81,7 +82,7 @@ def find_files(paths: Sequence[str], include: Sequence[str]) -> tuple[WeightFile
         if not os.path.exists(path):
             raise UsageError(f"{path} does not exist")
     absolute = tuple(os.path.abspath(p) for p in paths)
-    files = discover(WeightsConfig(paths=absolute, include=tuple(include))).files
+    files = walk_weights(WeightsConfig(paths=absolute, include=tuple(include))).files
     if not files:
         raise UsageError(f"no weight files under {' '.join(paths)} (include: {' '.join(include)})")
     return files

@@ -25,7 +25,7 @@ from exporter.http.app import HttpServer, WebApp
 from exporter.logsetup import setup_logging
 from exporter.runtime import Runtime
 from exporter.sim.shards import generate_shards
-from exporter.sources.pagecache import discover
+from exporter.sources.pagecache import walk_weights
 from exporter.tracker import TargetState
 from exporter.units import parse_size
 from exporter.vocabulary import Cache
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             while args.cycles == 0 or cycle < args.cycles:
                 kind = Cache.COLD if cycle % args.cold_every == 0 else Cache.WARM
                 if kind is Cache.COLD:
-                    for f in discover(config.targets[0].weights).files:  # type: ignore[arg-type]
+                    for f in walk_weights(config.targets[0].weights).files:  # type: ignore[arg-type]
                         evict(f.path)
                 cycle += 1
                 server = subprocess.Popen(

@@ -28,26 +28,6 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Health:
-    """What a sample that was taken says of itself beside its numbers."""
-
-    up: bool = True  # False: taken, but its number is unknowable (residency as `nobody`)
-    reason: str | None = None  # why not up
-    note: str | None = None  # what a status reader should know although it is up
-
-
-FINE = Health()
-
-
-class Sample:
-    """The base of every source's sample (a frozen dataclass in base units): the sampler files
-    a reading's `ok` and error from `health()`, the status page its note."""
-
-    def health(self) -> Health:
-        return FINE
-
-
-@dataclass(frozen=True)
 class SourceKey(Generic[T]):
     """A source's name (the `source` label) and whether it samples per target or per host."""
 

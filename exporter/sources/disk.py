@@ -13,8 +13,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from exporter.sources import Sample
 from exporter.sources.backing import Layer
+from exporter.sources.sample import Sample
 from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
 

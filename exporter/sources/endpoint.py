@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from exporter import __version__
 from exporter.config import EndpointConfig
 from exporter.servers import SERVERS
-from exporter.sources import Sample
+from exporter.sources.sample import Sample
 from exporter.vocabulary import ProbeKind, ProbeResult, ServerKind
 
 MAX_BODY_BYTES = 1024 * 1024  # a 1-token completion or a model list is far smaller

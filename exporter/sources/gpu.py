@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
-from exporter.sources import Health, Sample
 from exporter.sources.nvml_pids import NvmlPidCheck
+from exporter.sources.sample import Health, Sample
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from exporter.config import LogConfig
 from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline
-from exporter.sources import Health, Sample
+from exporter.sources.sample import Health, Sample
 from exporter.vocabulary import LogEncoding, Step
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from exporter.sources import Sample
 from exporter.sources.pagecache import PAGE_SIZE
+from exporter.sources.sample import Sample
 
 _FIELDS = {
     "MemTotal": "total_bytes",

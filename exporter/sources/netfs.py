@@ -28,8 +28,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from exporter.sources import Health, Sample
 from exporter.sources.mounts import Mount, namespace_of, unescape
+from exporter.sources.sample import Health, Sample
 from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from exporter.config import ProcessConfig
-from exporter.sources import Health, Sample
+from exporter.sources.sample import Health, Sample
 
 _UNIT_SUFFIXES = (".service", ".scope")
 CMDLINE_SETTLE_SECONDS = 5.0

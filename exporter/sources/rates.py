@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 
-class Rates:
+class CounterRates:
     """The previous (time, total) of each key; `rate` replaces it. One sampling thread only."""
 
     def __init__(self) -> None:

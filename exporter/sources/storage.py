@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from exporter.config import WeightsConfig
-from exporter.sources import Health, Sample
 from exporter.sources.backing import MAX_DEPTH, Layer, describe
 from exporter.sources.below import (
     Below,
@@ -44,6 +43,7 @@ from exporter.sources.below import (
 )
 from exporter.sources.mounts import Mount, Mounts, Placed, relative_to
 from exporter.sources.pagecache import WeightFile
+from exporter.sources.sample import Health, Sample
 from exporter.vocabulary import Cache, StorageKind
 
 _READ_COUNTED_BY = {

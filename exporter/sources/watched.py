@@ -18,7 +18,7 @@ from functools import partial
 from exporter.asprocess import OnBehalf
 from exporter.sources.backing import Layer, describe
 from exporter.sources.mounts import Mounts, Placed
-from exporter.sources.rates import Rates
+from exporter.sources.rates import CounterRates
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class CounterSource:
         self._proc_root = proc_root
         self._sys_root = sys_root
         self._clock = clock
-        self._rates = Rates()
+        self._rates = CounterRates()
 
     def watch(
         self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None

@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 
 from exporter.asprocess import OnBehalf
 from exporter.config import WeightsConfig
-from exporter.sources import Health, Sample
-from exporter.sources.pagecache import WeightFile, WeightTree, discover
+from exporter.sources.pagecache import WeightFile, WeightTree, walk_weights
 from exporter.sources.process import ProcessSample
+from exporter.sources.sample import Health, Sample
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 WALK_TIMEOUT = 5.0  # seconds a walk of a discovered server's weights may take (a hung mount)
@@ -231,7 +231,7 @@ class WeightFilesSource:
             self._root = root
             self._reset()
         try:
-            self._follow(tree.pids, now)
+            self._scan_tree(tree.pids, now)
         except _Blind as exc:
             return self._report(now, False, str(exc))
         return self._report(now, True, None)
@@ -255,11 +255,11 @@ class WeightFilesSource:
         tree = self._weight_tree
         if tree is not None and not tree.changed():
             return tree
-        return discover(self._weights, self._max_entries)
+        return walk_weights(self._weights, self._max_entries)
 
     # -- following the tree ------------------------------------------------------------------
 
-    def _follow(self, pids: Iterable[int], now: float) -> None:
+    def _scan_tree(self, pids: Iterable[int], now: float) -> None:
         live = set(pids)
         for pid in list(self._procs):
             if pid not in live:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from exporter.sources import Health, Sample
+from exporter.sources.sample import Health, Sample
 from exporter.sources.watched import CounterSource
 from exporter.vocabulary import StorageKind
 
