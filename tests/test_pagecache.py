@@ -509,6 +509,7 @@ import json, os, sys
 from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources import pagecache
+from exporter.sources.residency import ResidencySource
 directory, path = sys.argv[1], sys.argv[2]
 out = {}
 for methods in (("cachestat", "mincore"), ("mincore",)):
