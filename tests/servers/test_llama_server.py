@@ -185,7 +185,10 @@ def test_a_gguf_in_splits_and_a_load_without_mmap(binary: Path, tmp_path: Path) 
     assert len(parts) == 3 and sorted(r["discovered_weights"]) == sorted(map(str, parts)), r
     assert r["weights_bytes"] == sum(p.stat().st_size for p in parts), r
     check(REPORT["no_mmap"], "cold")
+    # Progress seen while it reads: from the file view, or from the page cache or the tree's
+    # reads where one of those led at that look (which leads depends on when the looks land).
     assert any(
-        0.0 < (s["progress"] or 0) < 1.0 and s["source"] == "weight_files"
+        0.0 < (s["progress"] or 0) < 1.0
+        and s["source"] in ("weight_files", "page_cache", "process_reads")
         for s in REPORT["no_mmap"]["live"]
     ), REPORT["no_mmap"]["live"]
