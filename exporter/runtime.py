@@ -180,13 +180,10 @@ class Runtime:
         """The targets watched now, by name (exporter/admission.py keeps the set)."""
         return self.admission.targets
 
-    def discover(self) -> None:
-        """One discovery pass when due (exporter/admission.py)."""
-        self.admission.discover()
-
     # -- what admission asks of the wiring (exporter/admission.Wiring) ------------------------
 
     def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
+        """A target's tracker, prober and probe cadence; wire() builds its sources."""
         return TargetRuntime(
             config=config,
             tracker=self._tracker(config),
@@ -200,8 +197,6 @@ class Runtime:
             residency=None,
             discovered=found,
         )
-
-    # -- targets -----------------------------------------------------------------------------
 
     def wire(self, runtime: TargetRuntime) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
@@ -303,6 +298,7 @@ class Runtime:
         self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
 
     def unwire(self, runtime: TargetRuntime) -> None:
+        """Stop a dropped target's sources and forget what was measured of it."""
         name = runtime.config.name
         runtime.prober.close()
         self.sampler.remove(name)
@@ -316,6 +312,7 @@ class Runtime:
             runtime.logs.close()
 
     def pids_watched(self, name: str) -> Collection[int]:
+        """The processes a target's tree holds now, as its last process sample found them."""
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
 
@@ -326,6 +323,8 @@ class Runtime:
             expectations=self.history,
             interval=self.config.sample_interval,
         )
+
+    # -- the loops ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self.sampler.start()
