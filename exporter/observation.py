@@ -18,10 +18,10 @@ from exporter.sources.disk import DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuSample, process_gpu_memory
 from exporter.sources.logs import LogSample, new_events
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.sources.storage import StorageDescription
+from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import WeightFilesSample
+from exporter.storage.description import StorageDescription
 from exporter.tracker import FileView, Observation, TargetState
 from exporter.vocabulary import Cache, ProbeResult
 

@@ -33,7 +33,8 @@ from exporter.explain import baseline, report, storage_reads
 from exporter.forecast import Forecast, forecast
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
-from exporter.logfind import LogFinding, find_log
+from exporter.logs.find import LogFinding, find_log
+from exporter.nvml_pids import NvmlPidCheck
 from exporter.observation import (
     Marked,
     TargetReadings,
@@ -71,17 +72,16 @@ from exporter.sources.gpu import NvmlSource, mark_pcie
 from exporter.sources.logs import LogSample, LogSource
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
-from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessFinder, ProcessSample
 from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
+    ResidencySample,
     ResidencySource,
 )
-from exporter.sources.storage import WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
+from exporter.storage.description import WeightStorage
 from exporter.target import TargetRuntime
 from exporter.targethistory import TargetHistory, read_history
 from exporter.tracker import LoadRecord, TargetState, Tracker
@@ -116,7 +116,7 @@ class Runtime:
         self.config = config
         self._clock = clock
         self._proc_root = proc_root
-        self._host_root = host_root  # where container runtimes' logs are (exporter/logfind.py)
+        self._host_root = host_root  # where container runtimes' logs are (exporter/logs/find.py)
         self.pacing = Pacing(config.sample_interval, quiet_interval)
         self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
@@ -575,7 +575,7 @@ class Runtime:
         A configured log opens once it is known where to start reading a journal: from the server
         process's start (so an exporter started mid-load still reads the whole load's markers),
         or from now when there is no process or it is not running. Without `log:`, each new
-        server process (a restart too) has its log found afresh (exporter/logfind.py).
+        server process (a restart too) has its log found afresh (exporter/logs/find.py).
         """
         name = runtime.config.name
         process = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from exporter.config import TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.explain import Counters
-from exporter.logfind import LogFinding
+from exporter.logs.find import LogFinding
 from exporter.observation import FilesNews, Marked
 from exporter.pacing import ProbeCadence
 from exporter.sources.endpoint import EndpointProber
@@ -19,8 +19,8 @@ from exporter.sources.gpu import PcieMarks
 from exporter.sources.logs import LogSource
 from exporter.sources.process import ProcessFinder
 from exporter.sources.residency import ResidencySource
-from exporter.sources.storage import WeightStorage
 from exporter.sources.weightfiles import WeightFilesSource
+from exporter.storage.description import WeightStorage
 from exporter.targethistory import TargetHistory
 from exporter.tracker import TargetState, Tracker
 from exporter.vocabulary import Phase, ProbeResult

@@ -8,7 +8,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from exporter.logmarkers import LogEvent
+from exporter.logs.format import EventKind
+from exporter.logs.markers import LogEvent
 from exporter.observation import (
     Marked,
     TargetReadings,
@@ -24,17 +25,16 @@ from exporter.observation import (
     tree_rx,
 )
 from exporter.sampler import Reading
-from exporter.servers.logformat import EventKind
 from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample
 from exporter.sources.logs import LogSample
 from exporter.sources.netfs import MountReads, NetFsSample
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.sources.storage import StorageDescription
+from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import PoolReads, ZfsSample
+from exporter.storage.description import StorageDescription
 from exporter.tracker import FileView, TargetState, Tracker
 from exporter.vocabulary import Cache, ProbeResult, Step, StorageKind
 
