@@ -3,8 +3,9 @@
 The sampler threads write readings; one tracker tick per interval turns the latest readings of each
 target into an `Observation` (exporter/observation.py), feeds the tracker and files finished
 loads. `snapshot()` hands the HTTP side an immutable view, so a scrape never waits on a source.
-Which targets there are, configured or discovered, is exporter/admission.py's; this module builds
-each target's sources and registers their loops.
+Which targets there are, configured or discovered, is exporter/admission.py's, and which log each
+follows exporter/logs/follow.py's; this module builds each target's sources and registers their
+loops.
 
 How often each loop runs is exporter/pacing.py's: the runtime hands it what it last saw. An exit
 or a news reading (exporter/observation.py says which) wakes the loops at once (`_after_process`,
@@ -25,15 +26,15 @@ from typing import Any
 
 from exporter import __version__
 from exporter.admission import Admission, on_behalf, on_behalf_of
-from exporter.asprocess import Actor, Borrowed, OnBehalf
-from exporter.config import Config, LogConfig, TargetConfig
+from exporter.asprocess import Actor, OnBehalf
+from exporter.config import Config, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer
 from exporter.exitwatch import ExitWatch
 from exporter.explain import baseline, report, storage_reads
 from exporter.forecast import Forecast, forecast
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
-from exporter.logs.find import LogFinding, find_log
+from exporter.logs.follow import TargetLog, read_every_interval
 from exporter.nvml_pids import NvmlPidCheck
 from exporter.observation import (
     Marked,
@@ -48,9 +49,8 @@ from exporter.observation import (
 )
 from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.refusals import Refusals
-from exporter.safeio import Refused, open_checked
+from exporter.safeio import Refused
 from exporter.sampler import Reading, Sampler
-from exporter.servers import SERVERS
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
@@ -69,7 +69,7 @@ from exporter.sources import (
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
 from exporter.sources.gpu import NvmlSource, mark_pcie
-from exporter.sources.logs import LogSample, LogSource
+from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
 from exporter.sources.process import ProcessFinder, ProcessSample
@@ -91,7 +91,6 @@ log = logging.getLogger(__name__)
 
 TRACKER_LOOP = "tracker"
 DISCOVERY_LOOP = "discovery"
-LOG_OPEN_TIMEOUT = 5.0  # seconds opening a discovered server's log may take (a hung mount)
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
 
@@ -183,8 +182,14 @@ class Runtime:
     # -- what admission asks of the wiring (exporter/admission.Wiring) ------------------------
 
     def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
-        """A target's tracker, prober and probe cadence; wire() builds its sources."""
-        return TargetRuntime(
+        """A target's tracker, prober, probe cadence and log; wire() builds its sources."""
+
+        def log_rights(pid: int) -> OnBehalf | None:  # a found log is read as its process reads
+            return on_behalf(self.actor, self._proc_root, runtime.discovered) or on_behalf_of(
+                self.actor, self._proc_root, pid
+            )
+
+        runtime = TargetRuntime(
             config=config,
             tracker=self._tracker(config),
             prober=EndpointProber(config.endpoint),
@@ -195,8 +200,17 @@ class Runtime:
             ),
             finder=None,
             residency=None,
+            log=TargetLog(
+                config.name,
+                config.log,
+                log_rights,
+                clock=self._clock,
+                proc_root=self._proc_root,
+                host_root=self._host_root,
+            ),
             discovered=found,
         )
+        return runtime
 
     def wire(self, runtime: TargetRuntime) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
@@ -308,8 +322,7 @@ class Runtime:
         self.phase_durations.forget(name)
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
-        if runtime.logs is not None:
-            runtime.logs.close()
+        runtime.log.close()
 
     def pids_watched(self, name: str) -> Collection[int]:
         """The processes a target's tree holds now, as its last process sample found them."""
@@ -336,8 +349,7 @@ class Runtime:
         self.actor.close()
         self.exits.close()
         for runtime in self.targets.values():
-            if runtime.logs is not None:
-                runtime.logs.close()
+            runtime.log.close()
         self.nvml.close()
         self.history.close()
 
@@ -356,9 +368,9 @@ class Runtime:
             runtimes = list(self.targets.values())
         moved = False  # a phase changed: paces change with it
         for runtime in runtimes:
-            self._open_log(runtime, now)
+            self._follow_log(runtime, now)
             seen_now = observe(self._readings(runtime, disk), now)
-            runtime.log_seq = seen_now.log_seq
+            runtime.log.seq = seen_now.log_seq
             observation, gpu_memory = seen_now.observation, seen_now.gpu_memory
             name = runtime.config.name
             if runtime.residency is not None:
@@ -440,10 +452,7 @@ class Runtime:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
-        found_for = runtime.log_for
-        gone = process is not None and found_for is not None and root != found_for[0]
-        if gone and runtime.logs is not None:  # its log was found for that process: no more
-            runtime.logs.finish()
+        runtime.log.process_seen(process)
         if root == runtime.watched_pid:
             return
         if runtime.watched_pid is not None:
@@ -539,7 +548,7 @@ class Runtime:
         result = value.result if value is not None else None
         last, runtime.last_result = runtime.last_result, result
         if probe_is_news(result, last, runtime.cadence.phase in IN_PROGRESS):
-            if result is ProbeResult.READY and runtime.logs is not None:
+            if result is ProbeResult.READY and runtime.log.source is not None:
                 self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
@@ -569,106 +578,32 @@ class Runtime:
             state.failed_probes,
         )
 
-    def _open_log(self, runtime: TargetRuntime, now: float) -> None:
-        """Follow a target's log: the configured one, else the one its server process writes.
-
-        A configured log opens once it is known where to start reading a journal: from the server
-        process's start (so an exporter started mid-load still reads the whole load's markers),
-        or from now when there is no process or it is not running. Without `log:`, each new
-        server process (a restart too) has its log found afresh (exporter/logs/find.py).
-        """
+    def _follow_log(self, runtime: TargetRuntime, now: float) -> None:
+        """Sample the log exporter/logs/follow.py says the target follows now."""
         name = runtime.config.name
-        process = None
-        if runtime.finder is not None:
-            reading = self.sampler.latest(PROCESS, name)
-            if reading is None:
-                return  # the first process sample is not in yet
-            process = reading.good
-        start = process.start_time if process is not None and process.found else None
-        configured = runtime.config.log
-        if configured is not None:
-            if runtime.logs is None:
-                self._follow_log(runtime, configured, now if start is None else start)
+        watched = runtime.finder is not None
+        process = self.sampler.latest(PROCESS, name) if watched else None
+        switch = runtime.log.update(now, process, watched=watched)
+        if switch is None:
             return
-        if start is None or process is None or process.root_pid is None:
-            return
-        found_for = (process.root_pid, start)
-        if found_for == runtime.log_for:
-            return
-        runtime.log_for = found_for
-        if runtime.logs is not None:  # an older process's log
+        if switch.stopped:
             self.sampler.discard(LOGS, name)
-            runtime.logs.close()
-            runtime.logs, runtime.log_seq = None, 0
-        behalf: OnBehalf | None = None
-        finding: LogFinding | None = None
-        try:  # a found log is the process's: read with its rights, whoever configured the target
-            behalf = on_behalf(self.actor, self._proc_root, runtime.discovered) or on_behalf_of(
-                self.actor, self._proc_root, process.root_pid
+        if switch.opened is not None:
+            self.sampler.add(
+                LOGS,
+                name,
+                switch.opened.sample,
+                every=self._log_pace(runtime),
+                after=lambda reading: self._after_log(runtime, reading),
             )
-        except Borrowed as exc:
-            finding = LogFinding(None, f"its log is not read: {exc}")
-        except ProcessLookupError:
-            pass  # a configured target's process whose credentials cannot be read (gone, or a
-            # /proc tree without them): its log, if any is found, with the exporter's rights
-        if finding is None:
-            finding = find_log(
-                process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
-            )
-        with self._lock:
-            runtime.log_finding = finding
-        if finding.config is None:
-            log.info("target %s: no log found: %s", name, finding.why)
-            return
-        log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf, origin=start)
-
-    def _follow_log(
-        self,
-        runtime: TargetRuntime,
-        config: LogConfig,
-        since: float,
-        whole_files: tuple[str, ...] = (),
-        behalf: OnBehalf | None = None,
-        origin: float | None = None,
-    ) -> None:
-        """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
-        with the exporter's own rights; `origin`: the start of the one process the log belongs
-        to (a found log), else None."""
-        opener = None
-        if behalf is not None:  # a discovered server's log is read with its own rights
-
-            def opener(path: str) -> int:
-                return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
-
-        runtime.logs = LogSource(
-            config,
-            since=since,
-            whole_files=whole_files,
-            clock=self._clock,
-            opener=opener,
-            rights=behalf.current if behalf is not None else None,
-            origin=origin,
-        )
-        self.sampler.add(
-            LOGS,
-            runtime.config.name,
-            runtime.logs.sample,
-            every=self._log_pace(runtime),
-            after=lambda reading: self._after_log(runtime, reading),
-        )
 
     def _log_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
-        """A gauge's pace, except for a server that loads models in place (Triton): only its log
-        says at once that a load began inside it, so it is read every interval even when quiet
-        (a pread of nothing new, some microseconds)."""
+        """A gauge's pace, except for a server whose log alone says a load began inside it."""
         name = runtime.config.name
 
         def pace() -> float:
-            reading = self.sampler.latest(LOGS, name)
-            kind = reading.good.format if reading is not None and reading.good else None
-            in_place = kind is not None and SERVERS[kind].loads_in_place
-            return self.pacing.source(runtime.settled and not in_place, self._failing(LOGS, name))
+            every = read_every_interval(self.sampler.latest(LOGS, name))
+            return self.pacing.source(runtime.settled and not every, self._failing(LOGS, name))
 
         return pace
 
@@ -677,7 +612,7 @@ class Runtime:
         for a read of the log after the answer (it dates a short load's phases); between loads,
         a line may begin a load inside the running server, or say it unloaded a model."""
         in_progress = runtime.cadence.phase in IN_PROGRESS
-        if log_is_news(reading.good, runtime.log_seq, in_progress, runtime.last_result):
+        if log_is_news(reading.good, runtime.log.seq, in_progress, runtime.last_result):
             self.sampler.run_soon(TRACKER_LOOP)
 
     def _readings(self, runtime: TargetRuntime, disk: DiskSample | None) -> TargetReadings:
@@ -691,12 +626,12 @@ class Runtime:
             probe=self.sampler.latest(ENDPOINT, name),
             process=self.sampler.value(PROCESS, name) if process_configured else None,
             pagecache=self.sampler.latest(PAGECACHE, name) if runtime.residency else None,
-            logs=self.sampler.latest(LOGS, name) if runtime.logs is not None else None,
+            logs=self.sampler.latest(LOGS, name) if runtime.log.source is not None else None,
             files=self.sampler.latest(WEIGHT_FILES, name) if process_configured else None,
             gpu=self.sampler.value(NVML),
             disk=disk,
             storage=self.sampler.value(STORAGE, name),
-            log_seq=runtime.log_seq,
+            log_seq=runtime.log.seq,
         )
 
     def _finish(
@@ -758,7 +693,7 @@ class Runtime:
                     rt.discovered,
                     pcie_at_start=rt.pcie_at_start,
                     forecast=_forecast(rt.past, by_target.get(name, {})),
-                    log_finding=rt.log_finding,
+                    log_finding=rt.log.finding,
                     startup_advice=rt.past.advice,
                 )
                 for name, rt in self.targets.items()

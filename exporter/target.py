@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from exporter.config import TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.explain import Counters
-from exporter.logs.find import LogFinding
+from exporter.logs.follow import TargetLog
 from exporter.observation import FilesNews, Marked
 from exporter.pacing import ProbeCadence
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.gpu import PcieMarks
-from exporter.sources.logs import LogSource
 from exporter.sources.process import ProcessFinder
 from exporter.sources.residency import ResidencySource
 from exporter.sources.weightfiles import WeightFilesSource
@@ -40,13 +39,10 @@ class TargetRuntime:
     cadence: ProbeCadence
     finder: ProcessFinder | None
     residency: ResidencySource | None
+    log: TargetLog  # which log it follows, and what of it the tracker has seen
     storage: WeightStorage | None = None  # what holds the weights; residency asks it too
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
     gone_since: float | None = None  # a discovered server's process went away at this time
-    logs: LogSource | None = None  # made once the process's start is known (a journal's start)
-    log_seq: int = 0  # the last log event handed to the tracker
-    log_for: tuple[int, float] | None = None  # the process (pid, start) its log was found for
-    log_finding: LogFinding | None = None  # where that log was found, or why none was
     started_at: float | None = None  # start of the load the tick last saw
     state: TargetState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
