@@ -259,13 +259,11 @@ def _headers(value: object, where: str, env: Mapping[str, str]) -> Mapping[str, 
     return dict(_header(name, text, f"{where}.{name}", env) for name, text in value.items())
 
 
-def _probe_path(value: object, where: str, env: Mapping[str, str]) -> str:
-    path = _text(value, where)
+def _check_probe_path(path: str, where: str) -> None:
     if not path.startswith("/"):
         raise ConfigError(f"{where}: must start with '/', got {_short(path)}")
     if _CONTROL_RE.search(path) or " " in path:
         raise ConfigError(f"{where}: spaces or control characters in {_short(path)}")
-    return path
 
 
 def _check_weights_path(path: str, where: str) -> None:
@@ -430,7 +428,7 @@ class EndpointConfig:
     # May carry credentials (http://user:pw@host): shown only as display_url, never in repr.
     url: str = field(repr=False)
     probe: ProbeKind = ProbeKind.COMPLETION
-    path: str = field(default="/v1/completions", metadata=read_by(_probe_path))  # per probe
+    path: str = "/v1/completions"  # the probe's own by default (DEFAULT_PROBE_PATHS)
     model: str | None = None
     timeout: Seconds = DEFAULT_PROBE_TIMEOUT
     ready_interval: Seconds = DEFAULT_READY_INTERVAL
@@ -581,6 +579,8 @@ def _finish_endpoint(values: Values, where: str) -> Values:
     """The URL's allowed schemes and the path's default follow the probe."""
     probe = values.get("probe", ProbeKind.COMPLETION)
     _check_url(values["url"], _key(where, "url"), probe)
+    if "path" in values:
+        _check_probe_path(values["path"], _key(where, "path"))
     return {"path": DEFAULT_PROBE_PATHS[probe], **values}
 
 

@@ -19,12 +19,12 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import api
 from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
 from exporter.config import LogConfig, MetricsConfig, parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
+from exporter.loadreport import LoadReport, PhaseTime, ReadRate, StorageRead
 from exporter.loadstats import Histograms
 from exporter.logfind import LogFinding
 from exporter.refusals import REASONS
@@ -564,17 +564,17 @@ def status_snapshot() -> Snapshot:
         ),
     )
     # Its report: the weights from the page cache at a third of the best rate before.
-    report = api.LoadReport(
+    report = LoadReport(
         expected_seconds=16.0,
         phases=(
-            api.PhaseTime(Phase.STARTING, 0.5, 0.5),
-            api.PhaseTime(Phase.LOADING_WEIGHTS, 12.5, 4.0),
-            api.PhaseTime(Phase.INITIALIZING, 37.0, None),
+            PhaseTime(Phase.STARTING, 0.5, 0.5),
+            PhaseTime(Phase.LOADING_WEIGHTS, 12.5, 4.0),
+            PhaseTime(Phase.INITIALIZING, 37.0, None),
         ),
         page_cache_bytes=15 * GIB,
         storage_bytes=0,
-        storage_reads=(api.StorageRead("disk", "vda", 0),),
-        read_rate=api.ReadRate("page_cache", 15 * GIB / 12.5, 3.9e9),
+        storage_reads=(StorageRead("disk", "vda", 0),),
+        read_rate=ReadRate("page_cache", 15 * GIB / 12.5, 3.9e9),
         reason="weights took 3.1x their warm median: the page cache delivered 1.3 GB/s against "
         "3.9 GB/s",
     )
