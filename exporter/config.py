@@ -92,13 +92,6 @@ class Whole:
     maximum: int = 10**9
 
 
-@dataclass(frozen=True)
-class OneOf:
-    """A str read as one of `choices`."""
-
-    choices: tuple[str, ...]
-
-
 Seconds = Annotated[float, Duration()]
 Count = Annotated[int, Whole()]
 # A key's reader: (YAML value, the key's dotted path for messages, the environment) -> value.
@@ -658,8 +651,6 @@ def _reader(hint: Any) -> KeyReader:
             return lambda v, where, env: parse_duration(v, where, mark.maximum)
         if isinstance(mark, Whole):
             return lambda v, where, env: _count(v, where, mark.maximum)
-        if isinstance(mark, OneOf):
-            return lambda v, where, env: _one_of(v, where, mark.choices)
     if origin in (types.UnionType, Union) and len(args) == 2 and types.NoneType in args:
         return _reader(next(a for a in args if a is not types.NoneType))  # null: not given
     if hint is str:

@@ -18,7 +18,6 @@ from exporter.config import (
     ConfigError,
     Count,
     Duration,
-    OneOf,
     Seconds,
     TargetConfig,
     load_config,
@@ -26,7 +25,7 @@ from exporter.config import (
     read_by,
     read_section,
 )
-from exporter.vocabulary import ProbeKind
+from exporter.vocabulary import LogEncoding, ProbeKind
 
 
 def _upper(value: object, where: str, env: object) -> str:
@@ -40,7 +39,7 @@ class Leaf:
     rate: Seconds = 1.0
     names: tuple[str, ...] = ("a",)
     probe: ProbeKind = ProbeKind.HEALTH
-    colour: Annotated[str, OneOf(("red", "green"))] = "red"
+    colour: LogEncoding = LogEncoding.PLAIN
     shout: str = field(default="x", metadata=read_by(_upper))
 
 
@@ -80,7 +79,7 @@ def test_a_nested_shape_reads_into_its_dataclasses() -> None:
             "on": True,
             "branch": {
                 "leaf": {"rate": "2m", "names": ["x", "y"], "probe": "tcp", "shout": "hey"},
-                "spare": {"colour": "green"},
+                "spare": {"colour": "cri"},
                 "count": 9,
                 "short": "1m",
             },
@@ -90,7 +89,7 @@ def test_a_nested_shape_reads_into_its_dataclasses() -> None:
         "oak",
         Branch(
             leaf=Leaf(rate=120.0, names=("x", "y"), probe=ProbeKind.TCP, shout="HEY"),
-            spare=Leaf(colour="green"),
+            spare=Leaf(colour=LogEncoding.CRI),
             count=9,
             short=60.0,
         ),
@@ -127,7 +126,7 @@ BAD: list[tuple[str, object, str]] = [
     ("over a duration's maximum", {"name": "a", "branch": {"short": "2m"}},
      "tree.branch.short: '2m' is too long (at most 1m)"),
     ("not one of", {"name": "a", "branch": {"leaf": {"colour": "blue"}}},
-     "tree.branch.leaf.colour: must be one of red, green, got 'blue'"),
+     "tree.branch.leaf.colour: must be one of plain, docker, cri, got 'blue'"),
     ("not an enum member", {"name": "a", "branch": {"spare": {"probe": "ping"}}},
      "tree.branch.spare.probe: must be one of completion, health, models, tcp, got 'ping'"),
     ("a field's own reader", {"name": "a", "branch": {"leaf": {"shout": 1}}},
