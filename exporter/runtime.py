@@ -40,7 +40,8 @@ from exporter.explain import Counters, baseline, report, storage_reads
 from exporter.forecast import NO_RATES, Forecast, Rates, forecast, rates
 from exporter.history import EXPECTATION_LOADS, HistoryStore
 from exporter.loadstats import Histograms
-from exporter.logfind import LogFinding, find_log
+from exporter.logs.find import LogFinding, find_log
+from exporter.nvml_pids import NvmlPidCheck
 from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked
@@ -73,18 +74,17 @@ from exporter.sources.gpu import (
 from exporter.sources.logs import LogSample, LogSource, new_events
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
-from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
 from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
+    ResidencySample,
     ResidencySource,
 )
-from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
 from exporter.startupwindow import ADVICE_LOADS, StartupAdvice, advise
+from exporter.storage.description import StorageDescription, WeightStorage
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 

@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import MOVE_BYTES, ActivityWatch
 from exporter.loadreport import LoadReport
-from exporter.logmarkers import EventKind, LogEvent, StepTimeline, tighten
+from exporter.logs.markers import EventKind, LogEvent, StepTimeline, tighten
 from exporter.vocabulary import (
     IN_PROGRESS,
     Activity,
@@ -139,7 +139,7 @@ class Observation:
     log_read_at: float | None = None  # when the log was last read
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
-    # What the storage under the weights says of the label (sources/storage.py): bypass (reads
+    # What the storage under the weights says of the label (storage/description.py): bypass (reads
     # go around the page cache), unknown (the page cache is not what serves them), warm (in
     # memory by construction, tmpfs), or None: residency decides.
     storage_cache: Cache | None = None

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from exporter.history import HistoryStore
-from exporter.logmarkers import EventKind, LogEvent
+from exporter.logs.markers import EventKind, LogEvent
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS
 

@@ -429,13 +429,13 @@ def _rmdir(path: Path) -> bool:
     ],
 )
 def test_row3_only_a_valid_unit_from_the_root_is_a_unit(path: str) -> None:
-    from exporter.logfind import cgroup_owner
+    from exporter.logs.find import cgroup_owner
 
     assert cgroup_owner(path) is None
 
 
 def test_row3_the_unit_is_matched_literally() -> None:
-    from exporter.sources.logs import journalctl_command
+    from exporter.logs.journal import journalctl_command
 
     command = journalctl_command("vllm.service", 0.0, None, literal=True)
     assert "_SYSTEMD_UNIT=vllm.service" in command
