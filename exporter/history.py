@@ -467,8 +467,10 @@ def _typed(hint: Any, value: object, where: str) -> Any:
             raise ValueError(f"{where}: {exc}") from None
     if hint is bool and isinstance(value, int):
         return bool(value)
-    if hint in (int, float) and isinstance(value, int | float) and not isinstance(value, bool):
-        return hint(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)  # JSON and SQLite keep 5.0 as 5
     if isinstance(hint, type) and issubclass(hint, str) and isinstance(value, str):
         return hint(value)  # a StrEnum: ValueError for a word it does not know
     raise ValueError(f"{where}: {value!r} is not {hint}")

@@ -167,6 +167,12 @@ def test_files_of_earlier_versions_read_as_domain_records(tmp_path: Path, versio
             '"storage_bytes": null, "storage_reads": null, "read_rate": null, '
             '"reason": null}',
         ),
+        (
+            "report",
+            '{"expected_seconds": 1.0, "phases": [], "page_cache_bytes": 2.5, '
+            '"storage_bytes": null, "storage_reads": null, "read_rate": null, '
+            '"reason": null}',
+        ),  # a count that is not whole: not cut to 2
         ("phase_seconds", '["starting", 10]'),
         ("phase_seconds", '{"starting": "ten"}'),
     ],
