@@ -249,12 +249,8 @@ def _target(
         storage=_storage(storage) if storage is not None else None,
         gpu_memory=_gpu_memory(snap, view),
         gpu_pcie=_gpu_pcie(snap, view),
-        expected_duration_seconds={
-            str(cache): seconds
-            for (target, cache), seconds in snap.expected_durations.items()
-            if target == name
-        },
-        last_duration_seconds=snap.last_durations.get(name),
+        expected_duration_seconds={str(cache): s for cache, s in view.past.expected.items()},
+        last_duration_seconds=view.past.last,
         weight_files=(
             _weight_files(files.value) if files is not None and files.value is not None else None
         ),
@@ -270,9 +266,7 @@ def _target(
             _mirror(api.RestartForecast, view.forecast) if view.forecast is not None else None
         ),
         probes=_probes(view, snap.time, interval),
-        startup_probe=(
-            _startup_probe(view.startup_advice) if view.startup_advice is not None else None
-        ),
+        startup_probe=(_startup_probe(view.past.advice) if view.past.advice is not None else None),
     )
 
 

@@ -470,17 +470,21 @@ def _load(out: Scrape, view: TargetView) -> None:
 
 
 def _history(out: Scrape, snap: Snapshot) -> None:
-    for (name, cache), seconds in sorted(snap.expected_durations.items()):
-        out.add(EXPECTED, [name, cache], seconds)
-    for name, seconds in sorted(snap.last_durations.items()):
-        out.add(LAST_DURATION, [name], seconds)
-    for name, reason in sorted(snap.slower_reasons.items()):
-        out.add(LAST_SLOWER, [name, reason], 1)
+    """What each target's past loads say (view.past), by target name."""
+    views = sorted(snap.targets, key=lambda v: v.name)
+    for view in views:
+        for cache, seconds in sorted(view.past.expected.items()):
+            out.add(EXPECTED, [view.name, cache], seconds)
+    for view in views:
+        out.add(LAST_DURATION, [view.name], view.past.last)
+    for view in views:
+        if view.past.slower is not None:
+            out.add(LAST_SLOWER, [view.name, view.past.slower], 1)
     for view in snap.targets:
         if view.forecast is not None:
             out.add(RESTART_FORECAST, [view.name], view.forecast.seconds)
-        if view.startup_advice is not None:
-            out.add(STARTUP_WINDOW, [view.name], view.startup_advice.window_seconds)
+        if view.past.advice is not None:
+            out.add(STARTUP_WINDOW, [view.name], view.past.advice.window_seconds)
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):
