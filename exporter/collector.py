@@ -216,6 +216,11 @@ SINCE_PROGRESS = _gauge(
     "seconds_since_progress", "Seconds since any progress signal moved.", "target"
 )
 STALLED = _gauge("stalled", "1 when in progress and nothing moved for stall_after.", "target")
+UNLOADS = _counter(
+    "unloads_total",
+    "Models the running server unloaded (its log says so), since the exporter started.",
+    "target",
+)
 EXPECTED = _gauge(
     "expected_duration_seconds", "Median duration of recent successful loads.", "target", "cache"
 )
@@ -253,7 +258,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
     ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
     PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
-    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LAST_SLOWER,
+    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, UNLOADS, EXPECTED, LAST_DURATION, LAST_SLOWER,
     RESTART_FORECAST, STARTUP_WINDOW,
     LOAD_DURATION, PHASE_DURATION,
 )  # fmt: skip
@@ -467,6 +472,7 @@ def _load(out: Scrape, view: TargetView) -> None:
     out.add(ETA, [name], state.eta_seconds)
     out.add(SINCE_PROGRESS, [name], state.seconds_since_progress)
     out.add(STALLED, [name], 1 if state.stalled else 0)
+    out.add(UNLOADS, [name], state.unloads)  # absent for a server that never loaded in place
 
 
 def _history(out: Scrape, snap: Snapshot) -> None:

@@ -86,6 +86,7 @@ from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
 from exporter.startupwindow import ADVICE_LOADS, StartupAdvice, advise
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
+from exporter.untrusted import clean
 from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
 
 log = logging.getLogger(__name__)
@@ -518,6 +519,10 @@ class Runtime:
             if reads is not None and (not seen or seen[-1].at != reads.at):
                 seen.append(reads)
             record = runtime.tracker.observe(observation)
+            for model in runtime.tracker.unloaded_now:
+                log.info(  # the server's own name for the model: untrusted text
+                    "target %s: the server unloaded model %s", runtime.config.name, clean(model)
+                )
             if record is not None:
                 runtime.tracker.reported(self._finish(runtime, record, reads))
                 self._measure_now(runtime)  # what the next restart would find

@@ -11,7 +11,8 @@ is a named constant below, with why it has its value:
   a never-ready one answers up-but-not-ready (then `partial`: never in the histograms). A
   process first seen more than START_GRACE_INTERVALS intervals + START_GRACE_SECONDS after its
   start is `seen_late`: exact duration, start residency rebuilt from /proc/PID/io, unseen phases
-  left out. A running server's log load_begin (Triton) starts an `in_server` load.
+  left out. A running server's log load_begin (Triton) starts an `in_server` load; a model it
+  unloads is counted (`unloads`, from that server's first load or unload seen on).
 * It ends `ready` at the first ready probe after the start (or the log's earlier ready line),
   `failed` when the process goes first or the log reports a fatal error. A ready server whose
   probes fail while its process runs stays `ready` (a hang, logged once).
@@ -205,6 +206,9 @@ class TargetState:
     in_server: bool = False  # the load is a running server's (a model loaded into it)
     # What the running server last unloaded (its log's name for it), until its next load.
     unloaded: str | None = None
+    # Models the running server unloaded since the exporter started; None until it showed it
+    # loads models in place (a load or an unload inside it), so other servers carry no series.
+    unloads: int | None = None
     # Seconds since each measured signal last moved (exporter/activity.py): what a stall's
     # reason is made of. A signal not measured is absent.
     activity: Mapping[str, float] = field(default_factory=dict)
@@ -328,7 +332,15 @@ class Tracker:
         # before it is no load inside the running server.
         self._serving_since: float | None = None
         self._unloaded: str | None = None
+        self._unloads: int | None = None  # see TargetState.unloads
+        self._unloaded_now: tuple[str, ...] = ()
         self._activity = ActivityWatch()
+
+    @property
+    def unloaded_now(self) -> tuple[str, ...]:
+        """The models the last observation's log said the running server unloaded (its log's
+        names for them): what the runtime logs, one line each."""
+        return self._unloaded_now
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
@@ -336,6 +348,7 @@ class Tracker:
         if prev is not None and obs.time < prev.time:
             return None
         self._logged = obs.log_lines is not None
+        self._unloaded_now = ()
         last_probe = self._probe
         probe = self._take_probe(obs)
         if probe is not None:
@@ -448,6 +461,7 @@ class Tracker:
                 hung=self._hung(),
                 in_server=load.in_server if load else False,
                 unloaded=self._unloaded,
+                unloads=self._unloads,
                 **self._watched(now),
             )
         rate = self._rate(load)
@@ -480,6 +494,7 @@ class Tracker:
             fatal=None,
             failed_probes=self._failed_probes,
             in_server=load.in_server,
+            unloads=self._unloads,
             **self._watched(now),
         )
 
@@ -557,24 +572,32 @@ class Tracker:
 
     def _in_server(self, obs: Observation) -> None:
         """A running server that loads a model (its log's load_begin after it served): a load of
-        this target from that line, its process the same; a model it unloads is said so."""
+        this target from that line, its process the same. A model it unloads is said so and
+        counted, whatever the phase (one model may go while another loads)."""
+        if not obs.process_found:
+            return
         load = self._load
         # A model that failed to load leaves the server serving the others: the next one loads.
         after_failed = self._phase is Phase.FAILED and load is not None and load.in_server
-        if not (self._phase is Phase.READY or after_failed) or not obs.process_found:
-            return
+        may_begin = self._phase is Phase.READY or after_failed
         for event in obs.log_events:
             if event.kind is EventKind.UNLOADED:
-                self._unloaded = event.who or event.detail
-            elif event.kind is EventKind.LOAD_BEGIN and (
-                self._serving_since is None or event.time > self._serving_since
+                who = event.who or event.detail
+                self._unloaded = who
+                self._unloads = (self._unloads or 0) + 1
+                self._unloaded_now = (*self._unloaded_now, who)
+            elif (
+                may_begin
+                and event.kind is EventKind.LOAD_BEGIN
+                and (self._serving_since is None or event.time > self._serving_since)
             ):
+                may_begin = False
                 self._unloaded = None
+                self._unloads = self._unloads or 0
                 self._begin(obs, min(event.time, obs.time), partial=False, seen_failing=False)
                 assert self._load is not None
                 self._load.in_server = True
                 self._load.reads_base = obs.process_read_bytes
-                return
 
     def _count_failure(self, probe: _Probe) -> None:
         """Failed probes in a row: 3 start an endpoint-only load, or make a watched server hung."""

@@ -1438,6 +1438,44 @@ def test_a_model_loaded_into_a_running_server_is_a_load_of_its_own() -> None:
     assert sim.state.in_server and sim.state.unloaded is None
 
 
+def test_models_a_running_server_unloads_are_counted_and_named_once_each() -> None:
+    """Each `successfully unloaded` line counts once and is named once (the runtime logs one
+    line each), whether the server is ready, between two models or loading another; a server
+    that never loaded or unloaded in place carries no count at all (no series)."""
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(2)
+    assert sim.state.unloads is None and sim.tracker.unloaded_now == ()
+    sim.endpoint = "http_error"
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="a")
+    sim.tick()
+    assert sim.state.in_progress and sim.state.unloads == 0  # loads in place: counted from 0
+    sim.endpoint = "ready"
+    sim.tick()
+    sim.say(EventKind.UNLOADED, who="a")
+    sim.say(EventKind.UNLOADED, who="b")  # two in one read of the log
+    sim.tick()
+    assert sim.state.unloads == 2 and sim.state.unloaded == "b"
+    assert sim.tracker.unloaded_now == ("a", "b")
+    sim.tick()
+    assert sim.tracker.unloaded_now == () and sim.state.unloads == 2
+    sim.endpoint = "http_error"
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="c")
+    sim.tick()
+    sim.say(EventKind.UNLOADED, who="a")  # one model goes while another loads
+    sim.tick()
+    assert sim.state.in_progress and sim.state.unloads == 3
+    assert sim.tracker.unloaded_now == ("a",)
+
+    other = Sim(tracker(), logged=True)  # a server that loads its model at start only
+    other.spawn()
+    other.tick(2)
+    other.endpoint = "ready"
+    other.tick(2)
+    assert other.state.phase == "ready" and other.state.unloads is None
+
+
 def test_a_model_that_fails_to_load_into_a_running_server_fails_that_load_only() -> None:
     """Triton's `failed to load 'tiny'` in explicit mode: that load failed, with the server's
     words; the server runs on, and the next model it loads is a load again."""
