@@ -283,3 +283,143 @@ def in_server_load_ended(states: list[dict[str, Any]]) -> bool:
         "ready",
         "failed",
     )
+
+
+POLL_SECONDS = 1  # --repository-poll-secs: the added model is seen within a second
+
+
+class ModelReadyClock:
+    """When model `name` first answered ready, polled every 20 ms from a thread of its own."""
+
+    def __init__(self, server: TritonServer, name: str) -> None:
+        self.at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(server, name), daemon=True)
+        self._thread.start()
+
+    def _run(self, server: TritonServer, name: str) -> None:
+        while not self._stop.is_set() and self.at is None:
+            if server.model_ready(name):
+                self.at = time.time()
+            time.sleep(0.02)
+
+    def result(self, timeout: float) -> float | None:
+        self._thread.join(timeout)
+        self._stop.set()
+        return self.at
+
+
+def test_a_model_added_to_a_polled_repository_is_a_load_of_its_target(
+    triton_dir: Path, triton_repo: Path, tmp_path: Path
+) -> None:
+    """Poll model-control mode (`--model-control-mode=poll --repository-poll-secs=1`): the
+    server starts on an empty repository, ready with nothing loaded; a model then added to the
+    repository (cold, from the throttled disk) is loaded by the running server at its next poll.
+    The exporter, with no config, records that as a load of the target (the same process): from
+    the log's `loading: tiny:1` line to within 1 s of the model's first ready answer, with its
+    weights against the log's stamps, progress while it ran and one histogram observation. The
+    model then removed from the repository is unloaded: counted and logged by the exporter."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    exporter = zero_config_exporter(tmp_path)
+    report: dict[str, Any] = {"throttle_bytes_per_second": THROTTLE, "poll_seconds": POLL_SECONDS}
+    try:
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(triton_repo), THROTTLE)
+            log = tmp_path / "triton-poll.log"
+            server = TritonServer(triton_dir, repo, log, procs, poll_seconds=POLL_SECONDS)
+            try:
+                server.wait(ready=False)
+                pid = server.proc.pid
+                up = follow(  # the process's own start: ready at once, nothing loaded
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: states[-1].get("phase") == "ready",
+                    server.tail,
+                )
+                name = up[-1]["target"]
+                for shard in triton_server.shards(triton_repo):
+                    evict(str(shard))  # the added model's shards are hard links of these
+                time.sleep(1.5)  # the exporter has measured the evicted shards
+                before = len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
+                observed = histogram_count(exporter.get("/metrics").text, name)
+                clock = ModelReadyClock(server, triton_server.MODEL)
+                added_at = time.time()
+                added = triton_server.add_model(triton_repo, repo, triton_server.MODEL, staging)
+                seen = follow(
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: (
+                        in_server_load_ended(states)
+                        and len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
+                        > before
+                    ),
+                    server.tail,
+                )
+                ready_at = clock.result(triton_server.START_TIMEOUT)
+                assert ready_at is not None, server.tail()
+                record = last_load(exporter, name)
+                metrics = exporter.get("/metrics").text
+                added.rename(staging / "removed")  # the next poll unloads it
+                unloaded = follow(
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: states[-1].get("unloaded") is not None,
+                    server.tail,
+                    timeout=15,
+                )[-1]
+                unloads = unloads_total(exporter.get("/metrics").text, name)
+            finally:
+                assert server.stop() == []
+    finally:
+        exporter.stop()
+    text = log.read_text(errors="replace")
+    phases = record["phase_seconds"]
+    began = record["started_at"] + phases.get("starting", float("nan"))
+    ended = began + phases.get("loading_weights", float("nan"))
+    said = [line for line in exporter.stderr().splitlines() if "unloaded model" in line]
+    report["poll"] = {
+        "model_added": added_at,
+        "loading_line_after_added": round(stamp_of(text, "loading: tiny") - added_at, 3),
+        "first_ready_after_added": round(ready_at - added_at, 3),
+        "load_began_minus_log": round(record["started_at"] - stamp_of(text, "loading: tiny"), 3),
+        "ended_minus_first_ready": round(record["ended_at"] - ready_at, 3),
+        "outcome": record["outcome"],
+        "cache": record["cache"],
+        "duration": record["duration_seconds"],
+        "log_duration": round(ready_at - stamp_of(text, "loading: tiny"), 3),
+        "phases": phases,
+        "log_weights_seconds": round(
+            stamp_of(text, "successfully loaded") - stamp_of(text, "ModelInstanceInitialize"), 3
+        ),
+        "weights_began_minus_log": round(began - stamp_of(text, "ModelInstanceInitialize"), 3),
+        "weights_ended_minus_log": round(ended - stamp_of(text, "successfully loaded"), 3),
+        "histogram_observations": histogram_count(metrics, name) - observed,
+        "unloaded": unloaded.get("unloaded"),
+        "unloads_total": unloads,
+        "exporter_said": said,
+        "live": live(seen),
+    }
+    write_report("triton-poll.json", report)
+    r = report["poll"]
+    assert r["outcome"] == "ready" and r["cache"] == "cold", r
+    assert abs(r["ended_minus_first_ready"]) <= TOLERANCE, r
+    assert abs(r["load_began_minus_log"]) <= TOLERANCE, r
+    assert abs(r["weights_began_minus_log"]) <= TOLERANCE, r
+    assert abs(r["weights_ended_minus_log"]) <= TOLERANCE, r
+    assert r["histogram_observations"] == 1, r
+    assert r["unloaded"] == "tiny" and r["unloads_total"] == 1, r
+    assert len(said) == 1 and f"target {name}: the server unloaded model tiny" in said[0], said
+    in_server = [s for s in r["live"] if s["in_server"]]
+    assert any(
+        s["phase"] == "loading_weights" and 0.0 < (s["progress"] or 0) < 1.0 for s in in_server
+    ), r["live"]
+
+
+def unloads_total(metrics: str, target: str) -> float | None:
+    """model_load_unloads_total of `target`; None while it is absent."""
+    pattern = rf'^model_load_unloads_total{{target="{re.escape(target)}"}} (\S+)'
+    m = re.search(pattern, metrics, re.MULTILINE)
+    return float(m.group(1)) if m else None

@@ -12,7 +12,8 @@ The tree is `tritonserver` -> `triton_python_backend_stub` (started through `bas
 short-lived stubs probe and auto-complete the model, then the instance's stub runs initialize(),
 which maps each shard (safe_open) and lets it go at once. In the default model-control mode every
 port stays closed until the model is loaded; in explicit mode the ports open at once and
-`POST /v2/repository/models/NAME/load` loads it, answering once it is loaded.
+`POST /v2/repository/models/NAME/load` loads it, answering once it is loaded; in poll mode the
+server loads what is added to the repository (and unloads what is removed) at its next poll.
 """
 
 from __future__ import annotations
@@ -116,6 +117,20 @@ def shards(repo: Path) -> list[Path]:
     return sorted((repo / MODEL / "1").glob("*.safetensors"))
 
 
+def add_model(source: Path, repo: Path, name: str, staging: Path) -> Path:
+    """MODEL of the repository `source` added to `repo` as `name`, whole at once: built in
+    `staging` (the same filesystem; its shards hard links, the same bytes and pages) and
+    renamed in, so a polling server never sees it half-written."""
+    built = staging / name
+    version = built / "1"
+    version.mkdir(parents=True)
+    (built / "config.pbtxt").write_text(CONFIG)
+    (version / "model.py").write_text(MODEL_PY)
+    for shard in shards(source):
+        os.link(shard, version / shard.name)
+    return built.rename(repo / name)
+
+
 class TritonServer:
     """One tritonserver on free ports serving `repo`, its output appended to `log`; in the
     blkio cgroup of `procs` when given, from its first instruction."""
@@ -127,6 +142,7 @@ class TritonServer:
         log: Path,
         procs: Path | None = None,
         explicit: bool = False,
+        poll_seconds: int | None = None,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -139,6 +155,8 @@ class TritonServer:
         ]  # fmt: skip
         if explicit:
             argv.append("--model-control-mode=explicit")
+        if poll_seconds is not None:  # models added to (or removed from) the repository load
+            argv += ["--model-control-mode=poll", f"--repository-poll-secs={poll_seconds}"]
         if procs is not None:
             argv = joining([procs.parent], argv)
         venv = install / "venv"
