@@ -54,6 +54,10 @@ FIXTURE_CASES = [
     # line here; test_llama_server_stamps_date_lines_from_the_process_start reads the stamps).
     ("llama-server-real.log", "llamacpp", "weights_begin weights_end ready", {"weights": 0.1}),
     ("llama-server-real-fail.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
+    # Real llama-server in router mode (`--models-dir`): `POST /models/load` starts a child whose
+    # lines the router forwards with `[PORT] ` before them (the child's, not the router's: no
+    # event of the router's), then `/models/unload` stops it: the router unloaded it.
+    ("llama-server-0.3.36-router-real.log", "llamacpp", "unloaded", {}),
     ("tgi-3.3-sharded.log", "tgi", "weights_begin weights_end warmup_begin kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 17.99, "warmup": 0.8, "kv_cache": 0.01, "cuda_graph": 8.39}),
     ("tgi-fatal.log", "tgi", "weights_begin fatal", {"weights": 15.69}),
     ("triton-2.log", "triton", "load_begin weights_begin weights_end ready", {"weights": 40.6}),
