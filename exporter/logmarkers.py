@@ -229,11 +229,17 @@ class MarkerParser:
     for progress only, since a tqdm bar stays unterminated until its next redraw.
     """
 
-    def __init__(self, fmt: str = AUTO, origin: float | None = None) -> None:
+    def __init__(
+        self, fmt: str = AUTO, origin: float | None = None, model: str | None = None
+    ) -> None:
         """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO.
         `origin`: the start of the process whose log this is alone (unix seconds), which makes
-        a stamp of the time since its start exact; None where the log may be another's."""
+        a stamp of the time since its start exact; None where the log may be another's.
+        `model`: the one model of a server serving several whose events these are: a line
+        naming another model (Triton's `loading: NAME:1`) is none of its, so two models
+        loading at once are never merged as if they were two ranks of one load."""
         self._origin = origin
+        self._model = model
         self.format: str | None = None if fmt == AUTO else fmt  # the kind; None: undecided
         self.format_reason = "configured" if self.format else "auto: no recognisable line yet"
         self.unknown_announced = False  # set once `auto` has seen DETECT_ANNOUNCE_LINES in vain
@@ -379,6 +385,8 @@ class MarkerParser:
     ) -> None:
         groups = match.groupdict()
         who = groups.get("who") or prefix.who
+        if self._model is not None and groups.get("who") not in (None, self._model):
+            return  # another model's line
         cycle = self._cycle
         detail = prefix.message.strip()
         if prefix.exact is not None:
