@@ -78,8 +78,8 @@ from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuSample
 from exporter.sources.memory import MemorySample
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.residency import ResidencySample
 from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, Outcome, Phase, ProbeResult, ServerKind, Step
 

@@ -18,10 +18,10 @@ from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
 from exporter.sources.disk import DiskSample
 from exporter.sources.gpu import pcie_rx_since
-from exporter.sources.pagecache import ResidencySample
-from exporter.sources.storage import MountStorage, StorageDescription
+from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import WeightFilesSample
 from exporter.startupwindow import StartupAdvice
+from exporter.storage.description import MountStorage, StorageDescription
 from exporter.tracker import LoadRecord, TargetState
 from exporter.untrusted import clean
 

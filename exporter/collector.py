@@ -40,8 +40,8 @@ from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.netfs import NetFsSample
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.residency import ResidencySample
 from exporter.sources.zfs import ZfsSample
 from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind

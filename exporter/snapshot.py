@@ -14,7 +14,7 @@ from exporter.config import MetricsConfig, TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import HistogramCounts
-from exporter.logfind import LogFinding
+from exporter.logs.find import LogFinding
 from exporter.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
 from exporter.sources.gpu import PcieMarks

@@ -26,7 +26,7 @@ from exporter.config import LogConfig, MetricsConfig, parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import Histograms
-from exporter.logfind import LogFinding
+from exporter.logs.find import LogFinding
 from exporter.refusals import REASONS
 from exporter.sampler import Reading
 from exporter.serverargs import Evidence
@@ -51,12 +51,13 @@ from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample, PcieMark
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.netfs import MountReads, NetFsSample
-from exporter.sources.pagecache import FileResidency, ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.sources.storage import Fact, MountStorage, StorageDescription
+from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
 from exporter.startupwindow import StartupAdvice
+from exporter.storage.description import Fact, MountStorage, StorageDescription
+from exporter.storage.pagecache import FileResidency
 from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
     Cache,
