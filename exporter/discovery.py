@@ -95,6 +95,11 @@ class DiscoveredServer:
     rights: Rights | None = None
     # Values are secrets (the server's API key): never in repr, logs or evidence.
     headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # A repository server's models (Triton's: its directories with a config.pbtxt), and the
+    # path of one model's own ready answer (`{model}`): with several, each is a target of its
+    # own (exporter/admission.py: targets_of).
+    models: tuple[str, ...] = ()
+    model_ready_path: str | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -127,6 +132,13 @@ def target_name(kind: str, model: str | None, port: int) -> str:
     """
     label = _model_label(model) if model else ""
     return f"{kind}-{label}-{port}" if label else f"{kind}-{port}"
+
+
+def model_target_name(server: str, model: str | None) -> str:
+    """The target of one model of a server that serves several (its own process or not):
+    `<server's target>/<model>`, the same name for as long as the server keeps its own."""
+    label = _model_label(model) if model else ""
+    return f"{server}/{label or 'model'}"
 
 
 def _model_label(model: str) -> str:
@@ -359,6 +371,8 @@ class Discoverer:
             ),
             rights=rights,
             headers=headers,
+            models=tuple(clean(m) for m in models),
+            model_ready_path=command.model_ready_path,
         )
 
     def _argv(self, pid: int) -> tuple[str, ...] | None:
@@ -481,8 +495,7 @@ def _routed_name(
     port = router.url.rsplit(":", 1)[-1]
     if environ.get(variable) != port:
         return None
-    label = _model_label(model) if model else ""
-    return f"{router.name}/{label or 'model'}"
+    return model_target_name(router.name, model)
 
 
 def _unique_names(servers: list[DiscoveredServer]) -> list[DiscoveredServer]:

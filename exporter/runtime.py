@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from exporter import __version__
-from exporter.admission import Admission, on_behalf, on_behalf_of
+from exporter.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.asprocess import Actor, Borrowed, OnBehalf
 from exporter.config import Config, LogConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer
@@ -84,7 +84,7 @@ from exporter.sources.zfs import ZfsSource
 from exporter.storage.description import WeightStorage
 from exporter.target import TargetRuntime
 from exporter.targethistory import TargetHistory, read_history
-from exporter.tracker import LoadRecord, TargetState, Tracker
+from exporter.tracker import LoadRecord, Scope, TargetState, Tracker
 from exporter.untrusted import clean
 from exporter.vocabulary import IN_PROGRESS, Cache, ProbeResult
 
@@ -187,7 +187,7 @@ class Runtime:
         """A target's tracker, prober and probe cadence; wire() builds its sources."""
         return TargetRuntime(
             config=config,
-            tracker=self._tracker(config),
+            tracker=self._tracker(config, found),
             prober=EndpointProber(config.endpoint),
             cadence=ProbeCadence(
                 self.config.sample_interval,
@@ -317,12 +317,18 @@ class Runtime:
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
 
-    def _tracker(self, target: TargetConfig) -> Tracker:
+    def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
+        scope = Scope.SERVER
+        if model_of(target, found) is not None:
+            scope = Scope.MODEL
+        elif models_apart(found):
+            scope = Scope.PROCESS
         return Tracker(
             target.name,
             stall_after=target.stall_after,
             expectations=self.history,
             interval=self.config.sample_interval,
+            scope=scope,
         )
 
     # -- the loops ---------------------------------------------------------------------------
@@ -481,7 +487,7 @@ class Runtime:
             last - now,
         )
         for runtime in self.targets.values():
-            runtime.tracker = self._tracker(runtime.config)
+            runtime.tracker = self._tracker(runtime.config, runtime.discovered)
             runtime.started_at = None
 
     def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
@@ -654,6 +660,7 @@ class Runtime:
             opener=opener,
             rights=behalf.current if behalf is not None else None,
             origin=origin,
+            model=model_of(runtime.config, runtime.discovered),  # its lines, not its siblings'
         )
         self.sampler.add(
             LOGS,

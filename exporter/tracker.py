@@ -12,7 +12,9 @@ is a named constant below, with why it has its value:
   process first seen more than START_GRACE_INTERVALS intervals + START_GRACE_SECONDS after its
   start is `seen_late`: exact duration, start residency rebuilt from /proc/PID/io, unseen phases
   left out. A running server's log load_begin (Triton) starts an `in_server` load; a model it
-  unloads is counted (`unloads`, from that server's first load or unload seen on).
+  unloads is counted (`unloads`, from that server's first load or unload seen on). Where a
+  server's models are targets of their own (Scope), the server's target keeps its process's
+  loads and each model's target has its log's loads of that model.
 * It ends `ready` at the first ready probe after the start (or the log's earlier ready line),
   `failed` when the process goes first or the log reports a fatal error. A ready server whose
   probes fail while its process runs stays `ready` (a hang, logged once).
@@ -39,6 +41,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import MOVE_BYTES, ActivityWatch
@@ -303,6 +306,18 @@ class _Load:
     expected: dict[Cache | None, Mapping[str, float]] = field(default_factory=dict)
 
 
+class Scope(Enum):
+    """What of a server a target watches (exporter/admission.py: targets_of)."""
+
+    SERVER = "server"  # the whole server: its process's loads, and models loaded into it
+    # A server whose models are targets of their own: its process's loads only.
+    PROCESS = "process"
+    # One model of a server serving several: its loads are the log's load_begin for it (while
+    # the server starts too), never the process's start; between them it is ready or down by
+    # its own ready answer (down: not loaded). Its observations carry its lines only.
+    MODEL = "model"
+
+
 class Tracker:
     """Follows one target through its loads; feed it one Observation per tick, in time order."""
 
@@ -312,11 +327,13 @@ class Tracker:
         stall_after: float,
         expectations: Expectations | None = None,
         interval: float = 1.0,
+        scope: Scope = Scope.SERVER,
     ) -> None:
         self.target = target
         self.stall_after = stall_after
         self.expectations = expectations
         self.interval = interval
+        self.scope = scope
         self._phase = Phase.DOWN
         self._load: _Load | None = None
         self._last_record: LoadRecord | None = None
@@ -332,6 +349,7 @@ class Tracker:
         # before it is no load inside the running server.
         self._serving_since: float | None = None
         self._unloaded: str | None = None
+        self._first_seen: float | None = None  # the time of the first observation
         self._unloads: int | None = None  # see TargetState.unloads
         self._unloaded_now: tuple[str, ...] = ()
         self._activity = ActivityWatch()
@@ -349,6 +367,8 @@ class Tracker:
             return None
         self._logged = obs.log_lines is not None
         self._unloaded_now = ()
+        if self._first_seen is None:
+            self._first_seen = obs.time
         last_probe = self._probe
         probe = self._take_probe(obs)
         if probe is not None:
@@ -587,6 +607,8 @@ class Tracker:
             # The old process died between two ticks and a new one took its place.
             record = self._finish(load, min(max(start, load.started_at), obs.time), Outcome.FAILED)
         self._proc_key = key
+        if self.scope is Scope.MODEL:
+            return record  # the process's start is no load of one model: its log line is
         late = obs.time - start > START_GRACE_INTERVALS * self.interval + START_GRACE_SECONDS
         unknown_age = obs.process_start_time is None and self._last_obs is None
         self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
@@ -596,12 +618,19 @@ class Tracker:
         """A running server that loads a model (its log's load_begin after it served): a load of
         this target from that line, its process the same. A model it unloads is said so and
         counted, whatever the phase (one model may go while another loads)."""
-        if not obs.process_found:
+        if not obs.process_found or self.scope is Scope.PROCESS:
             return
         load = self._load
         # A model that failed to load leaves the server serving the others: the next one loads.
         after_failed = self._phase is Phase.FAILED and load is not None and load.in_server
         may_begin = self._phase is Phase.READY or after_failed
+        since = 0.0
+        if self.scope is Scope.MODEL:  # its own loads, the first while the server starts too
+            may_begin = self._phase not in IN_PROGRESS
+            first = self._first_seen if self._first_seen is not None else obs.time
+            # A line from long before the target was first watched (an exporter started while
+            # the server served) is a load that was over unwatched, as a process seen late.
+            since = first - START_GRACE_INTERVALS * self.interval - START_GRACE_SECONDS
         for event in obs.log_events:
             if event.kind is EventKind.UNLOADED:
                 who = event.who or event.detail
@@ -611,7 +640,11 @@ class Tracker:
             elif (
                 may_begin
                 and event.kind is EventKind.LOAD_BEGIN
-                and (self._serving_since is None or event.time > self._serving_since)
+                and (
+                    event.time >= since
+                    if self.scope is Scope.MODEL
+                    else self._serving_since is None or event.time > self._serving_since
+                )
             ):
                 may_begin = False
                 self._unloaded = None
@@ -742,6 +775,8 @@ class Tracker:
                 self._phase = Phase.READY
             elif self._phase is not Phase.READY:
                 self._phase = Phase.DOWN
+        elif obs.process_found and self.scope is Scope.MODEL:
+            self._phase = Phase.READY if ready else Phase.DOWN  # down: not loaded, or unloaded
         elif obs.process_found:
             self._phase = Phase.READY  # finished its load, or was ready on arrival
             if self._serving_since is None:

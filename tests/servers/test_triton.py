@@ -423,3 +423,142 @@ def unloads_total(metrics: str, target: str) -> float | None:
     pattern = rf'^model_load_unloads_total{{target="{re.escape(target)}"}} (\S+)'
     m = re.search(pattern, metrics, re.MULTILINE)
     return float(m.group(1)) if m else None
+
+
+def test_two_models_loading_at_once_are_two_loads_of_their_own_targets(
+    triton_dir: Path, triton_repo: Path, tmp_path: Path
+) -> None:
+    """A repository of two models in explicit mode, both loaded at once (two load requests
+    sent together), cold, from the throttled disk. With no config the exporter watches each
+    model as a target of its own, `<server's target>/<model>` (its ready answer, its model's
+    directory, its own log lines), and records two loads, each from its own `loading:` line to
+    within 1 s of its own request's answer, with its own weights against its own lines and
+    progress from its own files; the server's target records no load of a model (it keeps its
+    process's start), so the two are never merged into one."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    triton_server.add_model(triton_repo, repo, "tiny", staging)  # 4 shards, hard links
+    other = triton_server.write_model(repo, "other", 2, seed=1)  # 2 shards of its own
+    models = {
+        "tiny": triton_server.shards(triton_repo),
+        "other": sorted(other.rglob("*.safetensors")),
+    }
+    exporter = zero_config_exporter(tmp_path)
+    report: dict[str, Any] = {"throttle_bytes_per_second": THROTTLE}
+    try:
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(triton_repo), THROTTLE)
+            log = tmp_path / "triton-two.log"
+            server = TritonServer(triton_dir, repo, log, procs, explicit=True)
+            try:
+                server.wait(ready=False)
+                pid = server.proc.pid
+                up = follow(
+                    exporter,
+                    lambda: target_of(exporter, pid),
+                    lambda states: states[-1].get("phase") == "ready",
+                    server.tail,
+                )
+                name = up[-1]["target"]
+                targets = {model: f"{name}/{model}" for model in models}
+                follow(  # each model's target is there, down: not loaded
+                    exporter,
+                    lambda: {t: target_state(exporter, t) for t in targets.values()},
+                    lambda states: all(
+                        s is not None and s["phase"] == "down" for s in states[-1].values()
+                    ),
+                    server.tail,
+                    timeout=30,
+                )
+                for files in models.values():
+                    for shard in files:
+                        evict(str(shard))
+                time.sleep(1.5)  # the exporter has measured the evicted shards
+                server_loads = len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
+                answers: dict[str, tuple[float, float]] = {}
+
+                def load(model: str) -> None:
+                    answers[model] = server.repository("load", model)
+
+                loaders = [threading.Thread(target=load, args=(m,)) for m in models]
+                for loader in loaders:
+                    loader.start()
+                seen = follow(
+                    exporter,
+                    lambda: {t: target_state(exporter, t) for t in targets.values()},
+                    lambda states: (
+                        len(answers) == len(models)
+                        and all(
+                            len(exporter.get(f"/api/v1/loads?target={t}").json()["loads"]) == 1
+                            for t in targets.values()
+                        )
+                    ),
+                    server.tail,
+                )
+                for loader in loaders:
+                    loader.join(10)
+                records = {m: last_load(exporter, t) for m, t in targets.items()}
+                metrics = exporter.get("/metrics").text
+                after = exporter.get(f"/api/v1/loads?target={name}").json()["loads"]
+                server_state = target_of(exporter, pid)
+            finally:
+                assert server.stop() == []
+    finally:
+        exporter.stop()
+    text = log.read_text(errors="replace")
+    for model, record in records.items():
+        phases = record["phase_seconds"]
+        began = record["started_at"] + phases.get("starting", float("nan"))
+        ended = began + phases.get("loading_weights", float("nan"))
+        instance = f"ModelInstanceInitialize: {model}_"
+        loaded = f"successfully loaded '{model}'"
+        report[model] = {
+            "target": targets[model],
+            "request_sent": answers[model][0],
+            "request_answered_after": round(answers[model][1] - answers[model][0], 3),
+            "load_began_minus_log": round(
+                record["started_at"] - stamp_of(text, f"loading: {model}:"), 3
+            ),
+            "ended_minus_answer": round(record["ended_at"] - answers[model][1], 3),
+            "outcome": record["outcome"],
+            "cache": record["cache"],
+            "duration": record["duration_seconds"],
+            "phases": phases,
+            "weights_bytes": record["weights_bytes"],
+            "log_weights_seconds": round(stamp_of(text, loaded) - stamp_of(text, instance), 3),
+            "weights_began_minus_log": round(began - stamp_of(text, instance), 3),
+            "weights_ended_minus_log": round(ended - stamp_of(text, loaded), 3),
+            "histogram_observations": histogram_count(metrics, targets[model]),
+            "live": live([s[targets[model]] for s in seen if s[targets[model]]]),
+        }
+    report["server"] = {
+        "target": name,
+        "loads_before": server_loads,
+        "loads_after": len(after),
+        "phase": server_state["phase"] if server_state else None,
+    }
+    write_report("triton-two-models.json", report)
+    for model in models:
+        r = report[model]
+        assert r["outcome"] == "ready" and r["cache"] == "cold", r
+        assert abs(r["ended_minus_answer"]) <= TOLERANCE, r
+        assert abs(r["load_began_minus_log"]) <= TOLERANCE, r
+        assert abs(r["weights_began_minus_log"]) <= TOLERANCE, r
+        assert abs(r["weights_ended_minus_log"]) <= TOLERANCE, r
+        assert r["histogram_observations"] == 1, r
+        assert r["weights_bytes"] == sum(p.stat().st_size for p in models[model]), r
+        assert any(
+            s["phase"] == "loading_weights" and 0.0 < (s["progress"] or 0) < 1.0 for s in r["live"]
+        ), r["live"]
+    # The two loads overlapped, and neither was the server's target's.
+    tiny, two = report["tiny"], report["other"]
+    assert tiny["request_sent"] < two["request_sent"] + two["request_answered_after"], report
+    assert two["request_sent"] < tiny["request_sent"] + tiny["request_answered_after"], report
+    assert report["server"]["loads_after"] == report["server"]["loads_before"], report
+
+
+def target_state(exporter: Any, name: str) -> dict[str, Any] | None:
+    targets = exporter.get("/api/v1/status").json()["targets"]
+    return next((t for t in targets if t["target"] == name), None)

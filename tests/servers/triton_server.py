@@ -92,25 +92,32 @@ def find_dir() -> Path | None:
 def ensure_repository() -> Path:
     """The model repository with MODEL in it, written once (into a scratch name, then renamed:
     one that exists is complete)."""
-    from safetensors.numpy import save_file
-
     repo = CHECKPOINTS / f"triton-{MODEL}-{SHARDS}x{SHARD_TENSORS}"
     if repo.exists():
         return repo
     scratch = repo.with_name(f".{repo.name}.partial")
-    version = scratch / MODEL / "1"
+    write_model(scratch, MODEL, SHARDS, seed=0)
+    scratch.rename(repo)
+    return repo
+
+
+def write_model(repo: Path, name: str, shards: int, seed: int) -> Path:
+    """Model `name` in `repo`: its config, model.py and `shards` safetensors shards of random
+    f32 (seeded: the same bytes every time)."""
+    from safetensors.numpy import save_file
+
+    version = repo / name / "1"
     version.mkdir(parents=True, exist_ok=True)
-    (scratch / MODEL / "config.pbtxt").write_text(CONFIG)
+    (repo / name / "config.pbtxt").write_text(CONFIG)
     (version / "model.py").write_text(MODEL_PY)
-    rng = np.random.default_rng(0)
-    for k in range(SHARDS):
+    rng = np.random.default_rng(seed)
+    for k in range(shards):
         tensors = {
             f"layers.{k}.{i}.weight": rng.standard_normal(TENSOR_SHAPE, dtype=np.float32)
             for i in range(SHARD_TENSORS)
         }
-        save_file(tensors, str(version / f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors"))
-    scratch.rename(repo)
-    return repo
+        save_file(tensors, str(version / f"model-{k + 1:05d}-of-{shards:05d}.safetensors"))
+    return repo / name
 
 
 def shards(repo: Path) -> list[Path]:
