@@ -202,6 +202,9 @@ class Runtime:
     def wire(self, runtime: TargetRuntime) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
         target = runtime.config
+        # A repository that came to hold several models (poll mode): they are targets of their
+        # own from now on, and the server's keeps its process's loads.
+        runtime.tracker.scope = _scope(target, runtime.discovered)
         runtime.finder = (
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
@@ -318,17 +321,12 @@ class Runtime:
         return process.pids if process is not None else ()
 
     def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
-        scope = Scope.SERVER
-        if model_of(target, found) is not None:
-            scope = Scope.MODEL
-        elif models_apart(found):
-            scope = Scope.PROCESS
         return Tracker(
             target.name,
             stall_after=target.stall_after,
             expectations=self.history,
             interval=self.config.sample_interval,
-            scope=scope,
+            scope=_scope(target, found),
         )
 
     # -- the loops ---------------------------------------------------------------------------
@@ -820,3 +818,10 @@ def _forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Fore
     if residency is None:
         return forecast(past.rates, None, None)
     return forecast(past.rates, residency.total_bytes, residency.resident_bytes)
+
+
+def _scope(target: TargetConfig, found: DiscoveredServer | None) -> Scope:
+    """What of its server a target watches (exporter/admission.py: targets_of)."""
+    if model_of(target, found) is not None:
+        return Scope.MODEL
+    return Scope.PROCESS if models_apart(found) else Scope.SERVER
