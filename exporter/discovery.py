@@ -100,6 +100,10 @@ class DiscoveredServer:
     # own (exporter/admission.py: targets_of).
     models: tuple[str, ...] = ()
     model_ready_path: str | None = None
+    # A model server its router started (llama-server's router mode): the router's process
+    # and start, whose log carries this one's lines.
+    router_pid: int | None = None
+    router_start: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -373,6 +377,8 @@ class Discoverer:
             headers=headers,
             models=tuple(clean(m) for m in models),
             model_ready_path=command.model_ready_path,
+            router_pid=router.pid if router is not None else None,
+            router_start=router.start_time if router is not None else None,
         )
 
     def _argv(self, pid: int) -> tuple[str, ...] | None:

@@ -33,7 +33,7 @@ from exporter.explain import baseline, report, storage_reads
 from exporter.forecast import Forecast, forecast
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
-from exporter.logs.find import LogFinding, find_log
+from exporter.logs.find import LogFinding, find_log, find_routed_log
 from exporter.nvml_pids import NvmlPidCheck
 from exporter.observation import (
     Marked,
@@ -620,9 +620,20 @@ class Runtime:
         except ProcessLookupError:
             pass  # a configured target's process whose credentials cannot be read (gone, or a
             # /proc tree without them): its log, if any is found, with the exporter's rights
+        found = runtime.discovered
         if finding is None:
             finding = find_log(
                 process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
+            )
+        if finding.config is None and found is not None and found.router_pid is not None:
+            # A router's model server writes into a pipe to its router, whose log has its lines.
+            port = int(found.url.rsplit(":", 1)[-1])
+            finding = find_routed_log(
+                found.router_pid,
+                found.router_start,
+                port,
+                proc_root=self._proc_root,
+                host_root=self._host_root,
             )
         with self._lock:
             runtime.log_finding = finding
@@ -630,7 +641,15 @@ class Runtime:
             log.info("target %s: no log found: %s", name, finding.why)
             return
         log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf, origin=start)
+        self._follow_log(
+            runtime,
+            finding.config,
+            start,
+            finding.whole_files,
+            behalf,
+            origin=start,
+            lines_of=finding.lines_of,
+        )
 
     def _follow_log(
         self,
@@ -640,10 +659,11 @@ class Runtime:
         whole_files: tuple[str, ...] = (),
         behalf: OnBehalf | None = None,
         origin: float | None = None,
+        lines_of: str | None = None,
     ) -> None:
         """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
         with the exporter's own rights; `origin`: the start of the one process the log belongs
-        to (a found log), else None."""
+        to (a found log), else None; `lines_of`: the mark of its lines in a log it shares."""
         opener = None
         if behalf is not None:  # a discovered server's log is read with its own rights
 
@@ -659,6 +679,7 @@ class Runtime:
             rights=behalf.current if behalf is not None else None,
             origin=origin,
             model=model_of(runtime.config, runtime.discovered),  # its lines, not its siblings'
+            lines_of=lines_of,
         )
         self.sampler.add(
             LOGS,

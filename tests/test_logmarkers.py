@@ -164,6 +164,25 @@ def test_one_models_events_from_a_server_loading_several() -> None:
     )
 
 
+def test_a_model_servers_lines_in_its_routers_log() -> None:
+    """llama-server's router forwards its model server's lines with `[PORT] ` before each,
+    stamped with the time since the model server started: read for that server (its start as
+    the origin), they are its load's events; the router's own lines are none of its, and read
+    for the router, the forwarded ones are none of the router's."""
+    start = 1_800_000_000.0
+    model = replay_fixture(
+        "llama-server-0.3.36-router-real.log", start=start + 60, origin=start, lines_of="[38321] "
+    )
+    assert compact(model.kinds) == "weights_begin weights_end ready"
+    assert [e.time - start for e in model.events] == pytest.approx(
+        [0.005314, 0.063005, 3.875273], abs=1e-6
+    )
+    other = replay_fixture("llama-server-0.3.36-router-real.log", origin=start, lines_of="[1234] ")
+    assert other.kinds == [] and other.parser.format is None  # no line of its: nothing decided
+    router = replay_fixture("llama-server-0.3.36-router-real.log", origin=start)
+    assert compact(router.kinds) == "unloaded"
+
+
 def test_tensor_parallel_ranks_merge_into_one_event_each() -> None:
     sglang = replay_fixture("sglang-0.5-tp2.log")
     end = sglang.first("weights_end")

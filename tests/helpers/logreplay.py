@@ -78,11 +78,13 @@ def replay(
     per_line: float = 0.1,
     origin: float | None = None,
     model: str | None = None,
+    lines_of: str | None = None,
 ) -> Replay:
     """Feed `data` line by line, each at its simulated read time; `origin`: the start of the
     process whose own log this is (llama-server's stamps count from it); `model`: the one
-    model of a server serving several whose events these are."""
-    parser = MarkerParser(fmt, origin, model)
+    model of a server serving several whose events these are; `lines_of`: the mark of the
+    lines of the process whose events these are, in a log it shares (a router's)."""
+    parser = MarkerParser(fmt, origin, model, lines_of)
     timeline = StepTimeline()
     events: list[LogEvent] = []
     now = start
