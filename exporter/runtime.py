@@ -790,7 +790,7 @@ class Runtime:
                     pcie_at_start=rt.pcie_at_start,
                     forecast=_forecast(rt.past, by_target.get(name, {})),
                     log_finding=rt.log_finding,
-                    startup_advice=rt.past.advice,
+                    past=rt.past,
                 )
                 for name, rt in self.targets.items()
             )
@@ -801,21 +801,6 @@ class Runtime:
                 targets=views,
                 load_durations=self.load_durations.snapshot(),
                 phase_durations=self.phase_durations.snapshot(),
-                expected_durations={
-                    (name, cache): seconds
-                    for name, rt in self.targets.items()
-                    for cache, seconds in rt.past.expected.items()
-                },
-                last_durations={
-                    name: rt.past.last
-                    for name, rt in self.targets.items()
-                    if rt.past.last is not None
-                },
-                slower_reasons={
-                    name: rt.past.slower
-                    for name, rt in self.targets.items()
-                    if rt.past.slower is not None
-                },
                 history_enabled=self.history.enabled,
                 history_problem=self.history.problem or self.history.write_problem,
                 config_reload_successful=self.reload_successful,

@@ -45,7 +45,7 @@ from enum import Enum
 from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import MOVE_BYTES, ActivityWatch
-from exporter.api import LoadReport
+from exporter.loadreport import LoadReport
 from exporter.logs.markers import EventKind, LogEvent, StepTimeline, tighten
 from exporter.vocabulary import (
     IN_PROGRESS,
