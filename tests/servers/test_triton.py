@@ -562,3 +562,88 @@ def test_two_models_loading_at_once_are_two_loads_of_their_own_targets(
 def target_state(exporter: Any, name: str) -> dict[str, Any] | None:
     targets = exporter.get("/api/v1/status").json()["targets"]
     return next((t for t in targets if t["target"] == name), None)
+
+
+def test_two_models_loaded_at_the_servers_start_are_a_load_each_and_the_servers(
+    triton_dir: Path, triton_repo: Path, tmp_path: Path
+) -> None:
+    """The default model-control mode with two models: both load before the ports open. Each
+    model's target has a load from its own `loading:` line to its own first ready answer (the
+    ports open once both are in), its weights against its own lines; the server's target has
+    the process's load, from its start to the server's ready answer."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    triton_server.add_model(triton_repo, repo, "tiny", staging)
+    other = triton_server.write_model(repo, "other", 2, seed=1)
+    models = {
+        "tiny": triton_server.shards(triton_repo),
+        "other": sorted(other.rglob("*.safetensors")),
+    }
+    for files in models.values():
+        for shard in files:
+            evict(str(shard))
+    exporter = zero_config_exporter(tmp_path)
+    report: dict[str, Any] = {"throttle_bytes_per_second": THROTTLE}
+    try:
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(triton_repo), THROTTLE)
+            log = tmp_path / "triton-default-two.log"
+            server = TritonServer(triton_dir, repo, log, procs)
+            try:
+                clocks = {m: ModelReadyClock(server, m) for m in models}
+                seen = follow_load(exporter, server.proc.pid, server.tail)
+                name = seen[-1]["target"]
+                ready = {
+                    m: clock.result(triton_server.START_TIMEOUT) for m, clock in clocks.items()
+                }
+                targets = {m: f"{name}/{m}" for m in models}
+                follow(
+                    exporter,
+                    lambda: {t: target_state(exporter, t) for t in targets.values()},
+                    lambda states: all(
+                        len(exporter.get(f"/api/v1/loads?target={t}").json()["loads"]) == 1
+                        for t in targets.values()
+                    ),
+                    server.tail,
+                    timeout=30,
+                )
+                records = {m: last_load(exporter, t) for m, t in targets.items()}
+                own = exporter.get(f"/api/v1/loads?target={name}").json()["loads"]
+            finally:
+                assert server.stop() == []
+    finally:
+        exporter.stop()
+    text = log.read_text(errors="replace")
+    for model, record in records.items():
+        phases = record["phase_seconds"]
+        began = record["started_at"] + phases.get("starting", float("nan"))
+        ended = began + phases.get("loading_weights", float("nan"))
+        at = ready[model]
+        assert at is not None, server.tail()
+        report[model] = {
+            "outcome": record["outcome"],
+            "cache": record["cache"],
+            "duration": record["duration_seconds"],
+            "load_began_minus_log": round(
+                record["started_at"] - stamp_of(text, f"loading: {model}:"), 3
+            ),
+            "ended_minus_first_ready": round(record["ended_at"] - at, 3),
+            "weights_began_minus_log": round(
+                began - stamp_of(text, f"ModelInstanceInitialize: {model}_"), 3
+            ),
+            "weights_ended_minus_log": round(
+                ended - stamp_of(text, f"successfully loaded '{model}'"), 3
+            ),
+        }
+    report["server"] = {"loads": len(own), "outcome": own[0]["outcome"], "cache": own[0]["cache"]}
+    write_report("triton-default-two-models.json", report)
+    for model in models:
+        r = report[model]
+        assert r["outcome"] == "ready" and r["cache"] == "cold", r
+        for key in ("load_began_minus_log", "ended_minus_first_ready"):
+            assert abs(r[key]) <= TOLERANCE, r
+        for key in ("weights_began_minus_log", "weights_ended_minus_log"):
+            assert abs(r[key]) <= TOLERANCE, r
+    assert report["server"] == {"loads": 1, "outcome": "ready", "cache": "cold"}, report
