@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from exporter import __version__
-from exporter.admission import Admission, on_behalf, on_behalf_of
+from exporter.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.asprocess import Actor, OnBehalf
 from exporter.config import Config, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer
@@ -84,7 +84,8 @@ from exporter.sources.zfs import ZfsSource
 from exporter.storage.description import WeightStorage
 from exporter.target import TargetRuntime
 from exporter.targethistory import TargetHistory, read_history
-from exporter.tracker import LoadRecord, TargetState, Tracker
+from exporter.tracker import LoadRecord, Scope, TargetState, Tracker
+from exporter.untrusted import clean
 from exporter.vocabulary import IN_PROGRESS, Cache, ProbeResult
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class Runtime:
 
         runtime = TargetRuntime(
             config=config,
-            tracker=self._tracker(config),
+            tracker=self._tracker(config, found),
             prober=EndpointProber(config.endpoint),
             cadence=ProbeCadence(
                 self.config.sample_interval,
@@ -215,6 +216,9 @@ class Runtime:
     def wire(self, runtime: TargetRuntime) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
         target = runtime.config
+        # A repository that came to hold several models (poll mode): they are targets of their
+        # own from now on, and the server's keeps its process's loads.
+        runtime.tracker.scope = _scope(target, runtime.discovered)
         runtime.finder = (
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
@@ -329,12 +333,13 @@ class Runtime:
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
 
-    def _tracker(self, target: TargetConfig) -> Tracker:
+    def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
         return Tracker(
             target.name,
             stall_after=target.stall_after,
             expectations=self.history,
             interval=self.config.sample_interval,
+            scope=_scope(target, found),
         )
 
     # -- the loops ---------------------------------------------------------------------------
@@ -382,6 +387,10 @@ class Runtime:
             if reads is not None and (not seen or seen[-1].at != reads.at):
                 seen.append(reads)
             record = runtime.tracker.observe(observation)
+            for model in runtime.tracker.unloaded_now:
+                log.info(  # the server's own name for the model: untrusted text
+                    "target %s: the server unloaded model %s", runtime.config.name, clean(model)
+                )
             if record is not None:
                 runtime.tracker.reported(self._finish(runtime, record, reads))
                 self._measure_now(runtime)  # what the next restart would find
@@ -485,7 +494,7 @@ class Runtime:
             last - now,
         )
         for runtime in self.targets.values():
-            runtime.tracker = self._tracker(runtime.config)
+            runtime.tracker = self._tracker(runtime.config, runtime.discovered)
             runtime.started_at = None
 
     def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
@@ -583,7 +592,10 @@ class Runtime:
         name = runtime.config.name
         watched = runtime.finder is not None
         process = self.sampler.latest(PROCESS, name) if watched else None
-        switch = runtime.log.update(now, process, watched=watched)
+        found = runtime.discovered
+        switch = runtime.log.update(
+            now, process, watched=watched, found=found, model=model_of(runtime.config, found)
+        )
         if switch is None:
             return
         if switch.stopped:
@@ -728,3 +740,10 @@ def _forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Fore
     if residency is None:
         return forecast(past.rates, None, None)
     return forecast(past.rates, residency.total_bytes, residency.resident_bytes)
+
+
+def _scope(target: TargetConfig, found: DiscoveredServer | None) -> Scope:
+    """What of its server a target watches (exporter/admission.py: targets_of)."""
+    if model_of(target, found) is not None:
+        return Scope.MODEL
+    return Scope.PROCESS if models_apart(found) else Scope.SERVER

@@ -1,8 +1,9 @@
-"""exporter/admission.py without the runtime's threads: which discovered servers become targets,
-how a target follows its server and when it is dropped, driven pass by pass with DiscoveredServer
-values as discovery makes them, a small wiring of real trackers, probers and process finders,
-and real processes where a configured target's process tree or a process's rights count. The
-same end to end, with real processes discovered: tests/test_zero_config.py, tests/test_trust*.py.
+"""exporter/admission.py without the runtime's threads: which discovered servers become targets
+(one per server, one more per model of a repository server holding several), how a target
+follows its server and when it is dropped, driven pass by pass with DiscoveredServer values as
+discovery makes them, a small wiring of real trackers, probers and process finders, and real
+processes where a configured target's process tree or a process's rights count. The same end to
+end, with real processes discovered: tests/test_zero_config.py, tests/test_trust*.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from pathlib import Path
 import pytest
 from helpers.support import wait_for
 
-from exporter.admission import Admission, on_behalf, on_behalf_of, targets_of
+from exporter.admission import (
+    Admission,
+    model_of,
+    models_apart,
+    on_behalf,
+    on_behalf_of,
+    targets_of,
+)
 from exporter.asprocess import Actor, Borrowed, Rights
 from exporter.config import (
     Config,
@@ -322,6 +330,61 @@ def test_a_failed_pass_is_counted_and_the_next_is_due_on_time() -> None:
     assert setup.admission.targets["qwen"].gone_since is None
     setup.admission.look_now()  # a target's process went away: look now, once
     assert setup.admission.wait() == 0
+
+
+# -- which targets a server is watched as ---------------------------------------------------
+
+READY = "/v2/models/{model}/ready"
+
+
+def triton(
+    models: tuple[str, ...], weights: tuple[str, ...] = ("/models/repo",)
+) -> DiscoveredServer:
+    return DiscoveredServer(
+        kind="triton",
+        name="triton-repo-8000",
+        pid=4242,
+        start_ticks=99,
+        start_time=1.0e9,
+        url="http://127.0.0.1:8000",
+        probe=ProbeKind.HEALTH,
+        probe_path="/v2/health/ready",
+        model=models[0] if len(models) == 1 else None,
+        weights=weights,
+        weights_include=("*.safetensors",),
+        reachable=True,
+        evidence=(),
+        models=models,
+        model_ready_path=READY,
+    )
+
+
+@pytest.mark.parametrize("models", [(), ("tiny",)])
+def test_a_server_of_one_model_or_none_is_one_target(models: tuple[str, ...]) -> None:
+    server = triton(models)
+    [own] = targets_of(server)
+    assert own.name == server.name and own.endpoint.path == "/v2/health/ready"
+    assert not models_apart(server) and model_of(own, server) is None
+
+
+def test_a_repository_of_several_models_is_a_target_per_model_beside_the_servers() -> None:
+    """Each model: `<server>/<model>`, its own ready answer (the name quoted in the path), its
+    model's directory under every weight path (one seen through /proc/PID/root too), the
+    server's process; the server's own target is unchanged."""
+    server = triton(("llama 3#8b", "tiny"), ("/proc/4242/root/models/repo",))
+    own, llama, tiny = targets_of(server)
+    assert own.name == server.name and own.weights is not None
+    assert own.weights.paths == server.weights  # the whole repository: the process's load
+    assert own.endpoint.path == "/v2/health/ready" and model_of(own, server) is None
+    assert (llama.name, tiny.name) == ("triton-repo-8000/llama-3-8b", "triton-repo-8000/tiny")
+    assert llama.endpoint.path == "/v2/models/llama%203%238b/ready"
+    assert llama.endpoint.url == own.endpoint.url and llama.endpoint.probe is ProbeKind.HEALTH
+    assert llama.weights is not None and tiny.weights is not None
+    assert llama.weights.paths == ("/proc/4242/root/models/repo/llama 3#8b",)
+    assert tiny.weights.include == ("*.safetensors",)
+    assert llama.process == tiny.process == own.process
+    assert (model_of(llama, server), model_of(tiny, server)) == ("llama 3#8b", "tiny")
+    assert model_of(tiny, None) is None  # a configured target is no model's
 
 
 # -- with whose rights a target's files are touched -----------------------------------------

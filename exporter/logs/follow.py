@@ -4,9 +4,11 @@ A configured `log:` is opened once it is known where to start reading a journal:
 process's start (so an exporter started mid-load still reads the whole load's markers), or from
 now when no process is configured or it is not running. Without `log:`, each new server process
 (a restart too) has its log found afresh (find.py) and read with that process's own rights,
-whoever configured the target: the older process's log is closed and a new one found. Once the
+whoever configured the target: the older process's log is closed and a new one found; a model
+server a router started, writing into a pipe to it, has its lines in the router's log. Once the
 process a found log belongs to is gone, its last lines are read and it is closed
-(exporter/sources/logs.py `finish`).
+(exporter/sources/logs.py `finish`). A target watching one model of a server serving several
+reads only the lines of that model.
 
 `TargetLog` is one target's: the runtime hands it each tick's latest process reading and time,
 and samples the `LogSource` it opens. `wanted` and `outlived` decide, touching nothing.
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 
 from exporter.asprocess import Borrowed, OnBehalf
 from exporter.config import LogConfig
-from exporter.logs.find import LogFinding, find_log
+from exporter.discovery import DiscoveredServer
+from exporter.logs.find import LogFinding, find_log, find_routed_log
 from exporter.safeio import open_checked
 from exporter.sampler import Reading
 from exporter.servers import SERVERS
@@ -132,9 +135,17 @@ class TargetLog:
         self._host_root = host_root
 
     def update(
-        self, now: float, process: Reading[ProcessSample] | None, *, watched: bool
+        self,
+        now: float,
+        process: Reading[ProcessSample] | None,
+        *,
+        watched: bool,
+        found: DiscoveredServer | None = None,
+        model: str | None = None,
     ) -> Switch | None:
-        """Open the log `wanted` says, closing an older process's; None: nothing changed."""
+        """Open the log `wanted` says, closing an older process's; None: nothing changed.
+        `found`: the server as discovery last found it (None: configured); `model`: the one
+        model of a server serving several this target watches (exporter/admission.py)."""
         move = wanted(
             self.configured is not None,
             self.source is not None,
@@ -147,19 +158,25 @@ class TargetLog:
             return None
         if isinstance(move, Configured):
             assert self.configured is not None
-            self.source = self._open(self.configured, move.since)
+            self.source = self._open(self.configured, move.since, model=model)
             return Switch(stopped=False, opened=self.source)
         stopped = self.source is not None
         self.close()
         self.source, self.seq, self.found_for = None, 0, (move.pid, move.start)
-        finding, behalf = self._find(move)
+        finding, behalf = self._find(move, found)
         self.finding = finding
         if finding.config is None:
             log.info("target %s: no log found: %s", self.name, finding.why)
             return Switch(stopped, opened=None)
         log.info("target %s: following its log: %s", self.name, finding.why)
         self.source = self._open(
-            finding.config, move.start, finding.whole_files, behalf, origin=move.start
+            finding.config,
+            move.start,
+            finding.whole_files,
+            behalf,
+            origin=move.start,
+            model=model,
+            lines_of=finding.lines_of,
         )
         return Switch(stopped, opened=self.source)
 
@@ -172,7 +189,9 @@ class TargetLog:
         if self.source is not None:
             self.source.close()
 
-    def _find(self, move: FindFor) -> tuple[LogFinding, OnBehalf | None]:
+    def _find(
+        self, move: FindFor, server: DiscoveredServer | None
+    ) -> tuple[LogFinding, OnBehalf | None]:
         """A found log is its process's: read with its rights, whoever configured the target."""
         behalf = None
         try:
@@ -182,7 +201,12 @@ class TargetLog:
         except ProcessLookupError:
             pass  # a configured target's process whose credentials cannot be read (gone, or a
             # /proc tree without them): its log, if any is found, with the exporter's rights
-        found = find_log(move.pid, move.start, proc_root=self._proc_root, host_root=self._host_root)
+        roots = {"proc_root": self._proc_root, "host_root": self._host_root}
+        found = find_log(move.pid, move.start, **roots)
+        if found.config is None and server is not None and server.router_pid is not None:
+            # A router's model server writes into a pipe to its router, whose log has its lines.
+            port = int(server.url.rsplit(":", 1)[-1])
+            found = find_routed_log(server.router_pid, server.router_start, port, **roots)
         return found, behalf
 
     def _open(
@@ -192,10 +216,13 @@ class TargetLog:
         whole_files: tuple[str, ...] = (),
         behalf: OnBehalf | None = None,
         origin: float | None = None,
+        model: str | None = None,
+        lines_of: str | None = None,
     ) -> LogSource:
         """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
         with the exporter's own rights; `origin`: the start of the one process the log belongs
-        to (a found log), else None."""
+        to (a found log), else None; `model`: the one model whose lines are wanted; `lines_of`:
+        the mark of its lines in a log it shares."""
         opener = None
         if behalf is not None:
 
@@ -210,4 +237,6 @@ class TargetLog:
             opener=opener,
             rights=behalf.current if behalf is not None else None,
             origin=origin,
+            model=model,
+            lines_of=lines_of,
         )
