@@ -20,6 +20,7 @@ from helpers.support import wait_for
 from exporter.admission import on_behalf_of
 from exporter.asprocess import Actor, OnBehalf
 from exporter.config import LogConfig, ProcessConfig
+from exporter.discovery import DiscoveredServer
 from exporter.logs.follow import (
     Configured,
     FindFor,
@@ -32,6 +33,7 @@ from exporter.sampler import Reading, Sampler
 from exporter.sources import LOGS, PROCESS
 from exporter.sources.logs import LogSample, LogSource
 from exporter.sources.process import ProcessFinder, ProcessSample, process_start_time
+from exporter.vocabulary import ProbeKind
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 NOBODY = 65534
@@ -44,7 +46,7 @@ def own_rights(pid: int) -> OnBehalf | None:
 
 @contextlib.contextmanager
 def server(
-    pidfile: Path, argv: Sequence[str] = ("sleep", "60"), out: IO[Any] | None = None
+    pidfile: Path, argv: Sequence[str] = ("sleep", "60"), out: IO[Any] | int | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A process named by `pidfile`, as a supervisor names its server, once it runs `sleep`
     (its descriptors set); its stdout and stderr go to `out`, else nowhere."""
@@ -348,3 +350,46 @@ def test_a_found_log_is_opened_with_its_process_rights_not_the_exporters() -> No
         configured.close()
         actor.close()
         shutil.rmtree(directory)
+
+
+def test_a_routed_model_server_without_a_log_of_its_own_is_read_in_its_routers(
+    tmp_path: Path,
+) -> None:
+    """llama-server's router mode: the model server writes into a pipe to its router, whose log
+    carries its lines behind `[PORT] `; a configured target (no router known) has none."""
+    router_pidfile, pidfile, log = tmp_path / "router", tmp_path / "pid", tmp_path / "router.log"
+    target = TargetLog("t", None, own_rights)
+    unrouted = TargetLog("u", None, own_rights)
+    try:
+        with (
+            log.open("w") as out,
+            server(router_pidfile, out=out) as router,
+            server(pidfile, out=subprocess.PIPE) as model_server,
+        ):
+            routed = DiscoveredServer(
+                kind="llamacpp",
+                name="llamacpp-m-8123",
+                pid=model_server.pid,
+                start_ticks=0,
+                start_time=None,
+                url="http://127.0.0.1:8123",
+                probe=ProbeKind.HEALTH,
+                probe_path="/health",
+                model="m",
+                weights=(),
+                weights_include=(),
+                reachable=True,
+                evidence=(),
+                router_pid=router.pid,
+                router_start=process_start_time(router.pid),
+            )
+            reading = Watch(pidfile).read()
+            switch = target.update(time.time(), reading, watched=True, found=routed)
+            assert unrouted.update(time.time(), reading, watched=True) is not None
+        assert switch is not None and switch.opened is not None
+        assert target.finding is not None and target.finding.lines_of == "[ 8123] "
+        assert target.finding.config == LogConfig(file=str(log))
+        assert unrouted.finding is not None and unrouted.finding.config is None
+    finally:
+        target.close()
+        unrouted.close()
