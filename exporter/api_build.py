@@ -271,7 +271,11 @@ def _target(
         unbacked_note=UNBACKED_NOTE if unbacked else None,
         restart_forecast=(
             api.RestartForecast(
-                view.forecast.seconds, view.forecast.resident_share, view.forecast.reason
+                view.forecast.seconds,
+                view.forecast.resident_share,
+                view.forecast.reason,
+                environment_resident_share=view.forecast.environment_share,
+                starting_seconds=view.forecast.starting_seconds,
             )
             if view.forecast is not None
             else None

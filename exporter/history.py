@@ -35,7 +35,7 @@ from exporter.vocabulary import Cache, Outcome
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -72,11 +72,15 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("ALTER TABLE loads ADD COLUMN resident_bytes_at_start INTEGER",),
     ("ALTER TABLE loads ADD COLUMN report TEXT",),
     ("ALTER TABLE loads ADD COLUMN startup_read_bytes INTEGER",),
+    (
+        "ALTER TABLE loads ADD COLUMN environment_bytes INTEGER",
+        "ALTER TABLE loads ADD COLUMN environment_resident_bytes INTEGER",
+    ),
 )
 _COLUMNS = (
     "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
     "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start, report, "
-    "startup_read_bytes"
+    "startup_read_bytes, environment_bytes, environment_resident_bytes"
 )
 _PLACES = ",".join("?" * len(_COLUMNS.split(",")))
 _SELECT = f"id, {_COLUMNS}"
@@ -99,6 +103,8 @@ _Row = tuple[
     str | None,
     int | None,
     str | None,
+    int | None,
+    int | None,
     int | None,
 ]
 
@@ -405,12 +411,14 @@ def _row(record: LoadRecord) -> tuple[object, ...]:
         record.resident_bytes_at_start,
         json.dumps(record.report.to_json()) if record.report is not None else None,
         record.startup_read_bytes,
+        record.environment_bytes,
+        record.environment_resident_bytes,
     )
 
 
 def _record(row: _Row) -> LoadRecord:
     (load_id, target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late,
-     fatal, resident, report, startup) = row  # fmt: skip
+     fatal, resident, report, startup, environment, environment_resident) = row  # fmt: skip
     try:
         parsed = json.loads(phases)
     except ValueError:
@@ -435,6 +443,8 @@ def _record(row: _Row) -> LoadRecord:
         fatal=fatal,
         resident_bytes_at_start=resident,
         startup_read_bytes=startup,
+        environment_bytes=environment,
+        environment_resident_bytes=environment_resident,
         id=load_id,
         report=_report(report),
     )

@@ -37,7 +37,7 @@ from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.exitwatch import ExitWatch
 from exporter.explain import Counters, baseline, report, storage_reads
-from exporter.forecast import NO_RATES, Forecast, Rates, forecast, rates
+from exporter.forecast import NO_RATES, Environment, Forecast, Rates, forecast, rates
 from exporter.history import EXPECTATION_LOADS, HistoryStore
 from exporter.loadstats import Histograms
 from exporter.logfind import LogFinding, find_log
@@ -50,6 +50,7 @@ from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
     ENDPOINT,
+    ENVIRONMENT,
     LOGS,
     MEMORY,
     NETFS,
@@ -63,6 +64,8 @@ from exporter.sources import (
 )
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
+from exporter.sources.environment import REFRESH_SECONDS as ENVIRONMENT_REFRESH_SECONDS
+from exporter.sources.environment import EnvironmentSource
 from exporter.sources.gpu import (
     GpuSample,
     NvmlSource,
@@ -144,6 +147,8 @@ class TargetRuntime:
     reads_seen: deque[_Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
     reads_at_start: Counters | None = None
     files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
+    # The server's own files and their residency, learned from its tree (sources/environment.py).
+    environment: EnvironmentSource | None = None
 
     @property
     def settled(self) -> bool:
@@ -339,10 +344,38 @@ class Runtime:
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
             runtime.files = None
+        self._wire_environment(runtime, behalf)
         for watcher in (self.disk, self.netfs, self.zfs):
             watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
             self.sampler.wake_all()
+
+    def _wire_environment(self, runtime: TargetRuntime, behalf: OnBehalf | None) -> None:
+        """The server's environment, learned from its tree: kept across its restarts (the next
+        start maps the same files), so only made once per target."""
+        target = runtime.config
+        if runtime.finder is None:
+            self.sampler.discard(ENVIRONMENT, target.name)
+            runtime.environment = None
+            return
+        if runtime.environment is not None:
+            runtime.environment.follow(target.weights, behalf)
+            return
+        name = target.name
+        runtime.environment = EnvironmentSource(
+            target.weights,
+            lambda: self.sampler.value(PROCESS, name),
+            proc_root=self._proc_root,
+            clock=self._clock,
+            cpu_budget=self.config.residency_cpu_budget,
+            refresh_after=lambda: (
+                SERVING_REFRESH_SECONDS if runtime.settled else ENVIRONMENT_REFRESH_SECONDS
+            ),
+            on_behalf=behalf,
+        )
+        self.sampler.add(
+            ENVIRONMENT, name, runtime.environment.sample, every=self._pace_of(ENVIRONMENT, runtime)
+        )
 
     def _on_behalf(self, found: DiscoveredServer | None) -> OnBehalf | None:
         """How a discovered target's sources touch its files: with its process's rights."""
@@ -679,6 +712,11 @@ class Runtime:
                 memory.page_cache_departed_bytes
             ):
                 self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+            environment = runtime.environment
+            if environment is not None and environment.note_departures(
+                memory.page_cache_departed_bytes
+            ):
+                self.sampler.sample_soon(ENVIRONMENT, runtime.config.name)
 
     def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
         """A fresh pass during a load may say the weights are in: tick now (passes are rare).
@@ -925,7 +963,8 @@ class Runtime:
         """File a finished load with its report, built against history before it."""
         during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
         base = baseline(self.history, record.target, record.cache)
-        record = replace(record, report=report(record, base, during))
+        record, unknown = _environment_at_start(runtime.environment, record)
+        record = replace(record, report=report(record, base, during, unknown))
         log.info(
             "target %s: load %s after %.1fs (cache=%s%s)%s",
             record.target,
@@ -959,9 +998,16 @@ class Runtime:
         reading = readings.get(PAGECACHE.name)
         residency = reading.good if reading is not None else None
         known = self._rates.get(name, NO_RATES)
+        env_reading = readings.get(ENVIRONMENT.name)
+        env = env_reading.good if env_reading is not None else None
+        environment = (
+            Environment(env.total_bytes, env.resident_bytes)
+            if env is not None and env.resident_bytes is not None
+            else None
+        )
         if residency is None:
-            return forecast(known, None, None)
-        return forecast(known, residency.total_bytes, residency.resident_bytes)
+            return forecast(known, None, None, environment)
+        return forecast(known, residency.total_bytes, residency.resident_bytes, environment)
 
     def _refresh_expectations(self) -> None:
         """Read history once per finished load (or new target), not once per scrape."""
@@ -1032,6 +1078,33 @@ class Runtime:
 
     def load(self, load_id: int) -> LoadRecord | None:
         return self.history.load(load_id)
+
+
+def _environment_at_start(
+    environment: EnvironmentSource | None, record: LoadRecord
+) -> tuple[LoadRecord, str | None]:
+    """The load with its environment's residency as it began (the last pass before its start),
+    or as it was and why that is not known."""
+    if environment is None:
+        return record, "no server process is matched: its files cannot be seen"
+    if record.partial:
+        return record, "its start is not known"
+    if record.seen_late:
+        return record, "the exporter started after the server: nothing was measured before"
+    found = environment.before(record.started_at)
+    if found is None or found.resident_bytes is None:
+        why = found.reason if found is not None else None
+        return (
+            record,
+            why
+            or "no measurement before its start: its files are learned from the "
+            "server's own mappings, at its first load",
+        )
+    return replace(
+        record,
+        environment_bytes=found.total_bytes,
+        environment_resident_bytes=found.resident_bytes,
+    ), None
 
 
 def _counters_before(seen: Iterable[_Marked], state: TargetState) -> Counters | None:

@@ -167,6 +167,10 @@ class LoadRecord:
     # Storage bytes the tree read before its first weight file: its own environment (the
     # interpreter, packages, libraries), gigabytes when they had left the page cache.
     startup_read_bytes: int | None = None
+    # The server's own files the tree maps (sources/environment.py), and the bytes of them in
+    # the page cache as it began: the last pass before its start; None where none was made.
+    environment_bytes: int | None = None
+    environment_resident_bytes: int | None = None
     id: int | None = None  # history's row id, once stored and read back
     report: LoadReport | None = None  # where its time went and why (exporter/explain.py)
 
