@@ -421,7 +421,18 @@ class Tracker:
     def reported(self, record: LoadRecord) -> None:
         """The last finished load with its report (exporter/explain.py), for what shows it."""
         last = self._last_record
-        if last is not None and replace(last, report=record.report) == record:
+        # The same load, with what the runtime adds as it files it: its report and environment.
+        added = (
+            replace(
+                last,
+                report=record.report,
+                environment_bytes=record.environment_bytes,
+                environment_resident_bytes=record.environment_resident_bytes,
+            )
+            if last is not None
+            else None
+        )
+        if added == record:
             self._last_record = record
 
     def state(self, now: float) -> TargetState:
