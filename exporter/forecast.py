@@ -14,8 +14,9 @@ overnight waits for storage. Both are knowable before the restart:
   what it reads is the server's own environment (interpreter, packages, libraries: SGLang's
   first start after they left the page cache spent 25 s more importing). So starting is the
   median of the loads that found their environment cached, whatever the weights' temperature:
-  those whose environment (the files the tree maps, exporter/sources/environment.py) was at
-  most ENVIRONMENT_BYTES or (1 - ENVIRONMENT_CACHED_SHARE) out of the page cache as they began,
+  those whose environment (the files the tree maps, as much of them as a run keeps cached:
+  exporter/sources/environment.py) was at most ENVIRONMENT_BYTES or (1 -
+  ENVIRONMENT_CACHED_SHARE) out of the page cache as they began,
   and those without that measurement whose start-up read at most ENVIRONMENT_READ_SHARE of what
   the most-reading one did, once one read ENVIRONMENT_BYTES. With the environment's residency
   measured now, a restart that would not find it cached (by the same rule) starts longer by its
@@ -104,7 +105,8 @@ class Forecast:
 
 @dataclass(frozen=True)
 class Environment:
-    """The server's environment now: its bytes and those in the page cache."""
+    """The server's environment now: what a start needs in the page cache (what a run keeps
+    there, exporter/sources/environment.py) and how much of that is there."""
 
     total_bytes: int
     resident_bytes: int

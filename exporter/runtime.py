@@ -1001,8 +1001,8 @@ class Runtime:
         env_reading = readings.get(ENVIRONMENT.name)
         env = env_reading.good if env_reading is not None else None
         environment = (
-            Environment(env.total_bytes, env.resident_bytes)
-            if env is not None and env.resident_bytes is not None
+            Environment(env.warm_bytes, min(env.resident_bytes, env.warm_bytes))
+            if env is not None and env.resident_bytes is not None and env.warm_bytes is not None
             else None
         )
         if residency is None:
@@ -1092,7 +1092,7 @@ def _environment_at_start(
     if record.seen_late:
         return record, "the exporter started after the server: nothing was measured before"
     found = environment.before(record.started_at)
-    if found is None or found.resident_bytes is None:
+    if found is None or found.resident_bytes is None or found.warm_bytes is None:
         why = found.reason if found is not None else None
         return (
             record,
@@ -1102,8 +1102,8 @@ def _environment_at_start(
         )
     return replace(
         record,
-        environment_bytes=found.total_bytes,
-        environment_resident_bytes=found.resident_bytes,
+        environment_bytes=found.warm_bytes,
+        environment_resident_bytes=min(found.resident_bytes, found.warm_bytes),
     ), None
 
 

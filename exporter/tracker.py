@@ -167,8 +167,9 @@ class LoadRecord:
     # Storage bytes the tree read before its first weight file: its own environment (the
     # interpreter, packages, libraries), gigabytes when they had left the page cache.
     startup_read_bytes: int | None = None
-    # The server's own files the tree maps (sources/environment.py), and the bytes of them in
-    # the page cache as it began: the last pass before its start; None where none was made.
+    # The server's own files (sources/environment.py) as a run keeps them in the page cache
+    # (what a start needs), and the bytes of that cached as it began, by the last pass before
+    # its start; None where none was made.
     environment_bytes: int | None = None
     environment_resident_bytes: int | None = None
     id: int | None = None  # history's row id, once stored and read back

@@ -176,7 +176,32 @@ def test_residency_follows_the_page_cache_as_fincore_sees_it(
     # The interpreter's own libraries, mapped and in use, stay as they were meanwhile.
     assert warm.resident_bytes - cold.resident_bytes == sum(sizes)
     assert warm.total_bytes == cold.total_bytes >= sum(sizes)
-    assert cold.uncached_bytes == (warm.uncached_bytes or 0) + sum(sizes)
+    # What a run keeps cached is what a start needs: the warmest pass; out of it now, the files.
+    assert warm.warm_bytes == cold.warm_bytes == warm.resident_bytes
+    assert (warm.uncached_bytes, cold.uncached_bytes) == (0, sum(sizes))
+
+
+def test_a_replaced_file_forgets_what_the_old_ones_kept_cached(tmp_path: Path) -> None:
+    """A package upgraded under a stopped server: its old bytes say nothing of what the next
+    start needs, so the warm figure starts again from the next pass."""
+    libs = [write(tmp_path / f"lib{i}.so", 2 << 20) for i in range(2)]
+    weights = tmp_path / "model"
+    weights.mkdir()
+    tree: list[ProcessSample] = [NOT_FOUND]
+    measured = source(tree, weights)
+    child = Child(libs)
+    tree[0] = child.tree
+    warm = measured.sample()
+    child.stop()
+    tree[0] = NOT_FOUND
+    fresh = write(tmp_path / "new.so", 1 << 20)
+    fresh.replace(libs[0])  # an upgrade renames the new file over the old
+    evict(str(libs[1]))
+    measured.sample()  # finds the replaced file and drops it
+    after = measured.sample()
+    assert warm.warm_bytes is not None and after.warm_bytes is not None
+    assert after.files == warm.files - 1
+    assert after.warm_bytes == after.resident_bytes == warm.warm_bytes - (4 << 20)
 
 
 def test_what_a_start_found_is_the_last_pass_before_it_and_the_set_outlives_the_process(

@@ -10,6 +10,11 @@ ones), so a restart's environment is measured before it begins, with the weights
 closed (Python's sources and bytecode) are not seen: the libraries it maps are most of the
 bytes, and their residency goes with the rest (evicted or kept together).
 
+A start reads only the parts of those files it touches (SGLang maps 4 GB of libraries, and a
+run keeps 1.5 GB of them cached), so what it needs is what a run keeps in the page cache: the
+most of them any pass found cached (`warm_bytes`), and what it must read is that less what is
+cached now (`uncached_bytes`).
+
 A file is the environment when the tree maps it or holds it open for reading, lies on storage
 (not /proc, /sys, /dev, tmpfs: /dev/shm is memory) and is no weight file (under a weights path,
 or named like one). Passes are spaced as the weights' are (`refresh_after`, a CPU budget, and
@@ -52,8 +57,11 @@ class EnvironmentSample(Sample):
     """The learned environment and its residency at the last pass."""
 
     files: int  # measured at the last pass
-    total_bytes: int
+    total_bytes: int  # of the files: a start reads only the parts of them it touches
     resident_bytes: int | None  # None: not measured (nothing learned yet, or not measurable)
+    # What a run of the server keeps of them in the page cache, so what a start needs there:
+    # the most any pass found cached since a learned file was last replaced or removed.
+    warm_bytes: int | None
     measured_at: float | None  # when that pass ran; None before any
     reason: str | None  # why resident_bytes is None
 
@@ -65,9 +73,10 @@ class EnvironmentSample(Sample):
 
     @property
     def uncached_bytes(self) -> int | None:
-        if self.resident_bytes is None:
+        """Of what a start needs, the bytes out of the page cache now."""
+        if self.resident_bytes is None or self.warm_bytes is None:
             return None
-        return max(0, self.total_bytes - self.resident_bytes)
+        return max(0, self.warm_bytes - self.resident_bytes)
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class EnvironmentSource:
         self._seen_paths: set[tuple[int, str]] = set()  # (pid, path) looked at: no stat again
         self._root: tuple[int | None, float | None] | None = None
         self._last: EnvironmentSample | None = None
+        self._warm: int | None = None  # the most a pass found cached (EnvironmentSample)
         self._next_due = 0.0
         self._passes: deque[EnvironmentSample] = deque(maxlen=PASSES_KEPT)
         self._departed_at_pass: int | None = None
@@ -127,7 +137,7 @@ class EnvironmentSource:
         if last is None or not last.resident_bytes or base is None or departed_bytes_total < base:
             self._departed_at_pass = departed_bytes_total
             return False
-        threshold = max(MIN_DEPARTED_BYTES, last.total_bytes * DEPARTED_SHARE_FOR_PASS)
+        threshold = max(MIN_DEPARTED_BYTES, (last.warm_bytes or 0) * DEPARTED_SHARE_FOR_PASS)
         if departed_bytes_total - base < threshold:
             return False
         self._departed_at_pass = departed_bytes_total
@@ -224,7 +234,7 @@ class EnvironmentSource:
     def _pass(self, now: float) -> EnvironmentSample:
         if not self._files:
             self._next_due = now
-            return EnvironmentSample(0, 0, None, None, NOT_LEARNED)
+            return EnvironmentSample(0, 0, None, None, None, NOT_LEARNED)
         files = sorted(
             (WeightFile(f.path, os.path.dirname(f.path), os.path.basename(f.path), f.path, f.dev,
                         f.ino, f.size)
@@ -245,10 +255,13 @@ class EnvironmentSource:
         self._next_due = now + cost / self._budget
         if stale:  # replaced or gone (a package upgraded): learned afresh from the next start
             self._files = {k: f for k, f in self._files.items() if _same(f)}
+            self._warm = None  # what was cached of the old files says nothing of the new
         if count == 0 and reason is None:
             reason = "none of the server's files could be opened"
             resident = None
-        return EnvironmentSample(count, total, resident, now, reason)
+        if resident is not None and not stale:  # a stale pass measured files no longer learned
+            self._warm = max(self._warm or 0, resident)
+        return EnvironmentSample(count, total, resident, self._warm, now, reason)
 
 
 def _same(learned: _Learned) -> bool:
