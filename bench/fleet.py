@@ -78,8 +78,9 @@ from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuSample
 from exporter.sources.memory import MemorySample
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.residency import ResidencySample
+from exporter.targethistory import TargetHistory
 from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, Outcome, Phase, ProbeResult, ServerKind, Step
 
@@ -246,6 +247,7 @@ class TargetLife:
             forecast=Forecast(self.medians.get(Cache.COLD), resident / size, None)
             if self.medians
             else None,
+            past=TargetHistory(expected=dict(self.medians), last=self.last or None),
         )
 
     def readings(
@@ -314,11 +316,6 @@ class HostLife:
 
     def snapshot(self, now: float) -> Snapshot:
         views = [life.view(now, j % GPUS) for j, life in enumerate(self.targets)]
-        expected = {
-            (life.name, cache): seconds
-            for life in self.targets
-            for cache, seconds in life.medians.items()
-        }
         self.read += 2e9
         host: dict[SourceKey[Any], Any] = {
             DISK: DiskSample(
@@ -349,8 +346,6 @@ class HostLife:
             targets=tuple(views),
             load_durations=loads,
             phase_durations=phases,
-            expected_durations=expected,
-            last_durations={life.name: life.last for life in self.targets if life.last},
             history_enabled=True,
             history_problem=None,
             config_reload_successful=True,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from exporter.config import LogConfig
-from exporter.logmarkers import MarkerParser
+from exporter.logs.markers import MarkerParser
 from exporter.sources.logs import LogSource
 
 CHUNK = 64 * 1024

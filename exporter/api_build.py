@@ -1,14 +1,19 @@
 """The /api/v1 documents (exporter/api.py) built from a snapshot, and from history's records.
 
-The web side's half of the API: what each source's sample, the tracker's state and the runtime's
-marks become in /api/v1/status and /api/v1/loads. Only here do the snapshot's types meet the
-documents', so a source may change its dataclass and the public JSON stays as it was.
+The web side's half of the API: what each source's sample, the tracker's state, history's records
+and the runtime's marks become in /api/v1/status and /api/v1/loads. Only here do the domain's
+types meet the documents', so a source may change its dataclass and the public JSON stays as it
+was. Where a document twins a domain dataclass, `_mirror` takes its fields by name (nested
+dataclasses too), and what differs is said beside it: a rename, a value computed, a part left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import functools
+import types
+import typing
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from exporter import api, liveness
@@ -18,10 +23,10 @@ from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import DISK, LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
 from exporter.sources.disk import DiskSample
 from exporter.sources.gpu import pcie_rx_since
-from exporter.sources.pagecache import ResidencySample
-from exporter.sources.storage import MountStorage, StorageDescription
+from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import WeightFilesSample
 from exporter.startupwindow import StartupAdvice
+from exporter.storage.description import StorageDescription
 from exporter.tracker import LoadRecord, TargetState
 from exporter.untrusted import clean
 
@@ -35,13 +40,40 @@ D = TypeVar("D", bound=api.Document)
 
 
 def _mirror(document: type[D], source: object, **parts: Any) -> D:
-    """A document whose fields are the source dataclass's of the same names, and `parts` (the
-    nested ones, as documents): where the public JSON is a sample's own fields."""
-    names = (f.name for f in dataclasses.fields(document))
-    return document(**{name: getattr(source, name) for name in names if name not in parts}, **parts)
+    """A document whose fields are the source dataclass's of the same names, and `parts` (renamed
+    or computed ones): where the public JSON is a domain value's own fields. A nested dataclass
+    becomes the document its field's type names, the same way."""
+    kind: type = document  # (mypy takes a class's type for unhashable)
+    hints = _hints(kind)
+    values = {
+        f.name: _as(hints[f.name], getattr(source, f.name))
+        for f in dataclasses.fields(document)
+        if f.name not in parts
+    }
+    return document(**values, **parts)
+
+
+@functools.cache
+def _hints(document: type) -> Mapping[str, Any]:
+    return typing.get_type_hints(document)
+
+
+def _as(hint: Any, value: Any) -> Any:
+    """A domain value as the document field `hint` holds: dataclasses mirrored, the rest as is."""
+    if not dataclasses.is_dataclass(value) and not isinstance(value, tuple):
+        return value
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not types.NoneType)
+    if isinstance(value, tuple):
+        args = typing.get_args(hint)
+        return tuple(_as(args[0], v) for v in value) if args[-1] is Ellipsis else value
+    if not isinstance(hint, type) or not issubclass(hint, api.Document):
+        return value
+    return _mirror(hint, value)
 
 
 def _load(record: LoadRecord) -> api.Load:
+    """A finished load with its report: history's record field for field."""
     return _mirror(api.Load, record)
 
 
@@ -110,14 +142,11 @@ def _gpu_memory(snap: Snapshot, view: TargetView) -> tuple[api.GpuMemory, ...]:
 
 
 def _residency(sample: ResidencySample, now: float) -> api.Residency:
-    return api.Residency(
-        files=sample.files,
-        total_bytes=sample.total_bytes,
-        resident_bytes=sample.resident_bytes,
-        method=sample.method,
+    return _mirror(
+        api.Residency,
+        sample,
         last_full_pass_age_seconds=round(now - sample.measured_at, 3),
         last_full_pass_cpu_seconds=sample.pass_cpu_seconds,
-        reason=sample.reason,
         measured_on=sample.where,
     )
 
@@ -125,14 +154,9 @@ def _residency(sample: ResidencySample, now: float) -> api.Residency:
 def _weight_files(sample: WeightFilesSample) -> api.WeightFiles:
     """What the server's tree has done with its weight files: the files it holds in full, the
     ones it is done with as a count (a checkpoint may have hundreds of shards)."""
-    return api.WeightFiles(
-        visible=sample.visible,
-        reason=sample.reason,
-        first_open_at=sample.first_open_at,
-        idle_since=sample.idle_since,
-        consumed_bytes=sample.consumed_bytes,
-        total_bytes=sample.total_bytes,
-        files_total=sample.files_total,
+    return _mirror(
+        api.WeightFiles,
+        sample,
         files_seen=len(sample.files),
         files_done=sum(1 for f in sample.files if f.consumed_bytes >= f.size_bytes),
         held=tuple(_mirror(api.HeldFile, f) for f in sample.files if f.held),
@@ -156,64 +180,37 @@ def _log(view: TargetView) -> api.Log:
     sample = logs.value if logs is not None else None
     if sample is None:
         return api.Log(None, found_by, not_found)
-    reading = api.LogReading(
-        up=sample.up,
-        reason=sample.reason,
-        format=sample.format,
-        format_reason=sample.format_reason,
-        step=sample.step,
-        step_since=sample.step_since,
-        weights_shards=sample.weights,
-        cuda_graphs=sample.cuda_graphs,
-        fatal=sample.fatal,
-        lines=sample.lines_total,
-        last_line_at=sample.last_line_at,
-        skipped_bytes=sample.skipped_bytes,
-        closed=sample.closed,
+    reading = _mirror(
+        api.LogReading, sample, weights_shards=sample.weights, lines=sample.lines_total
     )
     return api.Log(sample.source, found_by, not_found, reading)
-
-
-def _mount(mount: MountStorage) -> api.Mount:
-    facts = ("read_rate", "residency", "page_cache", "bypass")
-    return _mirror(
-        api.Mount, mount, **{name: _mirror(api.Fact, getattr(mount, name)) for name in facts}
-    )
 
 
 def _storage(description: StorageDescription) -> api.Storage:
     """What holds the weights, what can be measured there (each fact with its reason), and the
     rule the load's cache label follows."""
-    fixed = description.fixed_cache()
-    return api.Storage(
-        kinds=description.kinds,
-        cache_label=api.CacheLabel(
-            fixed=fixed,
-            never_cold=description.in_memory,
-            residency_is_temperature=description.residency_is_temperature,
-            bypass=description.bypass,
-            reason=description.reason,
-        ),
-        mounts=tuple(_mount(m) for m in description.mounts),
-        unplaced=description.unplaced,
+    label = _mirror(
+        api.CacheLabel,
+        description,
+        fixed=description.fixed_cache(),
+        never_cold=description.in_memory,
     )
+    return _mirror(api.Storage, description, cache_label=label)
 
 
 def _discovered(found: DiscoveredServer) -> api.Discovered:
-    return api.Discovered(
-        pid=found.pid,
-        kind=found.kind,
+    return _mirror(
+        api.Discovered,
+        found,
         weights=tuple(clean(path, 4096) for path in found.weights),
         why=tuple(_mirror(api.Evidence, e) for e in found.evidence),
     )
 
 
 def _state(state: TargetState) -> api.LoadState:
-    last = state.last_record
     return _mirror(
         api.LoadState,
         state,
-        last_record=_load(last) if last else None,
         in_server=state.in_server or None,
         unloaded=clean(state.unloaded, 256) if state.unloaded else None,  # the server's words
     )
@@ -252,12 +249,8 @@ def _target(
         storage=_storage(storage) if storage is not None else None,
         gpu_memory=_gpu_memory(snap, view),
         gpu_pcie=_gpu_pcie(snap, view),
-        expected_duration_seconds={
-            str(cache): seconds
-            for (target, cache), seconds in snap.expected_durations.items()
-            if target == name
-        },
-        last_duration_seconds=snap.last_durations.get(name),
+        expected_duration_seconds={str(cache): s for cache, s in view.past.expected.items()},
+        last_duration_seconds=view.past.last,
         weight_files=(
             _weight_files(files.value) if files is not None and files.value is not None else None
         ),
@@ -270,20 +263,10 @@ def _target(
         unbacked_weight_paths=unbacked or None,
         unbacked_note=UNBACKED_NOTE if unbacked else None,
         restart_forecast=(
-            api.RestartForecast(
-                view.forecast.seconds,
-                view.forecast.resident_share,
-                view.forecast.reason,
-                environment_resident_share=view.forecast.environment_share,
-                starting_seconds=view.forecast.starting_seconds,
-            )
-            if view.forecast is not None
-            else None
+            _mirror(api.RestartForecast, view.forecast) if view.forecast is not None else None
         ),
         probes=_probes(view, snap.time, interval),
-        startup_probe=(
-            _startup_probe(view.startup_advice) if view.startup_advice is not None else None
-        ),
+        startup_probe=(_startup_probe(view.past.advice) if view.past.advice is not None else None),
     )
 
 

@@ -40,8 +40,8 @@ from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.netfs import NetFsSample
-from exporter.sources.pagecache import ResidencySample
 from exporter.sources.process import ProcessSample
+from exporter.sources.residency import ResidencySample
 from exporter.sources.zfs import ZfsSample
 from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
@@ -51,11 +51,14 @@ MAX_LABEL = 4096  # characters of one label value (a path at most PATH_MAX)
 T = TypeVar("T")
 
 
+Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     """One metric family: type, name (without the namespace), help and label names."""
 
-    family: type[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]
+    family: type[Family]
     name: str
     doc: str
     labels: tuple[str, ...] = ()
@@ -64,16 +67,27 @@ class MetricSpec:
         return self.family(f"{NS}_{self.name}", self.doc, labels=list(self.labels))
 
 
+# Every family, in the order /metrics shows them: the order they are defined in below, each
+# added as it is made (so a metric is named once, where it is defined).
+CATALOG: list[MetricSpec] = []
+
+
+def _spec(family: type[Family], name: str, doc: str, labels: tuple[str, ...]) -> MetricSpec:
+    spec = MetricSpec(family, name, doc, labels)
+    CATALOG.append(spec)
+    return spec
+
+
 def _gauge(name: str, doc: str, *labels: str) -> MetricSpec:
-    return MetricSpec(GaugeMetricFamily, name, doc, labels)
+    return _spec(GaugeMetricFamily, name, doc, labels)
 
 
 def _counter(name: str, doc: str, *labels: str) -> MetricSpec:
-    return MetricSpec(CounterMetricFamily, name, doc, labels)
+    return _spec(CounterMetricFamily, name, doc, labels)
 
 
 def _histogram(name: str, doc: str, *labels: str) -> MetricSpec:
-    return MetricSpec(HistogramMetricFamily, name, doc, labels)
+    return _spec(HistogramMetricFamily, name, doc, labels)
 
 
 # Exporter and sources
@@ -243,20 +257,6 @@ LOAD_DURATION = _histogram(
 PHASE_DURATION = _histogram(
     "phase_duration_seconds", "Time spent in each phase of finished loads.", "target", "phase"
 )
-
-CATALOG: tuple[MetricSpec, ...] = (
-    BUILD_INFO, SOURCE_UP, SOURCE_DURATION, RELOAD_OK, HISTORY_UP,
-    DISK_READ, DISK_RATE, DISCOVERY_REFUSED, NFS_READ, NFS_RATE, NFS_APPLICATION_READ,
-    LUSTRE_READ, LUSTRE_RATE, CEPHFS_READ, CEPHFS_RATE, ZFS_READ, ZFS_RATE, ZFS_ARC_READS,
-    ZFS_ARC_HIT, MEMORY_TOTAL, MEMORY_AVAILABLE, PAGE_CACHE, GPU_INFO, GPU_USED, GPU_TOTAL,
-    GPU_PCIE_RX,
-    TARGET_INFO, WEIGHTS_BYTES, WEIGHTS_FILES, RESIDENT, FILE_RESIDENT,
-    ENDPOINT_UP, PROBE_DURATION, PROBES, PROCESS_UP, PROCESS_START, PROCESS_READ, PROCESS_GPU,
-    PHASE, STEP, CACHE_TEMPERATURE, IN_PROGRESS, STARTED, ELAPSED, PROGRESS, THROUGHPUT,
-    WEIGHTS_ETA, ETA, SINCE_PROGRESS, STALLED, EXPECTED, LAST_DURATION, LAST_SLOWER,
-    RESTART_FORECAST, STARTUP_WINDOW,
-    LOAD_DURATION, PHASE_DURATION,
-)  # fmt: skip
 
 
 class Scrape:
@@ -470,17 +470,21 @@ def _load(out: Scrape, view: TargetView) -> None:
 
 
 def _history(out: Scrape, snap: Snapshot) -> None:
-    for (name, cache), seconds in sorted(snap.expected_durations.items()):
-        out.add(EXPECTED, [name, cache], seconds)
-    for name, seconds in sorted(snap.last_durations.items()):
-        out.add(LAST_DURATION, [name], seconds)
-    for name, reason in sorted(snap.slower_reasons.items()):
-        out.add(LAST_SLOWER, [name, reason], 1)
+    """What each target's past loads say (view.past), by target name."""
+    views = sorted(snap.targets, key=lambda v: v.name)
+    for view in views:
+        for cache, seconds in sorted(view.past.expected.items()):
+            out.add(EXPECTED, [view.name, cache], seconds)
+    for view in views:
+        out.add(LAST_DURATION, [view.name], view.past.last)
+    for view in views:
+        if view.past.slower is not None:
+            out.add(LAST_SLOWER, [view.name, view.past.slower], 1)
     for view in snap.targets:
         if view.forecast is not None:
             out.add(RESTART_FORECAST, [view.name], view.forecast.seconds)
-        if view.startup_advice is not None:
-            out.add(STARTUP_WINDOW, [view.name], view.startup_advice.window_seconds)
+        if view.past.advice is not None:
+            out.add(STARTUP_WINDOW, [view.name], view.past.advice.window_seconds)
     for labels, counts in sorted(snap.load_durations.items()):
         out.histogram(LOAD_DURATION, labels, counts)
     for labels, counts in sorted(snap.phase_durations.items()):

@@ -2,20 +2,30 @@
 
 Every mistake is reported as one `ConfigError` line naming the file and key, because an exporter
 that silently ignores a typo (`stall_afer: 5m`) watches the wrong thing for months.
+
+The dataclasses are the schema: each section's keys, their types and defaults are its fields
+(`read_section` reads any of them), so a key is spelled once. A type alone says how most keys read
+(`Seconds` is a duration, `tuple[str, ...]` a list of strings, a dataclass a nested section);
+a field whose rule is its own names its reader in its metadata (`read_by`), a field the YAML
+never sets says so (`NOT_IN_YAML`), and a rule across keys of one section is in `_FINISH`.
+A key given as null is a key not given.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import pwd
 import re
 import stat
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
@@ -54,7 +64,7 @@ DEFAULT_HISTORY_MAX_AGE = 365 * 86400.0
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _TARGET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
-_E = TypeVar("_E", bound=StrEnum)
+_D = TypeVar("_D")
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an HTTP token (RFC 9110)
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -65,147 +75,33 @@ class ConfigError(ValueError):
     """A config problem, already phrased as the one line the user should see."""
 
 
-@dataclass(frozen=True)
-class EndpointConfig:
-    # May carry credentials (http://user:pw@host): shown only as display_url, never in repr.
-    url: str = field(repr=False)
-    probe: ProbeKind = ProbeKind.COMPLETION
-    path: str = "/v1/completions"
-    model: str | None = None
-    timeout: float = DEFAULT_PROBE_TIMEOUT
-    ready_interval: float = DEFAULT_READY_INTERVAL
-    # Values are secrets (API keys): kept out of repr so they never reach a log line.
-    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
-
-    @property
-    def display_url(self) -> str:
-        """The URL as labels, status and logs show it: a password becomes `***`."""
-        return redact_url(self.url)
-
-    @property
-    def probe_url(self) -> str:
-        """Where the probe goes, without credentials (they travel as basic auth)."""
-        return _without_userinfo(self.url).rstrip("/") + self.path
-
-    @property
-    def credentials(self) -> tuple[str, str] | None:
-        """User and password from the URL's userinfo, percent-decoded, or None."""
-        parts = urlsplit(self.url)
-        if parts.username is None:
-            return None
-        return unquote(parts.username), unquote(parts.password or "")
-
-    def __repr__(self) -> str:
-        return (
-            f"EndpointConfig(url={self.display_url!r}, probe={self.probe!r}, path={self.path!r}, "
-            f"model={self.model!r}, timeout={self.timeout!r}, "
-            f"ready_interval={self.ready_interval!r})"
-        )
-
-
-def redact_url(url: str) -> str:
-    """`http://admin:pw@host:1` -> `http://admin:***@host:1`; URLs without a password unchanged."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
-
-
-def _without_userinfo(url: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+# --- how a key reads, where its Python type alone does not say ----------------------------------
 
 
 @dataclass(frozen=True)
-class WeightsConfig:
-    paths: tuple[str, ...]
-    include: tuple[str, ...] = DEFAULT_INCLUDE
-    per_file: bool = False
+class Duration:
+    """A float read from a duration like `30s` (parse_duration), at most `maximum` seconds."""
+
+    maximum: float = MAX_DURATION
 
 
 @dataclass(frozen=True)
-class ProcessConfig:
-    systemd_unit: str | None = None
-    pidfile: str | None = None
-    cmdline: str | None = None
-    # A discovered server's process: its pid and start ticks (never from the YAML).
-    pid: int | None = None
-    start_ticks: int | None = None
+class Whole:
+    """An int read as a whole number from 1 to `maximum`."""
+
+    maximum: int = 10**9
 
 
-@dataclass(frozen=True)
-class LogConfig:
-    journald_unit: str | None = None
-    file: str | None = None
-    format: str = AUTO  # or a server kind (exporter/servers)
-    encoding: LogEncoding = LogEncoding.PLAIN  # of the file(s)
-    more_files: tuple[str, ...] = ()  # the same server's other stream (stderr beside stdout)
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return (self.file, *self.more_files) if self.file else ()
+Seconds = Annotated[float, Duration()]
+Count = Annotated[int, Whole()]
+# A key's reader: (YAML value, the key's dotted path for messages, the environment) -> value.
+KeyReader = Callable[[object, str, Mapping[str, str]], Any]
+NOT_IN_YAML = {"yaml": False}  # set by the exporter (discovery, flags), never by the file
 
 
-@dataclass(frozen=True)
-class TargetConfig:
-    name: str
-    endpoint: EndpointConfig
-    weights: WeightsConfig | None = None
-    process: ProcessConfig | None = None
-    log: LogConfig | None = None
-    gpus: Literal["auto"] | tuple[int, ...] = "auto"
-    stall_after: float = DEFAULT_STALL_AFTER
-
-
-@dataclass(frozen=True)
-class DiscoveryConfig:
-    """Finding model servers by their command lines; `auto` is on when no target is configured."""
-
-    enabled: Literal["auto"] | bool = "auto"
-    interval: float = DEFAULT_DISCOVERY_INTERVAL
-    keep_for: float = DEFAULT_DISCOVERY_KEEP_FOR
-    servers: tuple[str, ...] = DISCOVERY_SERVERS
-    max_targets: int = DEFAULT_MAX_TARGETS
-    max_targets_per_user: int = DEFAULT_MAX_TARGETS_PER_USER
-    max_files: int = DEFAULT_MAX_FILES
-    users: tuple[int, ...] | None = None  # uids whose processes may be discovered; None: all
-
-    def active(self, has_targets: bool) -> bool:
-        return self.enabled is True or (self.enabled == "auto" and not has_targets)
-
-
-@dataclass(frozen=True)
-class HistoryRetention:
-    """How much of the past the history database keeps: no one can grow it without limit."""
-
-    max_rows: int = DEFAULT_HISTORY_MAX_ROWS
-    max_age: float = DEFAULT_HISTORY_MAX_AGE
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """What /metrics carries beyond each target's default budget (docs/costs.md#a-fleet): the
-    detail only a deep dive reads, which a fleet pays for in series on every host."""
-
-    # The buckets of model_load_phase_duration_seconds (20 per phase and step; the dashboard
-    # reads only _sum and _count, which are always there).
-    phase_buckets: bool = False
-    # Histograms also as native histograms, one series per label set, to a Prometheus that asks
-    # for protobuf (>= 2.40 with --enable-feature=native-histograms); text scrapes unchanged.
-    native_histograms: bool = False
-
-
-@dataclass(frozen=True)
-class Config:
-    targets: tuple[TargetConfig, ...]
-    sample_interval: float = DEFAULT_SAMPLE_INTERVAL
-    history_path: str = DEFAULT_HISTORY_PATH
-    residency_cpu_budget: float = DEFAULT_RESIDENCY_CPU_BUDGET
-    source: str = "flags"
-    discovery: DiscoveryConfig = DiscoveryConfig()
-    history_retention: HistoryRetention = HistoryRetention()
-    metrics: MetricsConfig = MetricsConfig()
+def read_by(reader: KeyReader) -> dict[str, Any]:
+    """Field metadata: this key has a rule of its own."""
+    return {"read": reader}
 
 
 def parse_duration(value: object, where: str, maximum: float = MAX_DURATION) -> float:
@@ -251,87 +147,46 @@ def format_duration(seconds: float) -> str:
     return "".join(parts) or "0s"
 
 
-class _Reader:
-    """Walks one mapping of the YAML tree, type-checking keys and rejecting unknown ones."""
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+    if "\0" in value:
+        raise ConfigError(f"{where}: contains a NUL byte")
+    return value
 
-    def __init__(self, data: object, where: str, allowed: Sequence[str]) -> None:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-        unknown = [str(k) for k in data if k not in allowed]
-        if unknown:
-            raise ConfigError(
-                f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(allowed)})"
-            )
-        self.data = data
-        self.where = where
 
-    def key(self, name: str) -> str:
-        return f"{self.where}.{name}" if self.where else name
+def _one_of(value: object, where: str, choices: Sequence[str]) -> str:
+    text = _text(value, where)
+    if text not in choices:
+        raise ConfigError(f"{where}: must be one of {', '.join(choices)}, got {text!r}")
+    return text
 
-    def has(self, name: str) -> bool:
-        return self.data.get(name) is not None
 
-    def text(self, name: str, default: str | None = None, required: bool = False) -> str | None:
-        value = self.data.get(name)
-        if value is None:
-            if required:
-                raise ConfigError(f"{self.key(name)}: required")
-            return default
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{self.key(name)}: expected a non-empty string, got {value!r}")
-        if "\0" in value:
-            raise ConfigError(f"{self.key(name)}: contains a NUL byte")
-        return value
+def _flag(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
 
-    def choice(self, name: str, choices: type[_E], default: _E) -> _E:
-        return choices(self.one_of(name, tuple(choices), default))
 
-    def one_of(self, name: str, choices: Sequence[str], default: str) -> str:
-        value = self.text(name, default) or default
-        if value not in choices:
-            raise ConfigError(
-                f"{self.key(name)}: must be one of {', '.join(choices)}, got {value!r}"
-            )
-        return value
+def _count(value: object, where: str, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigError(
+            f"{where}: expected a whole number from 1 to {maximum}, got {_short(value)}"
+        )
+    return value
 
-    def duration(self, name: str, default: float, maximum: float = MAX_DURATION) -> float:
-        if not self.has(name):
-            return default
-        return parse_duration(self.data[name], self.key(name), maximum)
 
-    def flag(self, name: str, default: bool) -> bool:
-        value = self.data.get(name, default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self.key(name)}: expected true or false, got {value!r}")
-        return value
+def _strings(value: object, where: str) -> tuple[str, ...]:
+    """A non-empty list of non-empty strings; one string stands for a list of one."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: expected a non-empty list of strings")
+    return tuple(_text(item, f"{where}[{i}]") for i, item in enumerate(value))
 
-    def count(self, name: str, default: int, maximum: int = 10**9) -> int:
-        value = self.data.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-            raise ConfigError(
-                f"{self.key(name)}: expected a whole number from 1 to {maximum}, got "
-                f"{_short(value)}"
-            )
-        return value
 
-    def str_list(self, name: str, default: tuple[str, ...] | None = None) -> tuple[str, ...]:
-        value = self.data.get(name)
-        if value is None:
-            if default is None:
-                raise ConfigError(f"{self.key(name)}: required")
-            return default
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not value:
-            raise ConfigError(f"{self.key(name)}: expected a non-empty list of strings")
-        for i, item in enumerate(value):
-            if not isinstance(item, str) or not item:
-                raise ConfigError(
-                    f"{self.key(name)}[{i}]: expected a non-empty string, got {item!r}"
-                )
-            if "\0" in item:
-                raise ConfigError(f"{self.key(name)}[{i}]: contains a NUL byte")
-        return tuple(value)
+def _key(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
 
 
 def expand_env(value: str, where: str, env: Mapping[str, str]) -> str:
@@ -391,35 +246,17 @@ def _header(name: object, value: object, where: str, env: Mapping[str, str]) -> 
     return name, expanded
 
 
-def _endpoint(data: object, where: str, env: Mapping[str, str]) -> EndpointConfig:
-    r = _Reader(
-        data, where, ("url", "probe", "path", "model", "timeout", "ready_interval", "headers")
-    )
-    probe = r.choice("probe", ProbeKind, ProbeKind.COMPLETION)
-    url = r.text("url", required=True)
-    assert url is not None
-    _check_url(url, r.key("url"), probe)
-    path = r.text("path", DEFAULT_PROBE_PATHS[probe]) or ""
-    if path and not path.startswith("/"):
-        raise ConfigError(f"{r.key('path')}: must start with '/', got {_short(path)}")
+def _headers(value: object, where: str, env: Mapping[str, str]) -> Mapping[str, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of header names to values")
+    return dict(_header(name, text, f"{where}.{name}", env) for name, text in value.items())
+
+
+def _check_probe_path(path: str, where: str) -> None:
+    if not path.startswith("/"):
+        raise ConfigError(f"{where}: must start with '/', got {_short(path)}")
     if _CONTROL_RE.search(path) or " " in path:
-        raise ConfigError(f"{r.key('path')}: spaces or control characters in {_short(path)}")
-    raw_headers = r.data.get("headers") or {}
-    if not isinstance(raw_headers, Mapping):
-        raise ConfigError(f"{r.key('headers')}: expected a mapping of header names to values")
-    headers = dict(
-        _header(name, value, f"{r.key('headers')}.{name}", env)
-        for name, value in raw_headers.items()
-    )
-    return EndpointConfig(
-        url=url,
-        probe=probe,
-        path=path,
-        model=r.text("model"),
-        timeout=r.duration("timeout", DEFAULT_PROBE_TIMEOUT),
-        ready_interval=r.duration("ready_interval", DEFAULT_READY_INTERVAL),
-        headers=headers,
-    )
+        raise ConfigError(f"{where}: spaces or control characters in {_short(path)}")
 
 
 def _check_weights_path(path: str, where: str) -> None:
@@ -461,58 +298,47 @@ def glob_problem(pattern: str) -> str | None:
     return None
 
 
-def _weights(data: object, where: str) -> WeightsConfig:
-    r = _Reader(data, where, ("paths", "include", "per_file"))
-    paths = r.str_list("paths")
+def _weight_paths(value: object, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    paths = _strings(value, where)
     for i, path in enumerate(paths):
-        _check_weights_path(path, f"{r.key('paths')}[{i}]")
-    include = r.str_list("include", DEFAULT_INCLUDE)
-    for i, pattern in enumerate(include):
+        _check_weights_path(path, f"{where}[{i}]")
+    return tuple(str(Path(p).absolute()) for p in paths)
+
+
+def _patterns(value: object, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    patterns = _strings(value, where)
+    for i, pattern in enumerate(patterns):
         problem = glob_problem(pattern)
         if problem is not None:
-            raise ConfigError(f"{r.key('include')}[{i}]: {_short(pattern)}: {problem}")
-    return WeightsConfig(
-        paths=tuple(str(Path(p).absolute()) for p in paths),
-        include=include,
-        per_file=r.flag("per_file", False),
-    )
+            raise ConfigError(f"{where}[{i}]: {_short(pattern)}: {problem}")
+    return patterns
 
 
-def _process(data: object, where: str) -> ProcessConfig:
-    r = _Reader(data, where, ("systemd_unit", "pidfile", "cmdline"))
-    chosen = [k for k in ("systemd_unit", "pidfile", "cmdline") if r.has(k)]
-    if len(chosen) != 1:
-        raise ConfigError(f"{where}: set exactly one of systemd_unit, pidfile, cmdline")
-    cmdline = r.text("cmdline")
-    if cmdline is not None:
-        try:
-            re.compile(cmdline)
-        except re.error as exc:
-            raise ConfigError(f"{r.key('cmdline')}: invalid regular expression: {exc}") from None
-    return ProcessConfig(
-        systemd_unit=r.text("systemd_unit"), pidfile=r.text("pidfile"), cmdline=cmdline
-    )
+def _regex(value: object, where: str, env: Mapping[str, str]) -> str:
+    text = _text(value, where)
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise ConfigError(f"{where}: invalid regular expression: {exc}") from None
+    return text
 
 
-def _log(data: object, where: str) -> LogConfig:
-    r = _Reader(data, where, ("journald_unit", "file", "format", "encoding"))
-    if len([k for k in ("journald_unit", "file") if r.has(k)]) != 1:
-        raise ConfigError(f"{where}: set exactly one of journald_unit, file")
-    if r.has("journald_unit") and r.has("encoding"):
-        raise ConfigError(f"{r.key('encoding')}: applies to file only; a journal has none")
-    files = r.str_list("file") if r.has("file") else ()
+def _log_files(value: object, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    """`file` takes one path or several (a server's stdout and stderr): `_finish_log` splits."""
+    files = _strings(value, where)
     if len(set(files)) != len(files):
-        raise ConfigError(f"{r.key('file')}: a path is listed twice")
-    return LogConfig(
-        journald_unit=r.text("journald_unit"),
-        file=files[0] if files else None,
-        more_files=files[1:],
-        format=r.one_of("format", (AUTO, *SERVERS), AUTO),
-        encoding=r.choice("encoding", LogEncoding, LogEncoding.PLAIN),
-    )
+        raise ConfigError(f"{where}: a path is listed twice")
+    return files
 
 
-def _gpus(value: object, where: str) -> Literal["auto"] | tuple[int, ...]:
+def _target_name(value: object, where: str, env: Mapping[str, str]) -> str:
+    name = _text(value, where)
+    if not _TARGET_NAME_RE.match(name):
+        raise ConfigError(f"{where}: {name!r} may use only letters, digits and _ . : -")
+    return name
+
+
+def _gpus(value: object, where: str, env: Mapping[str, str]) -> Literal["auto"] | tuple[int, ...]:
     if value is None or value == "auto":
         return "auto"
     if (
@@ -524,70 +350,24 @@ def _gpus(value: object, where: str) -> Literal["auto"] | tuple[int, ...]:
     raise ConfigError(f"{where}: expected auto or a list of GPU indexes like [0, 1], got {value!r}")
 
 
-def _target(data: object, where: str, env: Mapping[str, str]) -> TargetConfig:
-    r = _Reader(
-        data, where, ("name", "endpoint", "weights", "process", "log", "gpus", "stall_after")
-    )
-    name = r.text("name", required=True)
-    assert name is not None
-    if not _TARGET_NAME_RE.match(name):
-        raise ConfigError(f"{r.key('name')}: {name!r} may use only letters, digits and _ . : -")
-    if not r.has("endpoint"):
-        raise ConfigError(f"{r.key('endpoint')}: required")
-    return TargetConfig(
-        name=name,
-        endpoint=_endpoint(r.data["endpoint"], r.key("endpoint"), env),
-        weights=_weights(r.data["weights"], r.key("weights")) if r.has("weights") else None,
-        process=_process(r.data["process"], r.key("process")) if r.has("process") else None,
-        log=_log(r.data["log"], r.key("log")) if r.has("log") else None,
-        gpus=_gpus(r.data.get("gpus"), r.key("gpus")),
-        stall_after=r.duration("stall_after", DEFAULT_STALL_AFTER),
-    )
+def _auto_or_flag(value: object, where: str, env: Mapping[str, str]) -> Literal["auto"] | bool:
+    if value is not True and value is not False and value != "auto":
+        raise ConfigError(f"{where}: expected auto, true or false, got {value!r}")
+    return "auto" if value == "auto" else bool(value)
 
 
-def _discovery(data: object, where: str) -> DiscoveryConfig:
-    if data is None:
-        return DiscoveryConfig()
-    r = _Reader(
-        data,
-        where,
-        (
-            "enabled",
-            "interval",
-            "keep_for",
-            "servers",
-            "max_targets",
-            "max_targets_per_user",
-            "max_files",
-            "users",
-        ),
-    )
-    raw_enabled = r.data.get("enabled", "auto")
-    if raw_enabled is not True and raw_enabled is not False and raw_enabled != "auto":
-        raise ConfigError(f"{r.key('enabled')}: expected auto, true or false, got {raw_enabled!r}")
-    enabled: Literal["auto"] | bool = "auto" if raw_enabled == "auto" else bool(raw_enabled)
-    servers = r.str_list("servers", DISCOVERY_SERVERS)
-    for i, server in enumerate(servers):
-        if server not in SERVERS:
-            raise ConfigError(
-                f"{r.key('servers')}[{i}]: must be one of {', '.join(SERVERS)}, got {server!r}"
-            )
-    max_targets = r.count("max_targets", DEFAULT_MAX_TARGETS, 10_000)
-    return DiscoveryConfig(
-        enabled=enabled,
-        interval=r.duration("interval", DEFAULT_DISCOVERY_INTERVAL),
-        keep_for=r.duration("keep_for", DEFAULT_DISCOVERY_KEEP_FOR),
-        servers=tuple(dict.fromkeys(servers)),
-        max_targets=max_targets,
-        max_targets_per_user=r.count(
-            "max_targets_per_user", min(DEFAULT_MAX_TARGETS_PER_USER, max_targets), max_targets
-        ),
-        max_files=r.count("max_files", DEFAULT_MAX_FILES),
-        users=_users(r.data.get("users"), r.key("users")),
-    )
+def _log_format(value: object, where: str, env: Mapping[str, str]) -> str:
+    return _one_of(value, where, (AUTO, *SERVERS))  # the registry as it is now: it may grow
 
 
-def _users(value: object, where: str) -> tuple[int, ...] | None:
+def _server_kinds(value: object, where: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    kinds = _strings(value, where)
+    for i, kind in enumerate(kinds):
+        _one_of(kind, f"{where}[{i}]", tuple(SERVERS))
+    return tuple(dict.fromkeys(kinds))
+
+
+def _users(value: object, where: str, env: Mapping[str, str]) -> tuple[int, ...] | None:
     """User names or uids -> uids; a name this host does not know is an error, not a no-op."""
     if value is None:
         return None
@@ -607,80 +387,315 @@ def _users(value: object, where: str) -> tuple[int, ...] | None:
     return tuple(dict.fromkeys(uids))
 
 
-def _retention(data: object, where: str) -> HistoryRetention:
-    if data is None:
-        return HistoryRetention()
-    r = _Reader(data, where, ("max_rows", "max_age"))
-    return HistoryRetention(
-        max_rows=r.count("max_rows", DEFAULT_HISTORY_MAX_ROWS),
-        max_age=r.duration("max_age", DEFAULT_HISTORY_MAX_AGE),
+def _history_path(value: object, where: str, env: Mapping[str, str]) -> str:
+    if not isinstance(value, str) or "\0" in value:
+        raise ConfigError(f'{where}: expected a path or "", got {_short(value)}')
+    return value
+
+
+def _share(value: object, where: str, env: Mapping[str, str]) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{where}: expected a share of one core in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _targets(value: object, where: str, env: Mapping[str, str]) -> tuple[TargetConfig, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of targets")
+    targets = tuple(
+        read_section(TargetConfig, t, f"{where}[{i}]", env) for i, t in enumerate(value)
+    )
+    seen: set[str] = set()
+    for i, target in enumerate(targets):
+        if target.name in seen:
+            raise ConfigError(f"{where}[{i}].name: duplicate target name {target.name!r}")
+        seen.add(target.name)
+    return targets
+
+
+# --- the sections -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    # May carry credentials (http://user:pw@host): shown only as display_url, never in repr.
+    url: str = field(repr=False)
+    probe: ProbeKind = ProbeKind.COMPLETION
+    path: str = "/v1/completions"  # the probe's own by default (DEFAULT_PROBE_PATHS)
+    model: str | None = None
+    timeout: Seconds = DEFAULT_PROBE_TIMEOUT
+    ready_interval: Seconds = DEFAULT_READY_INTERVAL
+    # Values are secrets (API keys): kept out of repr so they never reach a log line.
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False, metadata=read_by(_headers))
+
+    @property
+    def display_url(self) -> str:
+        """The URL as labels, status and logs show it: a password becomes `***`."""
+        return redact_url(self.url)
+
+    @property
+    def probe_url(self) -> str:
+        """Where the probe goes, without credentials (they travel as basic auth)."""
+        return _without_userinfo(self.url).rstrip("/") + self.path
+
+    @property
+    def credentials(self) -> tuple[str, str] | None:
+        """User and password from the URL's userinfo, percent-decoded, or None."""
+        parts = urlsplit(self.url)
+        if parts.username is None:
+            return None
+        return unquote(parts.username), unquote(parts.password or "")
+
+    def __repr__(self) -> str:
+        return (
+            f"EndpointConfig(url={self.display_url!r}, probe={self.probe!r}, path={self.path!r}, "
+            f"model={self.model!r}, timeout={self.timeout!r}, "
+            f"ready_interval={self.ready_interval!r})"
+        )
+
+
+def redact_url(url: str) -> str:
+    """`http://admin:pw@host:1` -> `http://admin:***@host:1`; URLs without a password unchanged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    paths: tuple[str, ...] = field(metadata=read_by(_weight_paths))
+    include: tuple[str, ...] = field(default=DEFAULT_INCLUDE, metadata=read_by(_patterns))
+    per_file: bool = False
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    systemd_unit: str | None = None
+    pidfile: str | None = None
+    cmdline: str | None = field(default=None, metadata=read_by(_regex))
+    # A discovered server's process: its pid and start ticks.
+    pid: int | None = field(default=None, metadata=NOT_IN_YAML)
+    start_ticks: int | None = field(default=None, metadata=NOT_IN_YAML)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    journald_unit: str | None = None
+    file: str | None = field(default=None, metadata=read_by(_log_files))
+    format: str = field(default=AUTO, metadata=read_by(_log_format))  # or a server kind
+    encoding: LogEncoding = LogEncoding.PLAIN  # of the file(s)
+    # The same server's other stream (stderr beside stdout): `file`'s list past its first.
+    more_files: tuple[str, ...] = field(default=(), metadata=NOT_IN_YAML)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.file, *self.more_files) if self.file else ()
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    name: str = field(metadata=read_by(_target_name))
+    endpoint: EndpointConfig
+    weights: WeightsConfig | None = None
+    process: ProcessConfig | None = None
+    log: LogConfig | None = None
+    gpus: Literal["auto"] | tuple[int, ...] = field(default="auto", metadata=read_by(_gpus))
+    stall_after: Seconds = DEFAULT_STALL_AFTER
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """Finding model servers by their command lines; `auto` is on when no target is configured."""
+
+    enabled: Literal["auto"] | bool = field(default="auto", metadata=read_by(_auto_or_flag))
+    interval: Seconds = DEFAULT_DISCOVERY_INTERVAL
+    keep_for: Seconds = DEFAULT_DISCOVERY_KEEP_FOR
+    servers: tuple[str, ...] = field(default=DISCOVERY_SERVERS, metadata=read_by(_server_kinds))
+    max_targets: Annotated[int, Whole(10_000)] = DEFAULT_MAX_TARGETS
+    max_targets_per_user: Count = DEFAULT_MAX_TARGETS_PER_USER  # at most max_targets
+    max_files: Count = DEFAULT_MAX_FILES
+    # uids whose processes may be discovered; None: all
+    users: tuple[int, ...] | None = field(default=None, metadata=read_by(_users))
+
+    def active(self, has_targets: bool) -> bool:
+        return self.enabled is True or (self.enabled == "auto" and not has_targets)
+
+
+@dataclass(frozen=True)
+class HistoryRetention:
+    """How much of the past the history database keeps: no one can grow it without limit."""
+
+    max_rows: Count = DEFAULT_HISTORY_MAX_ROWS
+    max_age: Seconds = DEFAULT_HISTORY_MAX_AGE
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """What /metrics carries beyond each target's default budget (docs/costs.md#a-fleet): the
+    detail only a deep dive reads, which a fleet pays for in series on every host."""
+
+    # The buckets of model_load_phase_duration_seconds (20 per phase and step; the dashboard
+    # reads only _sum and _count, which are always there).
+    phase_buckets: bool = False
+    # Histograms also as native histograms, one series per label set, to a Prometheus that asks
+    # for protobuf (>= 2.40 with --enable-feature=native-histograms); text scrapes unchanged.
+    native_histograms: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    targets: tuple[TargetConfig, ...] = field(default=(), metadata=read_by(_targets))
+    sample_interval: Annotated[float, Duration(MAX_SAMPLE_INTERVAL)] = DEFAULT_SAMPLE_INTERVAL
+    history_path: str = field(default=DEFAULT_HISTORY_PATH, metadata=read_by(_history_path))
+    residency_cpu_budget: float = field(
+        default=DEFAULT_RESIDENCY_CPU_BUDGET, metadata=read_by(_share)
+    )
+    source: str = field(default="flags", metadata=NOT_IN_YAML)  # the file, or where instead
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    history_retention: HistoryRetention = HistoryRetention()
+    metrics: MetricsConfig = MetricsConfig()
+
+
+# --- rules across the keys of one section -------------------------------------------------------
+
+Values = dict[str, Any]  # a section's keys given, read
+
+
+def _finish_endpoint(values: Values, where: str) -> Values:
+    """The URL's allowed schemes and the path's default follow the probe."""
+    probe = values.get("probe", ProbeKind.COMPLETION)
+    _check_url(values["url"], _key(where, "url"), probe)
+    if "path" in values:
+        _check_probe_path(values["path"], _key(where, "path"))
+    return {"path": DEFAULT_PROBE_PATHS[probe], **values}
+
+
+def _finish_process(values: Values, where: str) -> Values:
+    if len(values) != 1:
+        raise ConfigError(f"{where}: set exactly one of systemd_unit, pidfile, cmdline")
+    return values
+
+
+def _finish_log(values: Values, where: str) -> Values:
+    if len([k for k in ("journald_unit", "file") if k in values]) != 1:
+        raise ConfigError(f"{where}: set exactly one of journald_unit, file")
+    if "journald_unit" in values and "encoding" in values:
+        raise ConfigError(f"{_key(where, 'encoding')}: applies to file only; a journal has none")
+    if "file" in values:
+        first, *more = values["file"]
+        values = {**values, "file": first, "more_files": tuple(more)}
+    return values
+
+
+def _finish_discovery(values: Values, where: str) -> Values:
+    """The share per user is bounded by, and defaults to no more than, max_targets."""
+    most = values.get("max_targets", DEFAULT_MAX_TARGETS)
+    per_user = values.get("max_targets_per_user", min(DEFAULT_MAX_TARGETS_PER_USER, most))
+    _count(per_user, _key(where, "max_targets_per_user"), most)
+    return {**values, "max_targets_per_user": per_user}
+
+
+def _finish_config(values: Values, where: str) -> Values:
+    discovery: DiscoveryConfig = values.get("discovery", DiscoveryConfig())
+    if not values.get("targets") and not discovery.active(has_targets=False):
+        raise ConfigError(
+            "targets: expected a non-empty list of targets (discovery.enabled is false)"
+        )
+    return values
+
+
+_FINISH: Mapping[type, Callable[[Values, str], Values]] = {
+    EndpointConfig: _finish_endpoint,
+    ProcessConfig: _finish_process,
+    LogConfig: _finish_log,
+    DiscoveryConfig: _finish_discovery,
+    Config: _finish_config,
+}
+
+
+# --- the reader ---------------------------------------------------------------------------------
+
+
+class _Key:
+    """One YAML key of a section: its field's name, whether it must be given, how it reads."""
+
+    def __init__(self, f: dataclasses.Field[Any], hint: Any) -> None:
+        self.name = f.name
+        no_default = dataclasses.MISSING
+        self.required = f.default is no_default and f.default_factory is no_default
+        self.read: KeyReader = f.metadata.get("read") or _reader(hint)
+
+
+@functools.cache
+def _keys(section: type) -> tuple[_Key, ...]:
+    hints = get_type_hints(section, include_extras=True)
+    return tuple(
+        _Key(f, hints[f.name]) for f in dataclasses.fields(section) if f.metadata.get("yaml", True)
     )
 
 
-def _metrics(data: object, where: str) -> MetricsConfig:
-    if data is None:
-        return MetricsConfig()
-    r = _Reader(data, where, ("phase_buckets", "native_histograms"))
-    return MetricsConfig(
-        phase_buckets=r.flag("phase_buckets", False),
-        native_histograms=r.flag("native_histograms", False),
-    )
+def _reader(hint: Any) -> KeyReader:
+    """How a value of this type reads from YAML; TypeError for a type no rule covers (a field
+    that needs `read_by`), raised when its section is first read."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Annotated:
+        mark = hint.__metadata__[0]
+        if isinstance(mark, Duration):
+            return lambda v, where, env: parse_duration(v, where, mark.maximum)
+        if isinstance(mark, Whole):
+            return lambda v, where, env: _count(v, where, mark.maximum)
+    if origin in (types.UnionType, Union) and len(args) == 2 and types.NoneType in args:
+        return _reader(next(a for a in args if a is not types.NoneType))  # null: not given
+    if hint is str:
+        return lambda v, where, env: _text(v, where)
+    if hint is bool:
+        return lambda v, where, env: _flag(v, where)
+    if hint == tuple[str, ...]:
+        return lambda v, where, env: _strings(v, where)
+    if isinstance(hint, type) and issubclass(hint, StrEnum):
+        return lambda v, where, env: hint(_one_of(v, where, tuple(hint)))
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return functools.partial(read_section, hint)
+    raise TypeError(f"no config reader for {hint!r}: give the field read_by(...)")
+
+
+def read_section(section: type[_D], data: object, where: str, env: Mapping[str, str]) -> _D:
+    """A dataclass from one YAML mapping: each field a key, unknown keys refused."""
+    kind: type = section  # (mypy takes a class's type for unhashable)
+    keys = _keys(kind)
+    at = f"{where}: " if where else ""  # the top level: the file's name is all the place
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{at}expected a mapping, got {type(data).__name__}")
+    names = [k.name for k in keys]
+    unknown = [str(k) for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"{at}unknown key {unknown[0]!r} (allowed: {', '.join(names)})")
+    values: Values = {}
+    for key in keys:
+        where_key = _key(where, key.name)
+        if data.get(key.name) is not None:
+            values[key.name] = key.read(data[key.name], where_key, env)
+        elif key.required:
+            raise ConfigError(f"{where_key}: required")
+    finish = _FINISH.get(section)
+    return section(**(finish(values, where) if finish else values))
 
 
 def parse_config(
     data: object, source: str = "config", env: Mapping[str, str] | None = None
 ) -> Config:
     """Validate an already-loaded YAML document (an empty one means: discover everything)."""
-    env = os.environ if env is None else env
-    if data is None:
-        data = {}
-    r = _Reader(
-        data,
-        "",
-        (
-            "sample_interval",
-            "history_path",
-            "history_retention",
-            "residency_cpu_budget",
-            "discovery",
-            "metrics",
-            "targets",
-        ),
+    config = read_section(
+        Config, {} if data is None else data, "", os.environ if env is None else env
     )
-    discovery = _discovery(r.data.get("discovery"), "discovery")
-    raw_targets = r.data.get("targets")
-    if raw_targets is None:
-        raw_targets = []
-    if not isinstance(raw_targets, list):
-        raise ConfigError("targets: expected a list of targets")
-    if not raw_targets and not discovery.active(has_targets=False):
-        raise ConfigError(
-            "targets: expected a non-empty list of targets (discovery.enabled is false)"
-        )
-    targets = tuple(_target(t, f"targets[{i}]", env) for i, t in enumerate(raw_targets))
-    seen: set[str] = set()
-    for i, target in enumerate(targets):
-        if target.name in seen:
-            raise ConfigError(f"targets[{i}].name: duplicate target name {target.name!r}")
-        seen.add(target.name)
-    history_path = r.data.get("history_path", DEFAULT_HISTORY_PATH)
-    if not isinstance(history_path, str) or "\0" in history_path:
-        raise ConfigError(f'history_path: expected a path or "", got {_short(history_path)}')
-    budget = r.data.get("residency_cpu_budget", DEFAULT_RESIDENCY_CPU_BUDGET)
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 1:
-        raise ConfigError(
-            f"residency_cpu_budget: expected a share of one core in (0, 1], got {budget!r}"
-        )
-    return Config(
-        targets=targets,
-        sample_interval=r.duration("sample_interval", DEFAULT_SAMPLE_INTERVAL, MAX_SAMPLE_INTERVAL),
-        history_path=history_path,
-        residency_cpu_budget=float(budget),
-        source=source,
-        discovery=discovery,
-        history_retention=_retention(r.data.get("history_retention"), "history_retention"),
-        metrics=_metrics(r.data.get("metrics"), "metrics"),
-    )
+    return dataclasses.replace(config, source=source)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

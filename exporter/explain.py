@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exporter import api
 from exporter.forecast import NO_RATES, Rates, load_rate, rates
 from exporter.history import EXPECTATION_LOADS, HistoryStore
+from exporter.loadreport import LoadReport, PhaseTime, ReadRate, StorageRead
 from exporter.tracker import CACHE_INDEPENDENT, FINE_STEPS, LoadRecord, expected_phases
 from exporter.vocabulary import Cache, Outcome, Phase, Step
 
@@ -78,7 +78,7 @@ def baseline(history: HistoryStore, target: str, cache: Cache | None) -> Baselin
     )
 
 
-def storage_reads(start: Counters | None, end: Counters) -> tuple[api.StorageRead, ...] | None:
+def storage_reads(start: Counters | None, end: Counters) -> tuple[StorageRead, ...] | None:
     """What each device, mount or pool read between the load's start and end; None when the
     counters at the start are unknown, or none of them can be compared (read before the
     storage under the weights was described): "nothing read" would be a guess. A counter that
@@ -86,7 +86,7 @@ def storage_reads(start: Counters | None, end: Counters) -> tuple[api.StorageRea
     if start is None:
         return None
     reads = tuple(
-        api.StorageRead(kind, name, end[(kind, name)] - start[(kind, name)])
+        StorageRead(kind, name, end[(kind, name)] - start[(kind, name)])
         for kind, name in sorted(end)
         if (kind, name) in start and end[(kind, name)] >= start[(kind, name)]
     )
@@ -96,13 +96,13 @@ def storage_reads(start: Counters | None, end: Counters) -> tuple[api.StorageRea
 def report(
     record: LoadRecord,
     base: Baseline,
-    reads: tuple[api.StorageRead, ...] | None,
+    reads: tuple[StorageRead, ...] | None,
     environment_unknown: str | None = None,
-) -> api.LoadReport:
+) -> LoadReport:
     """The report of a finished load against `base`, with what the storage read meanwhile and
     why its environment's residency at the start is not known, where it is not."""
     phases = tuple(
-        api.PhaseTime(phase, seconds, base.phase_medians.get(phase))
+        PhaseTime(phase, seconds, base.phase_medians.get(phase))
         for phase, seconds in _in_order(record.phase_seconds)
     )
     good = record.outcome is Outcome.READY and not record.partial
@@ -110,7 +110,7 @@ def report(
     expected, reason = base.expected_seconds, None
     if good and expected is not None and record.duration_seconds > SLOWER_THAN_EXPECTED * expected:
         reason = _reason(record, phases, rate, expected)
-    return api.LoadReport(
+    return LoadReport(
         expected_seconds=expected,
         phases=phases,
         page_cache_bytes=_page_cache_bytes(record),
@@ -139,7 +139,7 @@ def _page_cache_bytes(record: LoadRecord) -> int | None:
     return min(resident, weights)
 
 
-def _read_rate(record: LoadRecord, base: Baseline) -> api.ReadRate | None:
+def _read_rate(record: LoadRecord, base: Baseline) -> ReadRate | None:
     """Storage's rate for a cold load, the page cache's for a warm one; a mixed load read from
     both at rates its own time cannot tell apart."""
     cold = record.cache is Cache.COLD
@@ -150,7 +150,7 @@ def _read_rate(record: LoadRecord, base: Baseline) -> api.ReadRate | None:
     else:
         return None
     value = load_rate(record, cold=cold, other=other)
-    return api.ReadRate(source, value, best) if value else None
+    return ReadRate(source, value, best) if value else None
 
 
 def _best(loads: Sequence[LoadRecord], *, cold: bool, other: float | None) -> float | None:
@@ -160,8 +160,8 @@ def _best(loads: Sequence[LoadRecord], *, cold: bool, other: float | None) -> fl
 
 def _reason(
     record: LoadRecord,
-    phases: tuple[api.PhaseTime, ...],
-    rate: api.ReadRate | None,
+    phases: tuple[PhaseTime, ...],
+    rate: ReadRate | None,
     expected: float,
 ) -> str:
     """The phase that explains most of the excess, against its median; the weights with the

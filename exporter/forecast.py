@@ -99,7 +99,8 @@ class Forecast:
     seconds: float | None
     resident_share: float | None  # of the weights in the page cache now
     reason: str | None  # why there is no forecast, or None
-    environment_share: float | None = None  # of the server's environment in the cache now
+    # Of the server's environment (what a run keeps cached), the share in the page cache now.
+    environment_resident_share: float | None = None
     starting_seconds: float | None = None  # the start-up part of `seconds`
 
 

@@ -7,8 +7,13 @@ A failed write (a full disk) is different: what is stored stays readable, the re
 memory (a bounded few) and `retry()` writes it once the disk has room again; `up` says whether
 finished loads are being kept.
 
-Each load keeps its report (exporter/explain.py) as the JSON of the /api/v1 document it is, so it
-reads back as it was written, and `id` is the row's, stable for /api/v1/loads/ID.
+A row is a `tracker.LoadRecord`, a column per field of the same name (`id` is the row's, stable
+for /api/v1/loads/ID): `_row` and `_record` derive both from the dataclass, so a field added to
+the record needs only its column's migration (a test holds the two together). A field that is a
+mapping or a dataclass (the phases, the report of exporter/loadreport.py) is a JSON column,
+written and read by `_plain` and `_typed` from the same fields; the report's JSON is the shape
+the /api/v1 document it becomes has always had (api_build.py alone turns one into the other), so
+files of earlier versions read the same.
 
 Retention: discovered targets are whatever any local user starts, so the store keeps at most
 `max_rows` loads, none that ended more than `max_age` before the newest (config
@@ -17,6 +22,7 @@ Retention: discovered targets are whatever any local user starts, so the store k
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,14 +30,15 @@ import sqlite3
 import stat
 import statistics
 import threading
+import types
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from enum import StrEnum
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from exporter.api import LoadReport
 from exporter.config import HistoryRetention
 from exporter.tracker import LoadRecord
-from exporter.vocabulary import Cache, Outcome
+from exporter.vocabulary import Cache
 
 log = logging.getLogger(__name__)
 
@@ -77,36 +84,16 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE loads ADD COLUMN environment_resident_bytes INTEGER",
     ),
 )
-_COLUMNS = (
-    "target, started_at, ended_at, outcome, cache, partial, phase_seconds, weights_bytes, "
-    "bytes_read, gpu_bytes_at_weights_end, seen_late, fatal, resident_bytes_at_start, report, "
-    "startup_read_bytes, environment_bytes, environment_resident_bytes"
-)
-_PLACES = ",".join("?" * len(_COLUMNS.split(",")))
+# The record's fields but `id` (the row's own), each a column of the same name.
+_FIELDS = tuple(f for f in dataclasses.fields(LoadRecord) if f.name != "id")
+_HINTS = get_type_hints(LoadRecord)
+_COLUMNS = ", ".join(f.name for f in _FIELDS)
+_PLACES = ",".join("?" * len(_FIELDS))
 _SELECT = f"id, {_COLUMNS}"
 _NEWEST_FIRST = "ORDER BY ended_at DESC, id DESC"
 
 _T = TypeVar("_T")
-_Row = tuple[
-    int,
-    str,
-    float,
-    float,
-    str,
-    str | None,
-    int,
-    str,
-    int | None,
-    int | None,
-    int | None,
-    int,
-    str | None,
-    int | None,
-    str | None,
-    int | None,
-    int | None,
-    int | None,
-]
+_Row = tuple[Any, ...]  # id, then the columns in _FIELDS' order
 
 
 class HistoryStore:
@@ -395,68 +382,99 @@ def _migrate(db: sqlite3.Connection) -> None:
 
 
 def _row(record: LoadRecord) -> tuple[object, ...]:
-    return (
-        record.target,
-        record.started_at,
-        record.ended_at,
-        record.outcome,
-        record.cache,
-        int(record.partial),
-        json.dumps(dict(record.phase_seconds), sort_keys=True),
-        record.weights_bytes,
-        record.bytes_read,
-        record.gpu_bytes_at_weights_end,
-        int(record.seen_late),
-        record.fatal,
-        record.resident_bytes_at_start,
-        json.dumps(record.report.to_json()) if record.report is not None else None,
-        record.startup_read_bytes,
-        record.environment_bytes,
-        record.environment_resident_bytes,
-    )
+    """The record as its columns: numbers, text and NULL as they are (a flag as 0 or 1, a word of
+    the vocabulary as its text), a mapping or a dataclass as JSON."""
+    return tuple(_column(getattr(record, f.name)) for f in _FIELDS)
+
+
+def _column(value: object) -> object:
+    if value is None or isinstance(value, int | float | str):
+        return str(value) if isinstance(value, StrEnum) else value  # a bool is an int already
+    return json.dumps(_plain(value))
+
+
+def _plain(value: object) -> object:
+    """A value as JSON types: a dataclass an object of its fields (a None where None is the
+    field's default left out, as the report's JSON has always had it), a mapping with its keys
+    sorted, a tuple a list."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        kept = (
+            (f.name, getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (getattr(value, f.name) is None and f.default is None)
+        )
+        return {name: _plain(v) for name, v in kept}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in sorted(value.items())}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, StrEnum) else value
 
 
 def _record(row: _Row) -> LoadRecord:
-    (load_id, target, started, ended, outcome, cache, partial, phases, weights, read, gpu, late,
-     fatal, resident, report, startup, environment, environment_resident) = row  # fmt: skip
-    try:
-        parsed = json.loads(phases)
-    except ValueError:
-        parsed = {}
-    phase_seconds = (
-        {str(k): float(v) for k, v in parsed.items() if isinstance(v, int | float)}
-        if isinstance(parsed, dict)
-        else {}
-    )
-    return LoadRecord(
-        target=target,
-        started_at=float(started),
-        ended_at=float(ended),
-        outcome=Outcome(outcome),
-        cache=Cache(cache) if cache is not None else None,
-        partial=bool(partial),
-        phase_seconds=phase_seconds,
-        weights_bytes=weights,
-        bytes_read=read,
-        gpu_bytes_at_weights_end=gpu,
-        seen_late=bool(late),
-        fatal=fatal,
-        resident_bytes_at_start=resident,
-        startup_read_bytes=startup,
-        environment_bytes=environment,
-        environment_resident_bytes=environment_resident,
-        id=load_id,
-        report=_report(report),
-    )
+    """A row as the record it was written from."""
+    load_id, *columns = row
+    values = {
+        f.name: _column_value(_HINTS[f.name], raw, f.name)
+        for f, raw in zip(_FIELDS, columns, strict=True)
+    }
+    return LoadRecord(id=load_id, **values)
 
 
-def _report(text: str | None) -> LoadReport | None:
-    """A stored report as the API document it was written from; one this version cannot read
-    (edited by hand, or of a newer exporter without a key this one needs) is left out."""
-    if text is None:
-        return None
+def _column_value(hint: Any, raw: object, name: str) -> Any:
+    """One column as its field. A JSON column that does not read (edited by hand, or a newer
+    exporter's without a key this one needs) is left out, the load kept: the report None, the
+    phases empty."""
+    if raw is None or not _is_json(hint):
+        return _typed(hint, raw, name)
     try:
-        return LoadReport.from_json(json.loads(text))
-    except ValueError as exc:  # bad JSON, or a DocumentError
-        log.debug("load history: a report that does not read: %s", exc)
+        return _typed(hint, json.loads(str(raw)), name)
+    except ValueError as exc:  # bad JSON, or a value of another shape
+        log.debug("load history: a %s that does not read: %s", name, exc)
+        return None if _optional(hint) else {}
+
+
+def _optional(hint: Any) -> bool:
+    return get_origin(hint) in (Union, types.UnionType) and types.NoneType in get_args(hint)
+
+
+def _inner(hint: Any) -> Any:
+    """X of `X | None`, else the hint."""
+    if not _optional(hint):
+        return hint
+    (inner,) = (a for a in get_args(hint) if a is not types.NoneType)
+    return inner
+
+
+def _is_json(hint: Any) -> bool:
+    inner = _inner(hint)
+    return get_origin(inner) is Mapping or dataclasses.is_dataclass(inner)
+
+
+def _typed(hint: Any, value: object, where: str) -> Any:
+    """`value` (a column, or parsed JSON) as `hint` says; ValueError naming where it is not."""
+    if value is None and _optional(hint):
         return None
+    hint = _inner(hint)
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is tuple and isinstance(value, list):
+        return tuple(_typed(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is Mapping and isinstance(value, dict):
+        return {str(k): _typed(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        hints = get_type_hints(hint)
+        given = [f for f in dataclasses.fields(hint) if f.name in value]
+        try:
+            return hint(**{f.name: _typed(hints[f.name], value[f.name], f"{where}.{f.name}")
+                           for f in given})  # fmt: skip
+        except TypeError as exc:  # a key without a default missing
+            raise ValueError(f"{where}: {exc}") from None
+    if hint is bool and isinstance(value, int):
+        return bool(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)  # JSON and SQLite keep 5.0 as 5
+    if isinstance(hint, type) and issubclass(hint, str) and isinstance(value, str):
+        return hint(value)  # a StrEnum: ValueError for a word it does not know
+    raise ValueError(f"{where}: {value!r} is not {hint}")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from exporter.asprocess import Actor, Rights
 from exporter.safeio import Refused
-from exporter.sources.pagecache import WeightFile
+from exporter.storage.weighttree import WeightFile
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 

@@ -1,22 +1,15 @@
 """The running exporter: wires config, sources, sampler, trackers and history together.
 
 The sampler threads write readings; one tracker tick per interval turns the latest readings of each
-target into an `Observation`, feeds the tracker and files finished loads. `snapshot()` hands the
-HTTP side an immutable view, so a scrape never waits on a source.
-
-Targets come from the config, and, with discovery on, from the model servers found in /proc:
-a discovered target is added when its server first appears, follows it across restarts (same
-name, same tracker and history, a new process is a new load) and is dropped `keep_for` after
-its process went away. Discovery scans every `discovery.interval`, and every sample interval
-while a discovered server is gone, so its restart is seen at once. Any local user can start a
-process that looks like a server, so discovered targets are bounded (`_admit`: at most
-`max_targets`, `max_targets_per_user` of one user, gone targets make room first) and their
-files are only ever touched with their process's rights (`_on_behalf`).
+target into an `Observation` (exporter/observation.py), feeds the tracker and files finished
+loads. `snapshot()` hands the HTTP side an immutable view, so a scrape never waits on a source.
+Which targets there are, configured or discovered, is exporter/admission.py's; this module builds
+each target's sources and registers their loops.
 
 How often each loop runs is exporter/pacing.py's: the runtime hands it what it last saw. An exit
-or a failed probe wakes the loops at once (`_after_process`, `_after_probe`), and a ready
-target's residency is refreshed every SERVING_REFRESH_SECONDS (a load's start measures it
-afresh anyway).
+or a news reading (exporter/observation.py says which) wakes the loops at once (`_after_process`,
+`_after_probe`), and a ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a
+load's start measures it afresh anyway).
 """
 
 from __future__ import annotations
@@ -25,22 +18,34 @@ import logging
 import platform
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 from exporter import __version__
-from exporter.asprocess import Actor, Borrowed, OnBehalf, rights_of
-from exporter.config import Config, LogConfig, ProcessConfig, TargetConfig
-from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
+from exporter.admission import Admission, on_behalf, on_behalf_of
+from exporter.asprocess import Actor, Borrowed, OnBehalf
+from exporter.config import Config, LogConfig, TargetConfig
+from exporter.discovery import DiscoveredServer, Discoverer
 from exporter.exitwatch import ExitWatch
-from exporter.explain import Counters, baseline, report, storage_reads
-from exporter.forecast import NO_RATES, Environment, Forecast, Rates, forecast, rates
-from exporter.history import EXPECTATION_LOADS, HistoryStore
+from exporter.explain import baseline, report, storage_reads
+from exporter.forecast import Environment, Forecast, forecast
+from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
-from exporter.logfind import LogFinding, find_log
+from exporter.logs.find import LogFinding, find_log
+from exporter.nvml_pids import NvmlPidCheck
+from exporter.observation import (
+    Marked,
+    TargetReadings,
+    bytes_read_under,
+    counters_before,
+    files_news,
+    log_is_news,
+    observe,
+    probe_is_news,
+    read_counters,
+)
 from exporter.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.refusals import Refusals
 from exporter.safeio import Refused, open_checked
@@ -66,30 +71,24 @@ from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
 from exporter.sources.environment import REFRESH_SECONDS as ENVIRONMENT_REFRESH_SECONDS
 from exporter.sources.environment import EnvironmentSource
-from exporter.sources.gpu import (
-    GpuSample,
-    NvmlSource,
-    PcieMarks,
-    mark_pcie,
-    process_gpu_memory,
-)
-from exporter.sources.logs import LogSample, LogSource, new_events
+from exporter.sources.gpu import NvmlSource, mark_pcie
+from exporter.sources.logs import LogSample, LogSource
 from exporter.sources.memory import MemorySample, MemorySource
 from exporter.sources.netfs import NetFsSource
-from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.pagecache import ResidencySample
-from exporter.sources.process import ProcessFinder, ProcessSample, read_stat
+from exporter.sources.process import ProcessFinder, ProcessSample
 from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
+    ResidencySample,
     ResidencySource,
 )
-from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 from exporter.sources.zfs import ZfsSource
-from exporter.startupwindow import ADVICE_LOADS, StartupAdvice, advise
-from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
-from exporter.vocabulary import IN_PROGRESS, Cache, Phase, ProbeResult
+from exporter.storage.description import WeightStorage
+from exporter.target import TargetRuntime
+from exporter.targethistory import TargetHistory, read_history
+from exporter.tracker import LoadRecord, TargetState, Tracker
+from exporter.vocabulary import IN_PROGRESS, Cache, ProbeResult
 
 log = logging.getLogger(__name__)
 
@@ -98,64 +97,6 @@ DISCOVERY_LOOP = "discovery"
 LOG_OPEN_TIMEOUT = 5.0  # seconds opening a discovered server's log may take (a hung mount)
 # A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
 CLOCK_STEP_SECONDS = 1.0
-
-# Distinct readings of the storage's read counters kept per target: more than the 2 intervals
-# and 1 s after its process started within which a load is seen from its start.
-READS_KEPT = 16
-# Every temperature, unknown too: where residency cannot be measured all loads are unknown.
-EXPECTED_CACHES = tuple(Cache)
-
-
-@dataclass(frozen=True)
-class _Marked:
-    """Read counters, and when the oldest of the readings they come from was taken."""
-
-    counters: Counters
-    at: float
-
-
-@dataclass
-class TargetRuntime:
-    """What the runtime holds for one target: its sources, its tracker, what the tick found."""
-
-    config: TargetConfig
-    tracker: Tracker
-    prober: EndpointProber
-    cadence: ProbeCadence
-    finder: ProcessFinder | None
-    residency: ResidencySource | None
-    storage: WeightStorage | None = None  # what holds the weights; residency asks it too
-    discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
-    gone_since: float | None = None  # a discovered server's process went away at this time
-    logs: LogSource | None = None  # made once the process's start is known (a journal's start)
-    log_seq: int = 0  # the last log event handed to the tracker
-    log_for: tuple[int, float] | None = None  # the process (pid, start) its log was found for
-    log_finding: LogFinding | None = None  # where that log was found, or why none was
-    started_at: float | None = None  # start of the load the tick last saw
-    state: TargetState | None = None
-    gpu_memory: Mapping[int, int] = field(default_factory=dict)
-    pcie_at_start: PcieMarks = field(default_factory=dict)  # each GPU's counter as the load began
-    hung: bool = False  # ready, process running, endpoint failing: logged once
-    watched_pid: int | None = None  # the server process whose exit a pidfd reports
-    last_result: ProbeResult | None = None  # the last probe's answer, to notice a change
-    # The weight files' first open, last let-go and whether all were consumed, as last acted on.
-    files_news: tuple[float | None, float | None, bool] = (None, None, False)
-    residency_seen: float | None = None  # when the residency pass the loops acted on ran
-    # The read counters of the devices, mounts and pools under the weights (explain.Counters)
-    # the last ticks saw (a load is first seen a tick or two after its process started), and
-    # as the current (or last) load began: None when unknown.
-    reads_seen: deque[_Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
-    reads_at_start: Counters | None = None
-    files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
-    # The server's own files and their residency, learned from its tree (sources/environment.py).
-    environment: EnvironmentSource | None = None
-
-    @property
-    def settled(self) -> bool:
-        """Ready, and nothing can end that unseen: its process's exit is watched (or there is
-        no process to watch, and the probe paces itself)."""
-        ready = self.state is not None and self.state.phase is Phase.READY
-        return ready and (self.finder is None or self.watched_pid is not None)
 
 
 class Runtime:
@@ -178,7 +119,7 @@ class Runtime:
         self.config = config
         self._clock = clock
         self._proc_root = proc_root
-        self._host_root = host_root  # where container runtimes' logs are (exporter/logfind.py)
+        self._host_root = host_root  # where container runtimes' logs are (exporter/logs/find.py)
         self.pacing = Pacing(config.sample_interval, quiet_interval)
         self.exits = ExitWatch()
         self.reload_successful = True  # set False by a failed reload while this one keeps running
@@ -189,11 +130,6 @@ class Runtime:
         self.load_durations = Histograms()
         self.phase_durations = Histograms()
         self._lock = threading.Lock()
-        self._expected: dict[tuple[str, Cache], float] = {}
-        self._rates: dict[str, Rates] = {}  # what each target's past loads measured
-        self._last: dict[str, float] = {}
-        self._slower: dict[str, str] = {}  # the last load's reason, when it was slower
-        self._advice: dict[str, StartupAdvice] = {}  # the startupProbe window each would need
         self._ticked = threading.Event()
         self._last_tick: float | None = None
         weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
@@ -201,9 +137,27 @@ class Runtime:
         self.disk = DiskSource(weights, proc_root=proc_root, sys_root=sys_root)
         self.netfs = NetFsSource(weights, proc_root=proc_root, sys_root=sys_root)
         self.zfs = ZfsSource(weights, proc_root=proc_root, sys_root=sys_root)
-        self.targets: dict[str, TargetRuntime] = {}
+        discoverer = (
+            Discoverer(
+                config.discovery.servers,
+                proc_root=proc_root,
+                actor=self.actor,
+                refusals=self.refusals,
+                users=config.discovery.users,
+            )
+            if config.discovery.active(bool(config.targets))
+            else None
+        )
+        self.admission = Admission(
+            config,
+            self,
+            discoverer=discoverer,
+            refusals=self.refusals,
+            clock=clock,
+            lock=self._lock,
+        )
         for target in config.targets:
-            self._add_target(target)
+            self.admission.add(target)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
         self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK))
         self.sampler.add(NETFS, "", self.netfs.sample, every=self._pace_of(NETFS))
@@ -218,48 +172,42 @@ class Runtime:
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
         self.sampler.add(NVML, "", self.nvml.sample, every=self.pacing.loop)
         self.sampler.add_loop(TRACKER_LOOP, self.tick, every=self.pacing.loop)
-        self.discoverer: Discoverer | None = None
-        # With configured targets, discovery waits a tick: their process trees say which
-        # servers they already watch.
-        self._discovery_due = clock() + config.sample_interval if config.targets else 0.0
-        if config.discovery.active(bool(config.targets)):
-            self.discoverer = Discoverer(
-                config.discovery.servers,
-                proc_root=proc_root,
-                actor=self.actor,
-                refusals=self.refusals,
-                users=config.discovery.users,
+        if discoverer is not None:
+            self.sampler.add_loop(
+                DISCOVERY_LOOP, self.admission.discover, every=self.admission.wait
             )
-            self.sampler.add_loop(DISCOVERY_LOOP, self.discover, every=self._discovery_wait)
-        self._refresh_expectations()
+        self.read_histories()
 
-    # -- targets -----------------------------------------------------------------------------
+    @property
+    def targets(self) -> dict[str, TargetRuntime]:
+        """The targets watched now, by name (exporter/admission.py keeps the set)."""
+        return self.admission.targets
 
-    def _add_target(self, target: TargetConfig, found: DiscoveredServer | None = None) -> None:
-        runtime = TargetRuntime(
-            config=target,
-            tracker=self._tracker(target),
-            prober=EndpointProber(target.endpoint),
+    # -- what admission asks of the wiring (exporter/admission.Wiring) ------------------------
+
+    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
+        """A target's tracker, prober and probe cadence; wire() builds its sources."""
+        return TargetRuntime(
+            config=config,
+            tracker=self._tracker(config),
+            prober=EndpointProber(config.endpoint),
             cadence=ProbeCadence(
                 self.config.sample_interval,
-                target.endpoint.ready_interval,
-                process_matching=target.process is not None,
+                config.endpoint.ready_interval,
+                process_matching=config.process is not None,
             ),
             finder=None,
             residency=None,
             discovered=found,
         )
-        with self._lock:
-            self.targets[target.name] = runtime
-        self._wire(runtime)
 
-    def _wire(self, runtime: TargetRuntime) -> None:
+    def wire(self, runtime: TargetRuntime) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
         target = runtime.config
         runtime.finder = (
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
-        behalf = self._on_behalf(runtime.discovered)
+        behalf = on_behalf(self.actor, self._proc_root, runtime.discovered)
         runtime.storage = (
             WeightStorage(target.weights, proc_root=self._proc_root, sys_root=self._sys_root)
             if target.weights
@@ -377,19 +325,12 @@ class Runtime:
             ENVIRONMENT, name, runtime.environment.sample, every=self._pace_of(ENVIRONMENT, runtime)
         )
 
-    def _on_behalf(self, found: DiscoveredServer | None) -> OnBehalf | None:
-        """How a discovered target's sources touch its files: with its process's rights."""
-        if found is None or found.rights is None:
-            return None
-        same = _same_process(self._proc_root, found.pid, found.start_ticks)
-        return OnBehalf(self.actor, found.rights, found.pid, same, self._proc_root)
-
     def _refused_tree(self, name: str, exc: Refused) -> None:
         self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
 
-    def _drop_target(self, name: str, why: str | None = None) -> None:
-        with self._lock:
-            runtime = self.targets.pop(name)
+    def unwire(self, runtime: TargetRuntime) -> None:
+        """Stop a dropped target's sources and forget what was measured of it."""
+        name = runtime.config.name
         runtime.prober.close()
         self.sampler.remove(name)
         for watcher in (self.disk, self.netfs, self.zfs):
@@ -400,109 +341,11 @@ class Runtime:
             self.exits.forget(runtime.watched_pid)
         if runtime.logs is not None:
             runtime.logs.close()
-        log.info("target %s: %s, no longer watched", name, why or
-                 f"its server has been gone for {self.config.discovery.keep_for:g}s")  # fmt: skip
 
-    def discover(self) -> None:
-        """One discovery pass when due: add, follow and, after keep_for, drop discovered targets.
-
-        The next pass is due on time whatever this one met: a pass that fails must not run
-        again at once (a loop on /dev/zero would take a core).
-        """
-        assert self.discoverer is not None
-        now = self._clock()
-        if now < self._discovery_due:
-            return
-        self._discovery_due = now + self.config.discovery.interval
-        try:
-            found = self._claimable(self.discoverer.scan())
-        except Exception as exc:
-            self.refusals.note("error", "pass", "a discovery pass failed: %s", exc)
-            log.debug("discovery pass failed", exc_info=True)
-            return
-        for name, server in found.items():
-            runtime = self.targets.get(name)
-            if runtime is None:
-                if not self._admit(server):
-                    continue
-                log.info("target %s: discovered %s server, pid %d", name, server.kind, server.pid)
-                self._add_target(_target_config(server), server)
-                self._refresh_expectations()
-            elif runtime.discovered is not None:
-                runtime.gone_since = None
-                if runtime.discovered != server:
-                    self._refresh_discovered(runtime, server)
-        for runtime in list(self.targets.values()):
-            if runtime.discovered is None or runtime.config.name in found:
-                continue
-            if runtime.gone_since is None:
-                runtime.gone_since = now
-            elif now - runtime.gone_since >= self.config.discovery.keep_for:
-                self._drop_target(runtime.config.name)
-        waiting = any(rt.gone_since is not None for rt in self.targets.values())
-        interval = self.config.sample_interval if waiting else self.config.discovery.interval
-        self._discovery_due = now + interval
-
-    def _admit(self, server: DiscoveredServer) -> bool:
-        """Room for one more discovered target: under `max_targets` and the user's share, a
-        gone target (the longest gone first) making room when needed; else refused."""
-        limits = self.config.discovery
-        owner = server.rights.uid if server.rights is not None else None
-        discovered = [rt for rt in self.targets.values() if rt.discovered is not None]
-        same_user = [rt for rt in discovered if _owner(rt) == owner]
-        for pool, limit, reason in (
-            (same_user, limits.max_targets_per_user, "user_share"),
-            (discovered, limits.max_targets, "max_targets"),
-        ):
-            live = [rt for rt in pool if rt.config.name in self.targets]
-            if len(live) < limit:
-                continue
-            gone = sorted(
-                (rt for rt in live if rt.gone_since is not None), key=lambda rt: rt.gone_since or 0
-            )
-            if not gone:
-                self.refusals.note(reason, server.key, "%s (pid %d, uid %s): %d targets already",
-                                   server.name, server.pid, owner, limit)  # fmt: skip
-                return False
-            self._drop_target(gone[0].config.name, f"gone, making room for {server.name}")
-        return True
-
-    def _discovery_wait(self) -> float:
-        return max(0.0, self._discovery_due - self._clock())
-
-    def _claimable(self, servers: tuple[DiscoveredServer, ...]) -> dict[str, DiscoveredServer]:
-        """The discovered servers no configured target watches, by name; configured ones win."""
-        configured = [rt for rt in self.targets.values() if rt.discovered is None]
-        pids: set[int] = set()
-        for runtime in configured:
-            process = self.sampler.value(PROCESS, runtime.config.name)
-            if process is not None:
-                pids.update(process.pids)
-        urls = {rt.config.endpoint.url.rstrip("/") for rt in configured}
-        claimable = {}
-        for server in servers:
-            if server.pid in pids or server.url in urls:
-                continue
-            if not server.reachable:
-                why = next((e.source for e in server.evidence if e.what == "probe host"), "")
-                self.refusals.note("unreachable", server.key, "%s at pid %d is not probed (%s); "
-                                   "not watched", server.name, server.pid, why)  # fmt: skip
-                continue
-            claimable[server.name] = server
-        return claimable
-
-    def _refresh_discovered(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
-        """The same server, changed: restarted (a new process, so a new load) or new weights."""
-        runtime.discovered = server
-        fresh = _target_config(server)
-        if fresh.endpoint != runtime.config.endpoint:
-            runtime.prober.close()
-            runtime.prober = EndpointProber(fresh.endpoint)
-        runtime.config = replace(runtime.config, endpoint=fresh.endpoint,
-                                 weights=fresh.weights, process=fresh.process)  # fmt: skip
-        self._wire(runtime)
-
-    # -- sampling ----------------------------------------------------------------------------
+    def pids_watched(self, name: str) -> Collection[int]:
+        """The processes a target's tree holds now, as its last process sample found them."""
+        process = self.sampler.value(PROCESS, name)
+        return process.pids if process is not None else ()
 
     def _tracker(self, target: TargetConfig) -> Tracker:
         return Tracker(
@@ -511,6 +354,8 @@ class Runtime:
             expectations=self.history,
             interval=self.config.sample_interval,
         )
+
+    # -- the loops ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self.sampler.start()
@@ -543,10 +388,15 @@ class Runtime:
         moved = False  # a phase changed: paces change with it
         for runtime in runtimes:
             self._open_log(runtime, now)
-            observation, gpu_memory = self._observe(runtime, now, disk)
+            seen_now = observe(self._readings(runtime, disk), now)
+            runtime.log_seq = seen_now.log_seq
+            observation, gpu_memory = seen_now.observation, seen_now.gpu_memory
+            name = runtime.config.name
             if runtime.residency is not None:
-                runtime.residency.note_device_reads(self._storage_reads(runtime, disk))
-            reads = self._read_counters(runtime.config.name)
+                counted = (disk, self.sampler.value(NETFS), self.sampler.value(ZFS))
+                runtime.residency.note_device_reads(bytes_read_under(name, counted))
+            host_reads = (self.sampler.latest(src) for src in (DISK, NETFS, ZFS))
+            reads = read_counters(name, host_reads)
             seen = runtime.reads_seen
             if reads is not None and (not seen or seen[-1].at != reads.at):
                 seen.append(reads)
@@ -560,7 +410,7 @@ class Runtime:
                 # CPU budget next allows one.
                 runtime.started_at = state.started_at
                 runtime.pcie_at_start = {}
-                runtime.reads_at_start = _counters_before(runtime.reads_seen, state)
+                runtime.reads_at_start = counters_before(runtime.reads_seen, state)
                 self._measure_now(runtime)
                 self._files_afresh(runtime, state)
             gpus = self.sampler.latest(NVML)
@@ -617,18 +467,6 @@ class Runtime:
 
         return pace
 
-    def _storage_reads(self, runtime: TargetRuntime, disk: DiskSample | None) -> int | None:
-        """Bytes read so far under a target's weights, from every counter that sees them
-        (block devices, network mounts, ZFS pools); None where none does (tmpfs, FUSE)."""
-        name = runtime.config.name
-        counts = [
-            sample.read_bytes_of(name)
-            for sample in (disk, self.sampler.value(NETFS), self.sampler.value(ZFS))
-            if sample is not None
-        ]
-        known = [count for count in counts if count is not None]
-        return sum(known) if known else None
-
     def _after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
@@ -643,9 +481,9 @@ class Runtime:
             self.exits.forget(runtime.watched_pid)
             self.sampler.sample_soon(LOGS, runtime.config.name)  # its last lines say why
             self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
-            if runtime.discovered is not None and self.discoverer is not None:
+            if runtime.discovered is not None and self.admission.discoverer is not None:
                 # Its restart may be up before the next pass is due: look for it now.
-                self._discovery_due = self._clock()
+                self.admission.look_now()
                 self.sampler.run_soon(DISCOVERY_LOOP)
         name = runtime.config.name
         watched = root is not None and self.exits.watch(
@@ -681,8 +519,7 @@ class Runtime:
         files = reading.good
         if files is None:
             return
-        consumed = 0 < files.total_bytes <= files.consumed_bytes
-        news = (files.first_open_at, files.idle_since, consumed)
+        news = files_news(files)
         if news == runtime.files_news:
             return
         runtime.files_news = news
@@ -736,11 +573,9 @@ class Runtime:
         the first good one after them."""
         value = reading.good
         result = value.result if value is not None else None
-        changed, runtime.last_result = result != runtime.last_result, result
-        ready = result is ProbeResult.READY
-        news = ready if runtime.cadence.phase in IN_PROGRESS else changed or not ready
-        if news:
-            if ready and runtime.logs is not None:
+        last, runtime.last_result = runtime.last_result, result
+        if probe_is_news(result, last, runtime.cadence.phase in IN_PROGRESS):
+            if result is ProbeResult.READY and runtime.logs is not None:
                 self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
@@ -776,7 +611,7 @@ class Runtime:
         A configured log opens once it is known where to start reading a journal: from the server
         process's start (so an exporter started mid-load still reads the whole load's markers),
         or from now when there is no process or it is not running. Without `log:`, each new
-        server process (a restart too) has its log found afresh (exporter/logfind.py).
+        server process (a restart too) has its log found afresh (exporter/logs/find.py).
         """
         name = runtime.config.name
         process = None
@@ -804,7 +639,9 @@ class Runtime:
         behalf: OnBehalf | None = None
         finding: LogFinding | None = None
         try:  # a found log is the process's: read with its rights, whoever configured the target
-            behalf = self._on_behalf(runtime.discovered) or self._on_behalf_of(process.root_pid)
+            behalf = on_behalf(self.actor, self._proc_root, runtime.discovered) or on_behalf_of(
+                self.actor, self._proc_root, process.root_pid
+            )
         except Borrowed as exc:
             finding = LogFinding(None, f"its log is not read: {exc}")
         except ProcessLookupError:
@@ -821,16 +658,6 @@ class Runtime:
             return
         log.info("target %s: following its log: %s", name, finding.why)
         self._follow_log(runtime, finding.config, start, finding.whole_files, behalf, origin=start)
-
-    def _on_behalf_of(self, pid: int) -> OnBehalf:
-        """A configured target's process, read for with its own rights as a discovered one's
-        (ProcessLookupError, Borrowed)."""
-        rights = rights_of(pid, self._proc_root)
-        proc = read_stat(self._proc_root, pid)
-        if proc is None:
-            raise ProcessLookupError(f"pid {pid} is gone")
-        same = _same_process(self._proc_root, pid, proc.start_ticks)
-        return OnBehalf(self.actor, rights, pid, same, self._proc_root)
 
     def _follow_log(
         self,
@@ -886,79 +713,30 @@ class Runtime:
         for a read of the log after the answer (it dates a short load's phases); between loads,
         a line may begin a load inside the running server, or say it unloaded a model."""
         in_progress = runtime.cadence.phase in IN_PROGRESS
-        news = reading.good is not None and reading.good.last_seq > runtime.log_seq
-        if (runtime.last_result is ProbeResult.READY) if in_progress else news:
+        if log_is_news(reading.good, runtime.log_seq, in_progress, runtime.last_result):
             self.sampler.run_soon(TRACKER_LOOP)
 
-    def _observe(
-        self, runtime: TargetRuntime, now: float, disk: DiskSample | None
-    ) -> tuple[Observation, dict[int, int]]:
-        """The tick's observation of one target, and the GPU memory its tree holds per GPU."""
+    def _readings(self, runtime: TargetRuntime, disk: DiskSample | None) -> TargetReadings:
+        """The latest readings of one target's sources, for the tick's observation."""
         name = runtime.config.name
-        probe = self.sampler.latest(ENDPOINT, name)
-        process = self.sampler.value(PROCESS, name) if runtime.finder is not None else None
-        # Taken even when residency is unknown: the weights' size is still measured then.
-        pagecache = self.sampler.latest(PAGECACHE, name) if runtime.residency else None
-        residency = pagecache.value if pagecache is not None else None
-        # Events even from a log that is down now (journalctl died after writing them).
-        logs = self.sampler.latest(LOGS, name) if runtime.logs is not None else None
-        log_sample = logs.value if logs is not None else None
-        events = new_events(log_sample, runtime.log_seq) if log_sample is not None else ()
-        if log_sample is not None:
-            runtime.log_seq = log_sample.last_seq
-        files: WeightFilesSample | None = None
-        files_looked = False  # the view has reported on this target at least once
-        if runtime.finder is not None:
-            looked = self.sampler.latest(WEIGHT_FILES, name)
-            files_looked = looked is not None
-            files = looked.good if looked is not None else None
-        gpu = self.sampler.value(NVML)
-        probe_value = probe.good if probe is not None else None
-        gpu_memory: dict[int, int] = {}
-        if gpu is not None and process is not None and process.found:
-            gpu_memory = process_gpu_memory(gpu, process.pids, runtime.config.gpus)
-        gpus = gpu_memory if runtime.config.gpus == "auto" else runtime.config.gpus
-        observation = Observation(
-            time=now,
-            endpoint_result=probe_value.result if probe_value is not None else None,
-            # A reading stamped before the wall clock stepped back must not look like the future.
-            endpoint_probe_time=min(probe.finished_at, now) if probe is not None else None,
-            process_configured=runtime.finder is not None,
-            process_found=bool(process and process.found),
-            process_pid=process.root_pid if process else None,
-            process_start_time=process.start_time if process else None,
-            process_read_bytes=process.read_bytes if process else None,
-            process_read_chars=process.read_chars if process else None,
-            process_gpu_bytes=sum(gpu_memory.values()) if gpu_memory else None,
-            weights_bytes=residency.total_bytes if residency else None,
-            resident_bytes=residency.resident_bytes if residency else None,
-            resident_measured_at=min(residency.measured_at, now) if residency else None,
-            disk_read_bytes=disk.read_bytes_of(name) if disk is not None else None,
-            log_events=events,
-            log_lines=log_sample.activity if log_sample is not None else None,
-            log_read_at=min(logs.finished_at, now) if logs is not None else None,
-            files=_file_view(files, process, files_looked),
-            gpu_rx_bytes=_tree_rx(gpu, gpus),
-            storage_cache=_storage_cache(self.sampler.value(STORAGE, name)),
-            process_cpu_seconds=process.cpu_seconds if process else None,
-            process_state=process.state if process else None,
+        process_configured = runtime.finder is not None
+        return TargetReadings(
+            name=name,
+            gpus=runtime.config.gpus,
+            process_configured=process_configured,
+            probe=self.sampler.latest(ENDPOINT, name),
+            process=self.sampler.value(PROCESS, name) if process_configured else None,
+            pagecache=self.sampler.latest(PAGECACHE, name) if runtime.residency else None,
+            logs=self.sampler.latest(LOGS, name) if runtime.logs is not None else None,
+            files=self.sampler.latest(WEIGHT_FILES, name) if process_configured else None,
+            gpu=self.sampler.value(NVML),
+            disk=disk,
+            storage=self.sampler.value(STORAGE, name),
+            log_seq=runtime.log_seq,
         )
-        return observation, gpu_memory
-
-    def _read_counters(self, name: str) -> _Marked | None:
-        """The read counter of each device, network mount and ZFS pool under a target's weights,
-        with the time of the oldest reading they come from; None before any reading."""
-        counters: dict[tuple[str, str], int] = {}
-        times = []
-        for reading in (self.sampler.latest(DISK), self.sampler.latest(NETFS),
-                        self.sampler.latest(ZFS)):  # fmt: skip
-            if reading is not None and reading.good is not None:
-                counters.update(reading.good.counters_of(name))
-                times.append(reading.finished_at)
-        return _Marked(counters, min(times)) if times else None
 
     def _finish(
-        self, runtime: TargetRuntime, record: LoadRecord, reads: _Marked | None
+        self, runtime: TargetRuntime, record: LoadRecord, reads: Marked | None
     ) -> LoadRecord:
         """File a finished load with its report, built against history before it."""
         during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
@@ -984,53 +762,20 @@ class Runtime:
             )
             for phase, seconds in record.phase_seconds.items():
                 self.phase_durations.observe((record.target, phase), seconds)
-        self._refresh_expectations()
+        self.read_histories()
         reason = record.report.reason if record.report is not None else None
         with self._lock:  # this load's, whether or not history could keep it
-            self._slower.pop(record.target, None)
-            if reason is not None:
-                self._slower[record.target] = reason
+            runtime.past = replace(runtime.past, slower=reason)
         return record
 
-    def _forecast(self, name: str, readings: dict[str, Reading[Any]]) -> Forecast:
-        """A restart begun now, from the residency the snapshot shows and what past loads
-        measured (called holding the lock, which guards the rates)."""
-        reading = readings.get(PAGECACHE.name)
-        residency = reading.good if reading is not None else None
-        known = self._rates.get(name, NO_RATES)
-        env_reading = readings.get(ENVIRONMENT.name)
-        env = env_reading.good if env_reading is not None else None
-        environment = (
-            Environment(env.warm_bytes, min(env.resident_bytes, env.warm_bytes))
-            if env is not None and env.resident_bytes is not None and env.warm_bytes is not None
-            else None
-        )
-        if residency is None:
-            return forecast(known, None, None, environment)
-        return forecast(known, residency.total_bytes, residency.resident_bytes, environment)
-
-    def _refresh_expectations(self) -> None:
+    def read_histories(self) -> None:
         """Read history once per finished load (or new target), not once per scrape."""
-        expected: dict[tuple[str, Cache], float] = {}
-        last: dict[str, float] = {}
-        slower: dict[str, str] = {}
-        recent = {name: self.history.loads(name, EXPECTATION_LOADS) for name in list(self.targets)}
-        known = {name: rates(loads) for name, loads in recent.items()}
-        advice = {name: advise(self.history.loads(name, ADVICE_LOADS)) for name in recent}
-        for name, loads in recent.items():
-            newest = loads[0].report if loads else None
-            if newest is not None and newest.reason is not None:
-                slower[name] = newest.reason
-            for cache in EXPECTED_CACHES:
-                value = self.history.expected_duration(name, cache)
-                if value is not None:
-                    expected[(name, cache)] = value
-            last_value = self.history.last_duration(name)
-            if last_value is not None:
-                last[name] = last_value
         with self._lock:
-            self._expected, self._last, self._slower = expected, last, slower
-            self._rates, self._advice = known, advice
+            runtimes = list(self.targets.values())
+        past = [read_history(self.history, runtime.config.name) for runtime in runtimes]
+        with self._lock:
+            for runtime, view in zip(runtimes, past, strict=True):
+                runtime.past = view
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -1049,9 +794,9 @@ class Runtime:
                     dict(rt.gpu_memory),
                     rt.discovered,
                     pcie_at_start=rt.pcie_at_start,
-                    forecast=self._forecast(name, by_target.get(name, {})),
+                    forecast=_forecast(rt.past, by_target.get(name, {})),
                     log_finding=rt.log_finding,
-                    startup_advice=self._advice.get(name),
+                    past=rt.past,
                 )
                 for name, rt in self.targets.items()
             )
@@ -1062,14 +807,11 @@ class Runtime:
                 targets=views,
                 load_durations=self.load_durations.snapshot(),
                 phase_durations=self.phase_durations.snapshot(),
-                expected_durations=dict(self._expected),
-                last_durations=dict(self._last),
-                slower_reasons=dict(self._slower),
                 history_enabled=self.history.enabled,
                 history_problem=self.history.problem or self.history.write_problem,
                 config_reload_successful=self.reload_successful,
                 history_up=self.history.up if self.history.configured else None,
-                discovery_refused=self.refusals.counts() if self.discoverer else None,
+                discovery_refused=self.refusals.counts() if self.admission.discoverer else None,
                 metrics=self.config.metrics,
             )
 
@@ -1078,6 +820,23 @@ class Runtime:
 
     def load(self, load_id: int) -> LoadRecord | None:
         return self.history.load(load_id)
+
+
+def _forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Forecast:
+    """A restart begun now, from the residency the snapshot shows and what past loads
+    measured."""
+    reading = readings.get(PAGECACHE.name)
+    residency = reading.good if reading is not None else None
+    env_reading = readings.get(ENVIRONMENT.name)
+    env = env_reading.good if env_reading is not None else None
+    environment = (
+        Environment(env.warm_bytes, min(env.resident_bytes, env.warm_bytes))
+        if env is not None and env.resident_bytes is not None and env.warm_bytes is not None
+        else None
+    )
+    if residency is None:
+        return forecast(past.rates, None, None, environment)
+    return forecast(past.rates, residency.total_bytes, residency.resident_bytes, environment)
 
 
 def _environment_at_start(
@@ -1094,92 +853,12 @@ def _environment_at_start(
     found = environment.before(record.started_at)
     if found is None or found.resident_bytes is None or found.warm_bytes is None:
         why = found.reason if found is not None else None
-        return (
-            record,
-            why
-            or "no measurement before its start: its files are learned from the "
-            "server's own mappings, at its first load",
+        return record, why or (
+            "no measurement before its start: its files are learned from the server's own "
+            "mappings, at its first load"
         )
     return replace(
         record,
         environment_bytes=found.warm_bytes,
         environment_resident_bytes=min(found.resident_bytes, found.warm_bytes),
     ), None
-
-
-def _counters_before(seen: Iterable[_Marked], state: TargetState) -> Counters | None:
-    """The last counters read before a load's start; None when none was (the exporter started
-    after it, or the counters were read too seldom to hold one from before it)."""
-    start = state.started_at
-    before = [marked for marked in seen if start is not None and marked.at <= start]
-    return before[-1].counters if before else None
-
-
-def _storage_cache(storage: StorageDescription | None) -> Cache | None:
-    """The cache label the storage decides, if it does (in memory by construction: warm)."""
-    if storage is None:
-        return None
-    fixed = storage.fixed_cache()
-    return fixed if fixed is not None else Cache.WARM if storage.in_memory else None
-
-
-def _tree_rx(gpu: GpuSample | None, gpus: Collection[int]) -> int | None:
-    """PCIe bytes received so far by the GPUs the tree uses, summed; None unless every one of
-    them has the counter (a part would read as the whole)."""
-    if gpu is None or not gpus:
-        return None
-    counters = [d.pcie_rx_bytes for d in gpu.devices if d.index in gpus]
-    if len(counters) != len(gpus) or None in counters:
-        return None
-    return sum(c for c in counters if c is not None)
-
-
-def _file_view(
-    files: WeightFilesSample | None, process: ProcessSample | None, looked: bool = True
-) -> FileView | None:
-    """The weight files as the tracker sees them, None where they cannot be seen (the tracker
-    then falls back on the tree's counters). A process the file view has not looked at yet (a
-    target just discovered, a new process) holds nothing known: its imports must not read as
-    weights while the view catches up, so the view is `pending` rather than absent."""
-    if process is None or not process.found:
-        return None
-    if files is None and not looked:
-        return FileView(None, False, None, 0, 0, 0, pending=True)
-    if files is None or not files.visible:
-        return None
-    if files.root_pid != process.root_pid:
-        return FileView(None, False, None, 0, 0, files.total_bytes, pending=True)
-    return FileView(
-        first_open_at=files.first_open_at,
-        first_open_seen=files.first_open_seen,
-        idle_since=files.idle_since,
-        consumed_bytes=files.consumed_bytes,
-        seen_bytes=files.seen_bytes,
-        total_bytes=files.total_bytes,
-        direct=any(f.direct for f in files.files),
-    )
-
-
-def _same_process(proc_root: str, pid: int, start_ticks: int) -> Callable[[], bool]:
-    """Whether `pid` is still the process that started at `start_ticks` (pids are reused)."""
-
-    def same() -> bool:
-        proc = read_stat(proc_root, pid)
-        return proc is not None and proc.start_ticks == start_ticks
-
-    return same
-
-
-def _owner(runtime: TargetRuntime) -> int | None:
-    found = runtime.discovered
-    return found.rights.uid if found is not None and found.rights is not None else None
-
-
-def _target_config(server: DiscoveredServer) -> TargetConfig:
-    """A discovered server as if it had been configured, its process matched by identity."""
-    return TargetConfig(
-        name=server.name,
-        endpoint=endpoint_config(server),
-        weights=weights_config(server),
-        process=ProcessConfig(pid=server.pid, start_ticks=server.start_ticks),
-    )

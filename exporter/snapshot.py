@@ -14,13 +14,13 @@ from exporter.config import MetricsConfig, TargetConfig
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
 from exporter.loadstats import HistogramCounts
-from exporter.logfind import LogFinding
+from exporter.logs.find import LogFinding
 from exporter.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
 from exporter.sources.gpu import PcieMarks
-from exporter.startupwindow import StartupAdvice
+from exporter.targethistory import TargetHistory
 from exporter.tracker import TargetState
-from exporter.vocabulary import Cache, ServerKind
+from exporter.vocabulary import ServerKind
 
 T = TypeVar("T")
 
@@ -42,8 +42,9 @@ class TargetView:
     pcie_at_start: PcieMarks = field(default_factory=dict)
     log_finding: LogFinding | None = None  # where its unconfigured log was found, or why not
     forecast: Forecast | None = None  # how long a restart begun now would take
-    # The fixed startupProbe window its cold loads would need; None until history was read.
-    startup_advice: StartupAdvice | None = None
+    # What its past loads say (medians, the last one, the startupProbe window); what /metrics
+    # and /api/v1/status show of history is read from here.
+    past: TargetHistory = field(default_factory=TargetHistory)
 
     @property
     def name(self) -> str:
@@ -79,16 +80,11 @@ class Snapshot:
     targets: tuple[TargetView, ...]
     load_durations: Mapping[tuple[str, ...], HistogramCounts]  # (target, cache, outcome)
     phase_durations: Mapping[tuple[str, ...], HistogramCounts]  # (target, phase)
-    expected_durations: Mapping[tuple[str, Cache], float]
-    last_durations: Mapping[str, float]
     history_enabled: bool
     history_problem: str | None
     config_reload_successful: bool
     history_up: bool | None = None  # None: history_path "" (off by choice, not broken)
     discovery_refused: Mapping[str, int] | None = None  # by reason; None: discovery off
-    # Why each target's last finished load was slower than expected (its report's reason),
-    # for the targets whose last load was.
-    slower_reasons: Mapping[str, str] = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # beyond the default budget
 
     def host_reading(self, key: SourceKey[T]) -> Reading[T] | None:

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import MOVE_BYTES, ActivityWatch
-from exporter.api import LoadReport
-from exporter.logmarkers import EventKind, LogEvent, StepTimeline, tighten
+from exporter.loadreport import LoadReport
+from exporter.logs.markers import EventKind, LogEvent, StepTimeline, tighten
 from exporter.vocabulary import (
     IN_PROGRESS,
     Activity,
@@ -139,7 +139,7 @@ class Observation:
     log_read_at: float | None = None  # when the log was last read
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
-    # What the storage under the weights says of the label (sources/storage.py): bypass (reads
+    # What the storage under the weights says of the label (storage/description.py): bypass (reads
     # go around the page cache), unknown (the page cache is not what serves them), warm (in
     # memory by construction, tmpfs), or None: residency decides.
     storage_cache: Cache | None = None
@@ -366,7 +366,12 @@ class Tracker:
                 load.unready_at = probe.time
             elif probe is not None and probe.time > load.started_at and load.ready_at is None:
                 load.ready_at = probe.time  # when it first answered
-            if load.ready_at is not None and record is None and not self._awaits_log(obs, load):
+            if (
+                load.ready_at is not None
+                and record is None
+                and not self._awaits_log(obs, load)
+                and not self._awaits_residency(obs, load)
+            ):
                 record = self._finish(load, self._served_from(load), Outcome.READY)
         else:
             self._settle(obs)
@@ -396,6 +401,23 @@ class Tracker:
         assert at is not None
         read = obs.log_read_at
         return self._logged and (read is None or read < at) and obs.time < at + self.interval
+
+    def _awaits_residency(self, obs: Observation, load: _Load) -> bool:
+        """A ready answer waits for the residency pass requested at the start, an interval at
+        most: a warm start can answer before that pass lands, and its record would say
+        "unknown" for want of it. Only where a pass could tell (weights known, residency
+        measured before, and the tree's reads known for a load seen late: `_note_residency`)."""
+        at = load.ready_at
+        assert at is not None
+        return (
+            load.cache is None
+            and load.resident_start is None
+            and not load.partial
+            and not (load.seen_late and obs.process_read_bytes is None)
+            and bool(load.weights_bytes)
+            and obs.resident_bytes is not None
+            and obs.time < at + self.interval
+        )
 
     def _watch_activity(self, obs: Observation) -> None:
         """Each signal's own movement, for the stall's reason (the stall rule is `_moved`'s)."""

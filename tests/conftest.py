@@ -11,7 +11,7 @@ from helpers.support import ModelServer, RunningExporter
 
 from exporter.config import parse_config
 from exporter.http.webconfig import WebConfig
-from exporter.sources.nvml_pids import NvmlPidCheck
+from exporter.nvml_pids import NvmlPidCheck
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -15,18 +15,16 @@ from helpers.containerlog import cri_record, docker_record, rfc3339nano
 from helpers.logreplay import FIXTURES
 
 from exporter.config import LogConfig
-from exporter.sources.logs import (
+from exporter.logs.decode import (
     BISECT_WINDOW,
-    ENTRY_SKEW,
     MAX_LINE,
     MAX_RECORD,
-    LogSample,
-    LogSource,
-    new_events,
     parse_cri,
     parse_docker_json,
     parse_rfc3339,
 )
+from exporter.logs.files import ENTRY_SKEW
+from exporter.sources.logs import LogSample, LogSource, new_events
 from exporter.vocabulary import LogEncoding
 
 LLAMA = (FIXTURES / "llamacpp-server.log").read_bytes().splitlines(keepends=True)

@@ -21,7 +21,7 @@ import pytest
 from helpers.pagecache_io import file_residency
 
 from exporter.cachectl import evict
-from exporter.sources.backing import block_device_of
+from exporter.storage.backing import block_device_of
 
 pytestmark = pytest.mark.system  # child processes with fewer privileges
 
@@ -127,7 +127,7 @@ def test_block_device_found_when_sys_dev_block_is_masked_as_podman_does() -> Non
     if expected is None:
         pytest.skip("/var/tmp is on no block device here")
     probe = (
-        "import os, sys; from exporter.sources.backing import block_device_of as b; "
+        "import os, sys; from exporter.storage.backing import block_device_of as b; "
         "d = os.stat('/var/tmp').st_dev; "
         "print(len(os.listdir('/sys/dev/block')), b(f'{os.major(d)}:{os.minor(d)}'))"
     )

@@ -22,10 +22,10 @@ import pytest
 import requests
 import yaml
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
-from helpers.processes import Simulator
+from helpers.processes import Simulator, evict_dir
 from helpers.support import RunningExporter, free_port, wait_for
 from test_dashboard import REPO, RULES, committed, load_generator, panel_queries
-from test_e2e import PACE, evict_all
+from test_e2e import PACE
 
 from exporter.sim.shards import generate_shards
 
@@ -255,7 +255,7 @@ def test_every_dashboard_query_and_the_alerts_on_a_real_prometheus(
 ) -> None:
     running, prometheus, nvml, simulate = stack
     instance = running.url.removeprefix("http://")
-    evict_all(weights)
+    evict_dir(weights)
     wait_for(prometheus.scraping, timeout=30, interval=0.2)
     panels = Panels(prometheus, instance)
     # Every moment the generator knows is one this scenario reaches.
@@ -301,7 +301,7 @@ def test_every_dashboard_query_and_the_alerts_on_a_real_prometheus(
     wait_for(lambda: phase(running) == "down", timeout=10)
 
     # A second cold load stalls halfway for 4 s: history now says what to expect of it.
-    evict_all(weights)
+    evict_dir(weights)
     reloading = time.time()
     stalled = AlertStates(prometheus, "ModelLoadStalled")
     stall = simulate("--stall-at", "0.5", "--stall-for", "4s")

@@ -28,9 +28,10 @@ import yaml
 from cloudcoil.models.prometheus_operator import v1 as operator
 from helpers.support import free_port, wait_for
 
-from exporter import __version__, logfind
+from exporter import __version__
 from exporter.cli import build_parser
 from exporter.config import DEFAULT_HISTORY_PATH
+from exporter.logs import find as logfind
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -358,7 +359,7 @@ def test_daemonset_agrees_with_the_cli_the_service_and_the_podmonitor() -> None:
     assert mounts["models"]["mountPath"] == volumes["models"]["hostPath"]["path"]
     history_dir = str(Path(DEFAULT_HISTORY_PATH).parent)
     assert mounts["history"]["mountPath"] == volumes["history"]["hostPath"]["path"] == history_dir
-    # The kubelet's container logs, read-only where exporter/logfind.py looks for them.
+    # The kubelet's container logs, read-only where exporter/logs/find.py looks for them.
     for name, path in (("pod-logs", logfind.POD_LOGS), ("container-logs", logfind.CONTAINER_LINKS)):
         assert mounts[name]["readOnly"] is True
         assert mounts[name]["mountPath"] == volumes[name]["hostPath"]["path"] == path
@@ -523,7 +524,7 @@ def test_compose_stack_agrees_with_the_cli_and_itself(compose: dict[str, Any]) -
     assert mounts["/models"]["read_only"] is True
     assert str(Path(sim.weights).parent) == "/models"
     assert str(Path(DEFAULT_HISTORY_PATH).parent) in mounts
-    # The simulator's json-file log, where exporter/logfind.py looks for it, from the host's view
+    # The simulator's json-file log, where exporter/logs/find.py looks for it, from the host's view
     # of cgroups (its docker-<id>.scope named in full), readable as group root.
     logs = mounts[logfind.DOCKER_CONTAINERS]
     assert logs["read_only"] is True and logs["source"] == logfind.DOCKER_CONTAINERS

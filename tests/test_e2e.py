@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import requests
-from helpers.processes import Simulator
+from helpers.processes import Simulator, evict_dir
 from helpers.support import (
     RunningExporter,
     free_port,
@@ -19,7 +19,7 @@ from helpers.support import (
     wait_for,
 )
 
-from exporter.cachectl import evict, prewarm
+from exporter.cachectl import prewarm
 from exporter.sim.shards import generate_shards
 
 pytestmark = pytest.mark.system  # child processes, servers
@@ -36,11 +36,6 @@ def weights(tmp_path: Path) -> Path:
     directory.mkdir()
     generate_shards(directory, SHARDS, SHARD_SIZE)
     return directory
-
-
-def evict_all(directory: Path) -> None:
-    for shard in directory.glob("*.safetensors"):
-        evict(str(shard))
 
 
 @pytest.fixture
@@ -109,7 +104,7 @@ def distinct(values: list[Any]) -> list[Any]:
 
 def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
     exporter, simulate = scenario
-    evict_all(weights)
+    evict_dir(weights)
     running = exporter(stall_after="30s")
     watch(running, "down")
     cold = simulate()
@@ -145,7 +140,7 @@ def test_cold_then_warm_load(scenario: Any, weights: Path) -> None:
 
 def test_stall_raises_and_clears(scenario: Any, weights: Path) -> None:
     exporter, simulate = scenario
-    evict_all(weights)
+    evict_dir(weights)
     stall_after = 1.5
     running = exporter(stall_after=f"{int(stall_after * 1000)}ms")
     simulate("--stall-at", "0.5", "--stall-for", "5s")
@@ -172,7 +167,7 @@ def test_stall_raises_and_clears(scenario: Any, weights: Path) -> None:
 
 def test_crash_ends_the_load_failed(scenario: Any, weights: Path) -> None:
     exporter, simulate = scenario
-    evict_all(weights)
+    evict_dir(weights)
     running = exporter(stall_after="30s")
     sim = simulate("--crash-at", "0.5")
     watch(running, "failed")
@@ -208,7 +203,7 @@ def test_exporter_started_mid_load_measures_the_whole_load(
     half-way, yet records the load once, from the process's own start."""
     exporter, simulate = scenario
     if cache == "cold":
-        evict_all(weights)
+        evict_dir(weights)
         pace = ("--read-rate", "16MB/s")
     else:
         for shard in weights.glob("*.safetensors"):
@@ -235,7 +230,7 @@ def test_exporter_started_mid_load_measures_the_whole_load(
 
 def test_second_load_of_another_temperature_has_a_ready_eta(scenario: Any, weights: Path) -> None:
     exporter, simulate = scenario
-    evict_all(weights)
+    evict_dir(weights)
     running = exporter(stall_after="30s")
     cold = simulate()
     watch(running, "ready")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from exporter import api
 from exporter.explain import NO_BASELINE, baseline, report, storage_reads
 from exporter.history import HistoryStore
+from exporter.loadreport import LoadReport, ReadRate, StorageRead
 from exporter.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
@@ -58,7 +58,7 @@ def history(tmp_path: Path) -> HistoryStore:
     return store
 
 
-def explained(history: HistoryStore, record: LoadRecord) -> api.LoadReport:
+def explained(history: HistoryStore, record: LoadRecord) -> LoadReport:
     """The report as the runtime builds it: against history before the load, which it then
     joins."""
     result = report(record, baseline(history, "kimi", record.cache), None)
@@ -73,7 +73,7 @@ def test_weights_at_a_third_of_the_storage_rate_are_the_reason(history: HistoryS
     )  # 1250 s against the median of 417 s and 500 s; the best rate before, not the median
     weights = next(p for p in slow.phases if p.phase == "loading_weights")
     assert (weights.seconds, weights.median_seconds) == (1250.0, (WEIGHTS / 240e6 + 500.0) / 2)
-    assert slow.read_rate == api.ReadRate("storage", pytest.approx(80e6), pytest.approx(240e6))
+    assert slow.read_rate == ReadRate("storage", pytest.approx(80e6), pytest.approx(240e6))
     assert slow.expected_seconds == pytest.approx(120.0 + (WEIGHTS / 240e6 + 500.0) / 2)
     assert (slow.page_cache_bytes, slow.storage_bytes) == (0, WEIGHTS)
     assert [p.phase for p in slow.phases] == ["starting", "loading_weights", "initializing"]
@@ -114,13 +114,13 @@ def test_the_first_load_has_nothing_to_be_compared_with(tmp_path: Path) -> None:
     first = explained(HistoryStore(str(tmp_path / "h.sqlite")), load(T0, WEIGHTS / 80e6))
     assert first.expected_seconds is None and first.reason is None
     assert all(p.median_seconds is None for p in first.phases)
-    assert first.read_rate == api.ReadRate("storage", pytest.approx(80e6), None)
+    assert first.read_rate == ReadRate("storage", pytest.approx(80e6), None)
 
 
 def test_a_warm_load_is_measured_against_the_page_cache(history: HistoryStore) -> None:
     history.add(load(T0 + 7200, WEIGHTS / 4e9, cache=Cache.WARM))
     warm = explained(history, load(T0 + 9000, WEIGHTS / 1e9, cache=Cache.WARM))
-    assert warm.read_rate == api.ReadRate("page_cache", pytest.approx(1e9), pytest.approx(4e9))
+    assert warm.read_rate == ReadRate("page_cache", pytest.approx(1e9), pytest.approx(4e9))
     assert warm.page_cache_bytes == WEIGHTS
     assert warm.reason == (
         "weights took 4.0x their warm median: the page cache delivered 1.0 GB/s against 4.0 GB/s"
@@ -157,8 +157,8 @@ def test_storage_reads_from_counters_at_the_start_and_the_end() -> None:
     end = {("disk", "nvme0n1"): 110 * GB, ("nfs", "/mnt/models"): 5 * GB, ("zfs", "tank"): GB,
            ("disk", "sdb"): 3 * GB}  # fmt: skip
     assert storage_reads(start, end) == (
-        api.StorageRead("disk", "nvme0n1", 100 * GB),
-        api.StorageRead("nfs", "/mnt/models", 0),
+        StorageRead("disk", "nvme0n1", 100 * GB),
+        StorageRead("nfs", "/mnt/models", 0),
     )  # tank's counter went back, sdb had none at the start: neither is guessed
     assert storage_reads(None, end) is None
     # Counters from before the storage was described share nothing with the end's: unknown.

@@ -19,14 +19,14 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import api
 from exporter.api_build import status_document
 from exporter.collector import CATALOG, ExporterCollector
 from exporter.config import LogConfig, MetricsConfig, parse_config
 from exporter.discovery import DiscoveredServer
 from exporter.forecast import Forecast
+from exporter.loadreport import LoadReport, PhaseTime, ReadRate, StorageRead
 from exporter.loadstats import Histograms
-from exporter.logfind import LogFinding
+from exporter.logs.find import LogFinding
 from exporter.refusals import REASONS
 from exporter.sampler import Reading
 from exporter.serverargs import Evidence
@@ -51,12 +51,14 @@ from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample, PcieMark
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample
 from exporter.sources.netfs import MountReads, NetFsSample
-from exporter.sources.pagecache import FileResidency, ResidencySample
 from exporter.sources.process import ProcessSample
-from exporter.sources.storage import Fact, MountStorage, StorageDescription
+from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
 from exporter.startupwindow import StartupAdvice
+from exporter.storage.description import Fact, MountStorage, StorageDescription
+from exporter.storage.pagecache import FileResidency
+from exporter.targethistory import TargetHistory
 from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
     Cache,
@@ -247,7 +249,7 @@ def golden_snapshot() -> Snapshot:
         # page cache at 3 GB/s, 180 s to initialize.
         forecast=Forecast(60.0 + 75 * GIB / 240e6 + 25 * GIB / 3e9 + 180.0, 0.25, None),
         # Its slowest cold load of 12 took 755.2 s: with the margin, 95 periods of 10 s.
-        startup_advice=StartupAdvice(10, 95, 12, 755.2, None),
+        past=TargetHistory(advice=StartupAdvice(10, 95, 12, 755.2, None)),
     )
     ready = TargetView(
         config=qwen,
@@ -282,8 +284,14 @@ def golden_snapshot() -> Snapshot:
             reachable=True,
             evidence=(),
         ),
-        startup_advice=StartupAdvice(
-            None, None, 0, None, "no cold load finished ready in history (4 warm ready)"
+        past=TargetHistory(
+            expected={Cache.WARM: 50.0, Cache.COLD: 610.0},
+            last=50.0,
+            slower="weights took 3.1x their warm median: the page cache delivered 1.3 GB/s "
+            "against 3.9 GB/s",
+            advice=StartupAdvice(
+                None, None, 0, None, "no cold load finished ready in history (4 warm ready)"
+            ),
         ),
     )
     loads, phases = Histograms(), Histograms()
@@ -307,12 +315,6 @@ def golden_snapshot() -> Snapshot:
         targets=(loading, ready),
         load_durations=loads.snapshot(),
         phase_durations=phases.snapshot(),
-        expected_durations={("qwen", Cache.WARM): 50.0, ("qwen", Cache.COLD): 610.0},
-        last_durations={"qwen": 50.0},
-        slower_reasons={
-            "qwen": "weights took 3.1x their warm median: the page cache delivered 1.3 GB/s "
-            "against 3.9 GB/s"
-        },
         history_enabled=True,
         history_problem=None,
         config_reload_successful=True,
@@ -330,8 +332,6 @@ def host_snapshot(key: SourceKey[T], value: T) -> Snapshot:
         targets=(),
         load_durations={},
         phase_durations={},
-        expected_durations={},
-        last_durations={},
         history_enabled=False,
         history_problem=None,
         config_reload_successful=True,
@@ -564,17 +564,17 @@ def status_snapshot() -> Snapshot:
         ),
     )
     # Its report: the weights from the page cache at a third of the best rate before.
-    report = api.LoadReport(
+    report = LoadReport(
         expected_seconds=16.0,
         phases=(
-            api.PhaseTime(Phase.STARTING, 0.5, 0.5),
-            api.PhaseTime(Phase.LOADING_WEIGHTS, 12.5, 4.0),
-            api.PhaseTime(Phase.INITIALIZING, 37.0, None),
+            PhaseTime(Phase.STARTING, 0.5, 0.5),
+            PhaseTime(Phase.LOADING_WEIGHTS, 12.5, 4.0),
+            PhaseTime(Phase.INITIALIZING, 37.0, None),
         ),
         page_cache_bytes=15 * GIB,
         storage_bytes=0,
-        storage_reads=(api.StorageRead("disk", "vda", 0),),
-        read_rate=api.ReadRate("page_cache", 15 * GIB / 12.5, 3.9e9),
+        storage_reads=(StorageRead("disk", "vda", 0),),
+        read_rate=ReadRate("page_cache", 15 * GIB / 12.5, 3.9e9),
         reason="weights took 3.1x their warm median: the page cache delivered 1.3 GB/s against "
         "3.9 GB/s",
     )

@@ -18,11 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.processes import Simulator
+from helpers.processes import Simulator, cold_checkpoint
 from helpers.support import RunningExporter, free_port, sim_target
-
-from exporter.cachectl import evict
-from exporter.sim.shards import generate_shards
 
 pytestmark = pytest.mark.system
 
@@ -78,11 +75,7 @@ def follow(running: RunningExporter, done: Callable[[], bool]) -> list[dict[str,
 def test_progress_follows_the_bytes_consumed_whatever_the_loader(
     loader: list[str], tmp_path: Path, start_exporter: Any
 ) -> None:
-    weights = tmp_path / "model"
-    weights.mkdir()
-    generate_shards(weights, SHARDS, SHARD_SIZE)
-    for shard in weights.glob("*.safetensors"):
-        evict(str(shard))
+    weights = cold_checkpoint(tmp_path / "model", SHARDS, SHARD_SIZE)
     port, trace = free_port(), tmp_path / "trace.jsonl"
     target = sim_target(port, weights, tmp_path / "server.pid")
     running = start_exporter({"sample_interval": f"{int(INTERVAL * 1000)}ms", "targets": [target]})

@@ -158,7 +158,7 @@ def test_start_up_is_scaled_by_the_environment_out_of_the_page_cache_now(
     for resident in (0, WEIGHTS):  # cold or warm weights: start-up is the environment's
         result = forecast(known, WEIGHTS, resident, environment)
         assert result.starting_seconds == pytest.approx(expected_starting)
-        assert result.environment_share == pytest.approx(1 - uncached_now / ENV)
+        assert result.environment_resident_share == pytest.approx(1 - uncached_now / ENV)
         weights = WEIGHTS / CACHE if resident else WEIGHTS / STORAGE
         assert result.seconds == pytest.approx(expected_starting + weights + 100.0)
 
@@ -183,6 +183,7 @@ def test_environments_of_other_sizes_and_half_measured_histories() -> None:
     unscaled = rates([with_environment(load(0, WEIGHTS / STORAGE, starting=25.0), 0)])
     assert unscaled.starting_seconds_per_uncached_byte is None
     result = forecast(unscaled, WEIGHTS, 0, Environment(ENV, 0))
-    assert result.starting_seconds == 25.0 and result.environment_share == 0.0
+    assert result.starting_seconds == 25.0 and result.environment_resident_share == 0.0
     # No forecast still says how much of the environment is cached.
-    assert forecast(NO_RATES, WEIGHTS, 0, Environment(ENV, ENV // 4)).environment_share == 0.25
+    quarter = forecast(NO_RATES, WEIGHTS, 0, Environment(ENV, ENV // 4))
+    assert quarter.environment_resident_share == 0.25

@@ -38,11 +38,9 @@ from helpers.hostile import (
     tiny_tmpfs,
     tls_client,
 )
+from helpers.processes import cold_checkpoint
 from helpers.support import ModelServer, free_port, metrics_when, sample_value, wait_for
 from test_pagecache import NOBODY, nobody_python
-
-from exporter.cachectl import evict
-from exporter.sim.shards import generate_shards
 
 GOOD_TARGET = {"name": "m", "endpoint": {"url": "http://127.0.0.1:1", "timeout": "1s"}}
 
@@ -729,11 +727,7 @@ def test_a_ready_server_is_probed_every_ready_interval_and_a_failure_speeds_up_a
 @pytest.mark.system
 def test_readiness_is_seen_within_a_fraction_of_the_sample_interval(tmp_path: Path) -> None:
     """Probes every interval / 4 while initializing, and the load ends at the ready probe."""
-    weights = tmp_path / "model"
-    weights.mkdir()
-    generate_shards(weights, 2, 4 << 20)
-    for shard in weights.glob("*.safetensors"):
-        evict(str(shard))
+    weights = cold_checkpoint(tmp_path / "model", 2, 4 << 20)
     port, exporter_port = free_port(), free_port()
     report, pidfile = tmp_path / "report.json", tmp_path / "server.pid"
     simulator = subprocess.Popen(

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from exporter import api
 from exporter.config import HistoryRetention
 from exporter.history import SCHEMA_VERSION, HistoryStore
+from exporter.loadreport import LoadReport, PhaseTime, ReadRate, StorageRead
 from exporter.tracker import LoadRecord
 from exporter.vocabulary import Cache
 
@@ -75,16 +75,16 @@ def test_round_trip_newest_first(store: HistoryStore) -> None:
 
 
 def test_a_load_keeps_its_report_as_the_document_it_is(store: HistoryStore) -> None:
-    report = api.LoadReport(
+    report = LoadReport(
         expected_seconds=600.0,
         phases=(
-            api.PhaseTime("loading_weights", 1500.0, 500.0),
-            api.PhaseTime("compile", 9.0, None),
+            PhaseTime("loading_weights", 1500.0, 500.0),
+            PhaseTime("compile", 9.0, None),
         ),
         page_cache_bytes=0,
         storage_bytes=548 * 10**9,
-        storage_reads=(api.StorageRead("disk", "nvme0n1", 549 * 10**9),),
-        read_rate=api.ReadRate("storage", 365e6, 1.1e9),
+        storage_reads=(StorageRead("disk", "nvme0n1", 549 * 10**9),),
+        read_rate=ReadRate("storage", 365e6, 1.1e9),
         reason="weights took 3.0x their cold median: storage delivered 365 MB/s against 1.1 GB/s",
     )
     store.add(replace(record(1600.0), report=report))

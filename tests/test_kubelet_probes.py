@@ -19,11 +19,8 @@ from typing import Any
 import pytest
 import requests
 from helpers.kubelet import Prober
-from helpers.processes import Simulator
+from helpers.processes import Simulator, cold_checkpoint
 from helpers.support import RunningExporter, free_port, sim_target, wait_for
-
-from exporter.cachectl import evict
-from exporter.sim.shards import generate_shards
 
 pytestmark = pytest.mark.system
 
@@ -39,12 +36,7 @@ PACE = ("--read-rate", "16MB/s", "--cached-read-rate", "16MB/s", "--init-seconds
 
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
-    directory = tmp_path / "model"
-    directory.mkdir()
-    generate_shards(directory, SHARDS, SHARD_SIZE)
-    for shard in directory.glob("*.safetensors"):
-        evict(str(shard))
-    return directory
+    return cold_checkpoint(tmp_path / "model", SHARDS, SHARD_SIZE)
 
 
 @pytest.fixture

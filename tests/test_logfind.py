@@ -1,4 +1,4 @@
-"""exporter/logfind.py on real processes: stdout and stderr redirected as shells and supervisors
+"""exporter/logs/find.py on real processes: stdout and stderr redirected as shells and supervisors
 redirect them, and processes placed in real cgroups named as systemd, Docker and the kubelet name
 theirs (tests/helpers/cgroups.py), with the runtimes' log files laid out under a temporary host
 root as those runtimes lay them. The exporter following what it finds: tests/test_logs_e2e.py."""
@@ -22,7 +22,7 @@ from helpers.require import require
 from helpers.support import wait_for
 
 from exporter.config import LogConfig
-from exporter.logfind import (
+from exporter.logs.find import (
     CgroupOwner,
     LogFinding,
     _birth_time,

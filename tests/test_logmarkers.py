@@ -11,7 +11,7 @@ import pytest
 from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
 from exporter.config import parse_config
-from exporter.logmarkers import (
+from exporter.logs.markers import (
     DETAIL_MAX,
     DETECT_ANNOUNCE_LINES,
     EventKind,
@@ -536,7 +536,7 @@ def test_a_log_no_format_knows_is_not_checked_line_by_line(
         calls.append(line)
         return detect(line)
 
-    monkeypatch.setattr("exporter.logmarkers.detect", counted)
+    monkeypatch.setattr("exporter.logs.markers.detect", counted)
     make = NOISE_SHAPES[shape]
     parser = MarkerParser("auto")
     lines = 0

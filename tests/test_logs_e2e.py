@@ -28,7 +28,7 @@ from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config import LogConfig
-from exporter.logmarkers import LogEvent
+from exporter.logs.markers import LogEvent
 from exporter.sim.serverlog import STEP_SHARES
 from exporter.sources.logs import LogSample, LogSource
 from exporter.vocabulary import Step
@@ -400,7 +400,7 @@ def test_a_fatal_line_fails_the_load_with_the_servers_message(
     assert load["outcome"] == "failed" and load["fatal"] == state["fatal"]
 
 
-# --- the exporter finding the server's log by itself (exporter/logfind.py) ----------------------
+# --- the exporter finding the server's log by itself (exporter/logs/find.py) ----------------------
 
 SHIM = Path(containerlog.__file__)  # dockerd's or containerd-shim's part: pipes -> log records
 

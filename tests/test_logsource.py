@@ -17,17 +17,16 @@ import pytest
 from helpers.logreplay import FIXTURES
 
 from exporter.config import LogConfig
+from exporter.logs.decode import MAX_LINE
+from exporter.logs.journal import journalctl_command, parse_journal_json
 from exporter.sources.logs import (
     CPU_BURST,
     MAX_EVENTS,
-    MAX_LINE,
     PARSE_CHUNK,
     READ_BUDGET,
     LogSample,
     LogSource,
-    journalctl_command,
     new_events,
-    parse_journal_json,
 )
 from exporter.vocabulary import LogEncoding, ServerKind, Step
 

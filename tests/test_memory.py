@@ -13,7 +13,7 @@ from exporter.sources.memory import (
     read_cache_flows,
     read_meminfo,
 )
-from exporter.sources.pagecache import PAGE_SIZE
+from exporter.storage.pagecache import PAGE_SIZE
 
 GOOD = """\
 MemTotal:       24683656 kB

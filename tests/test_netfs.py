@@ -28,7 +28,7 @@ from exporter.sources.netfs import (
     parse_mountstats,
 )
 from exporter.sources.residency import ResidencySource
-from exporter.sources.storage import WeightStorage
+from exporter.storage.description import WeightStorage
 from exporter.vocabulary import StorageKind
 
 FIXTURES = Path(__file__).with_name("fixtures") / "storage"

@@ -25,8 +25,6 @@ from helpers.users import NOBODY, as_nobody, nobody_python
 
 from exporter.cachectl import evict
 from exporter.config import WeightsConfig
-from exporter.sources import pagecache
-from exporter.sources.pagecache import measure, walk_weights
 from exporter.sources.residency import (
     DEPARTED_SHARE_FOR_PASS,
     MIN_READS_FOR_PASS,
@@ -34,6 +32,9 @@ from exporter.sources.residency import (
     SERVING_REFRESH_SECONDS,
     ResidencySource,
 )
+from exporter.storage import pagecache
+from exporter.storage.pagecache import measure
+from exporter.storage.weighttree import walk_weights
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -491,7 +492,7 @@ def test_source_rediscovers_files_that_appear_and_vanish(tmp_path: Path) -> None
 def test_unmeasurable_residency_is_absent_and_logged_once(tmp_path: Path, caplog) -> None:
     write_uncached(tmp_path / "a.safetensors", MiB)
     src = ResidencySource(weights(tmp_path), methods=())
-    with caplog.at_level(logging.WARNING, logger=pagecache.__name__):
+    with caplog.at_level(logging.WARNING, logger="exporter.sources.residency"):
         for _ in range(3):
             src.request_full_pass()
             s = src.sample()
@@ -508,7 +509,7 @@ NOBODY_PROBE = """
 import json, os, sys
 from exporter.cachectl import evict
 from exporter.config import WeightsConfig
-from exporter.sources import pagecache
+from exporter.storage import pagecache
 from exporter.sources.residency import ResidencySource
 directory, path = sys.argv[1], sys.argv[2]
 out = {}

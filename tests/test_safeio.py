@@ -10,7 +10,7 @@ import pytest
 
 from exporter.config import WeightsConfig
 from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
-from exporter.sources.pagecache import walk_weights
+from exporter.storage.weighttree import walk_weights
 from exporter.untrusted import clean
 
 

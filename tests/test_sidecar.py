@@ -24,11 +24,9 @@ import pytest
 import requests
 import yaml
 from helpers.kubelet import Prober
+from helpers.processes import cold_checkpoint
 from helpers.standins import install
 from helpers.support import free_port, wait_for
-
-from exporter.cachectl import evict
-from exporter.sim.shards import generate_shards
 
 pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv", "unshare")]
 
@@ -62,12 +60,7 @@ def bounding(capabilities: list[str] | tuple[str, ...]) -> str:
 
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
-    directory = tmp_path / "weights"
-    directory.mkdir()
-    generate_shards(directory, SHARDS, SHARD_SIZE)
-    for shard in directory.glob("*.safetensors"):
-        evict(str(shard))
-    return directory
+    return cold_checkpoint(tmp_path / "weights", SHARDS, SHARD_SIZE)
 
 
 @pytest.fixture

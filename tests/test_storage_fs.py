@@ -43,11 +43,11 @@ from exporter.cachectl import evict
 from exporter.config import ProcessConfig, WeightsConfig
 from exporter.sim.shards import generate_shards
 from exporter.sources.disk import DiskSample, DiskSource
-from exporter.sources.pagecache import CachestatCall, ResidencySample
 from exporter.sources.process import ProcessFinder
-from exporter.sources.residency import ResidencySource
-from exporter.sources.storage import StorageDescription, WeightStorage
+from exporter.sources.residency import ResidencySample, ResidencySource
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
+from exporter.storage.description import StorageDescription, WeightStorage
+from exporter.storage.pagecache import CachestatCall
 from exporter.tracker import temperature
 from exporter.vocabulary import Cache, StorageKind
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from exporter.history import HistoryStore
-from exporter.logmarkers import EventKind, LogEvent
+from exporter.logs.markers import EventKind, LogEvent
 from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
@@ -58,6 +58,7 @@ class Sim:
     rx: int | None = None  # PCIe bytes received by the tree's GPUs; None: no such counter
     log_lines: int = 0
     log_lag: float = 0.0  # how long before each tick the log was last read
+    measured_at: float | None = None  # when the last residency pass ran; None: every tick
     log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
     states: list[TargetState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -110,7 +111,7 @@ class Sim:
             process_gpu_bytes=self.gpu if alive and self.configured and self.nvml else None,
             weights_bytes=self.weights,
             resident_bytes=self.resident,
-            resident_measured_at=self.time,
+            resident_measured_at=self.time if self.measured_at is None else self.measured_at,
             disk_read_bytes=self.disk,
             log_events=tuple(self.log),
             log_lines=self.log_lines if self.logged else None,
@@ -423,6 +424,35 @@ def test_pages_cached_before_the_start_still_count_as_warm() -> None:
     sim.spawn()
     sim.tick(chars=COLD_RATE)
     assert sim.state.cache == "warm"
+
+
+@pytest.mark.parametrize("weights", [64 * 2**20, 2 * GB])
+def test_a_load_ready_before_its_first_residency_pass_waits_for_it(weights: int) -> None:
+    """A warm start can answer before the pass requested at its start lands: its record waits
+    an interval for that pass and takes its temperature from it, its duration unchanged."""
+    sim = Sim(tracker(), weights=weights, resident=weights, measured_at=T0 - 30)
+    sim.tick(2)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick()
+    assert sim.records == []
+    sim.measured_at = sim.time + 0.3
+    sim.tick()
+    (record,) = sim.records
+    assert record.cache == "warm"
+    assert record.duration_seconds == pytest.approx(1.0)
+
+
+def test_a_residency_pass_that_never_lands_delays_the_record_one_interval_at_most() -> None:
+    sim = Sim(tracker(), resident=WEIGHTS // 2, measured_at=T0 - 30)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick()
+    assert sim.records == []
+    sim.tick()
+    (record,) = sim.records
+    assert record.cache is None
+    assert record.duration_seconds == pytest.approx(1.0)
 
 
 def test_mixed_load_counts_progress_against_the_uncached_part() -> None:

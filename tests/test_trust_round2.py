@@ -26,7 +26,7 @@ import pytest
 import yaml
 from helpers.cgroups import cgroups, hierarchies, joining
 from helpers.fakeservers import SYSTEM_PYTHON, FakeServers, world_dir
-from helpers.hostile import ExporterProcess
+from helpers.hostile import ExporterProcess, discovering_exporter
 from helpers.pagecache_io import MIB, read_all, write_cold_file
 from helpers.processes import cli
 from helpers.support import free_port, sample_value, wait_for
@@ -77,21 +77,8 @@ def root_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def exporter(tmp_path: Path) -> Iterator[ExporterProcess]:
-    """The exporter as root with discovery on and nothing configured, as on a GPU host."""
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "sample_interval": "200ms",
-                "history_path": str(tmp_path / "history.sqlite"),
-                "discovery": {"interval": "300ms"},
-            }
-        )
-    )
-    running = ExporterProcess([f"--config.file={config}"])
-    running.wait_listening()
-    yield running
-    running.close()
+    with discovering_exporter(tmp_path) as running:
+        yield running
 
 
 def log_of(exporter: ExporterProcess, pid: int) -> dict[str, Any]:
@@ -442,13 +429,13 @@ def _rmdir(path: Path) -> bool:
     ],
 )
 def test_row3_only_a_valid_unit_from_the_root_is_a_unit(path: str) -> None:
-    from exporter.logfind import cgroup_owner
+    from exporter.logs.find import cgroup_owner
 
     assert cgroup_owner(path) is None
 
 
 def test_row3_the_unit_is_matched_literally() -> None:
-    from exporter.sources.logs import journalctl_command
+    from exporter.logs.journal import journalctl_command
 
     command = journalctl_command("vllm.service", 0.0, None, literal=True)
     assert "_SYSTEMD_UNIT=vllm.service" in command

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from helpers.fakeservers import FakeServers, world_dir
-from helpers.hostile import REPO, ExporterProcess
+from helpers.hostile import REPO, ExporterProcess, discovering_exporter
 from helpers.support import free_port, wait_for
 
 from exporter import api
@@ -172,20 +171,8 @@ CASES = {
 
 @pytest.fixture
 def exporter(tmp_path: Path) -> Iterator[ExporterProcess]:
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "sample_interval": "200ms",
-                "history_path": str(tmp_path / "history.sqlite"),
-                "discovery": {"interval": "300ms", "users": [OWNER]},
-            }
-        )
-    )
-    running = ExporterProcess([f"--config.file={config}"])
-    running.wait_listening()
-    yield running
-    running.close()
+    with discovering_exporter(tmp_path, users=[OWNER]) as running:
+        yield running
 
 
 def _ours(exporter: ExporterProcess, pid: int) -> dict[str, Any] | None:

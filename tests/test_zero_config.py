@@ -35,10 +35,14 @@ SHARDS, SHARD_SIZE = 4, 16 << 20
 def exporter(tmp_path: Path) -> Iterator[str]:
     """`model-load-exporter` with no config file: only where to listen (and, to keep the test
     hermetic, where to keep history and a sub-second interval to time readiness)."""
+    yield from _exporter(tmp_path)
+
+
+def _exporter(tmp_path: Path, *args: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
-         f"--history.path={tmp_path / 'history.sqlite'}", "--sample.interval=250ms"],
+         f"--history.path={tmp_path / 'history.sqlite'}", "--sample.interval=250ms", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -137,3 +141,41 @@ def test_a_server_started_after_the_exporter_is_found_and_its_restarts_are_one_t
     assert not second["seen_late"]  # the restart is seen at once: discovery watches for it
     metrics = requests.get(f"{exporter}/metrics", timeout=5).text
     assert f'discovered="true",endpoint="http://127.0.0.1:{port}"' in metrics
+
+
+def test_a_dropped_target_takes_its_history_series_with_it(tmp_path: Path) -> None:
+    """Gone for `keep_for`, a discovered target is no longer watched: its expected and last
+    durations leave /metrics with it (they stayed until another target's load finished)."""
+    config = tmp_path / "discovery.yml"
+    config.write_text("discovery:\n  interval: 500ms\n  keep_for: 1s\n")
+    weights = tmp_path / "Qwen2.5-0.5B-Instruct"
+    weights.mkdir()
+    generate_shards(weights, 2, SHARD_SIZE)
+    port = free_port()
+    name = f"sglang-Qwen2.5-0.5B-Instruct-{port}"
+    series = [f'model_load_last_duration_seconds{{target="{name}"}}',
+              f'model_load_expected_duration_seconds{{cache="warm",target="{name}"}}']  # fmt: skip
+    started = _exporter(tmp_path, f"--config.file={config}")
+    exporter = next(started)
+    try:
+        server = StandIn(tmp_path, weights, port, "--cached-read-rate 48MB/s")
+        try:
+            wait_for(lambda: loads(exporter, name), timeout=40)
+            metrics = wait_for(
+                lambda: all(s in (text := requests.get(f"{exporter}/metrics", timeout=5).text)
+                            for s in series) and text, timeout=10,
+            )  # fmt: skip
+            assert all(s in metrics for s in series)
+        finally:
+            server.stop()
+
+        def dropped() -> bool:
+            status = requests.get(f"{exporter}/api/v1/status", timeout=5).json()
+            return all(t["target"] != name for t in status["targets"])
+
+        wait_for(dropped, timeout=15)
+        metrics = requests.get(f"{exporter}/metrics", timeout=5).text
+        assert not [s for s in series if s in metrics]
+        assert f'target="{name}"' not in metrics
+    finally:
+        next(started, None)

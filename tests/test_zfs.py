@@ -15,8 +15,8 @@ from exporter.cachectl import prewarm
 from exporter.config import WeightsConfig
 from exporter.sources import ZFS
 from exporter.sources.residency import ResidencySource
-from exporter.sources.storage import WeightStorage
 from exporter.sources.zfs import ZfsSource, parse_kstat_io, parse_kstat_named, pool_of
+from exporter.storage.description import WeightStorage
 from exporter.vocabulary import Cache, StorageKind
 
 HITS, MISSES = 7221032, 73300  # demand_data_hits, demand_data_misses in the arcstats fixture

@@ -11,7 +11,7 @@ Where the page cache is not what the next load reads from, prewarming would clai
 it cannot give, so it refuses with the reason (exit 1, whatever `--force`): reads that bypass the
 page cache (a FUSE mount in direct-I/O mode), a cache that is not the page cache (ZFS's ARC), a
 FUSE mount whose every open drops the cache. Through an overlay or a FUSE passthrough it reads
-and measures the real file below (exporter/sources/storage.py).
+and measures the real file below (exporter/storage/description.py).
 
 Every file is opened with the rights of the user who owns the names leading to it, never
 through a symlink swapped in after the listing, and only when it is the regular file listed
@@ -35,9 +35,10 @@ from exporter.config import DEFAULT_INCLUDE, WeightsConfig
 from exporter.ownedfiles import OwnedFiles
 from exporter.safeio import Refused
 from exporter.sources.memory import read_meminfo
-from exporter.sources.pagecache import PassResult, WeightFile, walk_weights
 from exporter.sources.residency import measure_planned
-from exporter.sources.storage import StorageDescription, WeightStorage
+from exporter.storage.description import StorageDescription, WeightStorage
+from exporter.storage.pagecache import PassResult
+from exporter.storage.weighttree import WeightFile, walk_weights
 from exporter.vocabulary import StorageKind
 
 DEFAULT_JOBS = 4

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from exporter.servers.logformat import (
+from exporter.logs.format import (
     CAUSE,
     CAUSE_RULES,
     EventKind,

@@ -2,7 +2,7 @@
 
 A server module (exporter/servers/sglang.py ...) holds one `Server`: the command lines that
 start it and how each reads its arguments (`Command`, read by exporter/serverargs.py), its log
-format (`LogFormat`, read by exporter/logmarkers.py) and what its HTTP answers give away
+format (`LogFormat`, read by exporter/logs/markers.py) and what its HTTP answers give away
 (`Answers`, read by exporter/sources/endpoint.py). The engines know no server by name.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from exporter.servers.logformat import LogFormat
+from exporter.logs.format import LogFormat
 from exporter.vocabulary import ProbeKind
 
 # The files weights are loaded from, unless a server loads others (`weights.include`).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from exporter.servers.logformat import (
+from exporter.logs.format import (
     CAUSE_RULES,
     TQDM,
     EventKind,

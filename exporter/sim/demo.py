@@ -25,7 +25,7 @@ from exporter.http.app import HttpServer, WebApp
 from exporter.logsetup import setup_logging
 from exporter.runtime import Runtime
 from exporter.sim.shards import generate_shards
-from exporter.sources.pagecache import walk_weights
+from exporter.storage.weighttree import walk_weights
 from exporter.tracker import TargetState
 from exporter.units import parse_size
 from exporter.vocabulary import Cache

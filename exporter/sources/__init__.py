@@ -19,11 +19,11 @@ if TYPE_CHECKING:
     from exporter.sources.logs import LogSample
     from exporter.sources.memory import MemorySample
     from exporter.sources.netfs import NetFsSample
-    from exporter.sources.pagecache import ResidencySample
     from exporter.sources.process import ProcessSample
-    from exporter.sources.storage import StorageDescription
+    from exporter.sources.residency import ResidencySample
     from exporter.sources.weightfiles import WeightFilesSample
     from exporter.sources.zfs import ZfsSample
+    from exporter.storage.description import StorageDescription
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 A cold load is bounded by how fast these devices deliver bytes, so the exporter watches the whole
 disk (or the dm/md device) that actually sees the reads, not a partition and not every disk, and
-follows the layers between (exporter/sources/backing.py): btrfs's member devices, an overlay's
+follows the layers between (exporter/storage/backing.py): btrfs's member devices, an overlay's
 upper and lower filesystems, a loop device and the disk under its backing file.
 """
 
@@ -13,9 +13,9 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from exporter.sources.backing import Layer
+from exporter.sources.counters import CounterSource
 from exporter.sources.sample import Sample
-from exporter.sources.watched import CounterSource
+from exporter.storage.backing import Layer
 from exporter.vocabulary import StorageKind
 
 SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's block size

@@ -6,7 +6,7 @@ after its environment left the page cache: what a start costs depends on this re
 as the weights' phase depends on theirs. The files are learned from the tree's /proc/PID/maps
 and /proc/PID/fd while it runs, and kept across its restarts (the next start maps the same
 ones), so a restart's environment is measured before it begins, with the weights' measurement
-(cachestat, or mincore where truthful: exporter/sources/pagecache.py). Files the tree read and
+(cachestat, or mincore where truthful: exporter/storage/pagecache.py). Files the tree read and
 closed (Python's sources and bytecode) are not seen: the libraries it maps are most of the
 bytes, and their residency goes with the rest (evicted or kept together).
 
@@ -37,9 +37,10 @@ from fnmatch import fnmatchcase
 from exporter.asprocess import OnBehalf
 from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
 from exporter.safeio import PSEUDO_MAGIC, PSEUDO_PATHS, path_magic
-from exporter.sources.pagecache import WeightFile, measure
 from exporter.sources.process import ProcessSample
 from exporter.sources.sample import Health, Sample
+from exporter.storage.pagecache import measure
+from exporter.storage.weighttree import WeightFile
 
 REFRESH_SECONDS = 5.0  # a pass this often while the target is not serving: before a restart
 MAX_FILES = 20_000  # files learned per target at most (SGLang on CPU maps about 260)

@@ -8,7 +8,7 @@ in meanwhile (on a busy host, hundreds of MB in seconds). What comes in is count
 from block devices (`pgpgin`) and pages written (`nr_dirtied`). So between two samples at least
 what came in less Cached's growth left, and at least what reclaim took: the larger of the two.
 Pages arriving uncounted (NFS or FUSE reads, tmpfs writes) can still hide an eviction of their
-size; the serving refresh (exporter/sources/pagecache.py) catches that one later.
+size; the serving refresh (exporter/sources/residency.py) catches that one later.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from exporter.sources.pagecache import PAGE_SIZE
 from exporter.sources.sample import Sample
+from exporter.storage.pagecache import PAGE_SIZE
 
 _FIELDS = {
     "MemTotal": "total_bytes",

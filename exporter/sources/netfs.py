@@ -17,7 +17,7 @@ each client counts its reads itself, per mount:
   client on the host that one is it, with several and no fsid the mount is not counted.
 
 Each mount is labelled by its source as mountinfo shows it (server and export) and its mount
-point, and its rate comes in the disk pair's shape (exporter/sources/rates.py).
+point, and its rate comes in the disk pair's shape (exporter/sources/counters.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from exporter.sources.mounts import Mount, namespace_of, unescape
+from exporter.sources.counters import CounterSource
 from exporter.sources.sample import Health, Sample
-from exporter.sources.watched import CounterSource
+from exporter.storage.mounts import Mount, namespace_of, unescape
 from exporter.vocabulary import StorageKind
 
 LUSTRE_DIRS = ("fs/lustre/llite", "kernel/debug/lustre/llite")  # under /proc, under /sys

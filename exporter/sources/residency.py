@@ -1,9 +1,7 @@
-"""One target's page-cache residency as a source: the weight tree walked and each file measured
-(exporter/sources/pagecache.py does both) where the storage under it says a measurement is true
-(exporter/sources/storage.py), full passes spaced to stay within a CPU budget.
-
-Apart from pagecache.py because it needs the storage description, which itself needs
-pagecache's weight files: together they made an import circle.
+"""One target's page-cache residency as a source: the weight tree walked
+(exporter/storage/weighttree.py) and each file measured (exporter/storage/pagecache.py) where the
+storage under it says a measurement is true (exporter/storage/description.py), full passes spaced
+to stay within a CPU budget.
 """
 
 from __future__ import annotations
@@ -12,22 +10,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from exporter.asprocess import OnBehalf
 from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
 from exporter.safeio import Refused
-from exporter.sources.pagecache import (
-    METHODS,
-    PassResult,
-    ResidencySample,
-    WeightFile,
-    WeightTree,
-    measure,
-    sizes_only,
-    walk_weights,
-)
-from exporter.sources.storage import WeightStorage
+from exporter.sources.sample import Health, Sample
+from exporter.storage.description import WeightStorage
+from exporter.storage.pagecache import METHODS, FileResidency, PassResult, measure, sizes_only
+from exporter.storage.weighttree import WeightFile, WeightTree, walk_weights
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +56,27 @@ def measure_planned(
     return replace(result, where=plan.where) if plan.redirected else result
 
 
+@dataclass(frozen=True)
+class ResidencySample(Sample):
+    files: int
+    total_bytes: int
+    resident_bytes: int | None
+    per_file: tuple[FileResidency, ...]
+    method: str | None
+    measured_at: float
+    pass_cpu_seconds: float
+    next_pass_due: float
+    reason: str | None
+    where: str | None = None  # where residency was measured when not on the files themselves
+
+    def health(self) -> Health:
+        return Health(self.up, self.reason)
+
+    @property
+    def up(self) -> bool:
+        return self.resident_bytes is not None
+
+
 class ResidencySource:
     """Residency of one target's weights, with full passes spaced to stay within a CPU budget."""
 
@@ -85,7 +97,7 @@ class ResidencySource:
 
         A discovered target's passes run `on_behalf` of its process (with its rights), walk at
         most `max_entries` entries, and report a refused tree to `on_refused`; `storage` says
-        where each file may be measured (exporter/sources/storage.py).
+        where each file may be measured (exporter/storage/description.py).
         """
         if not 0 < cpu_budget <= 1:
             raise ValueError(f"cpu_budget must be in (0, 1], got {cpu_budget}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+import yaml
 
 from helpers.support import free_port, wait_for
 
@@ -126,6 +127,25 @@ class ExporterProcess:
     def close(self) -> None:
         self.stop()
         Path(self._stderr.name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def discovering_exporter(tmp_path: Path, **discovery: Any) -> Iterator[ExporterProcess]:
+    """The exporter as root with discovery on and no target configured, as on a GPU host,
+    listening; `discovery` adds to its discovery section (users, ...)."""
+    config = tmp_path / "config.yaml"
+    settings = {
+        "sample_interval": "200ms",
+        "history_path": str(tmp_path / "history.sqlite"),
+        "discovery": {"interval": "300ms", **discovery},
+    }
+    config.write_text(yaml.safe_dump(settings))
+    running = ExporterProcess([f"--config.file={config}"])
+    try:
+        running.wait_listening()
+        yield running
+    finally:
+        running.close()
 
 
 class IdleClients:

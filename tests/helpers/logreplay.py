@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.logmarkers import LogEvent, MarkerParser, StepTimeline, clean
-from exporter.sources.logs import parse_journal_json
+from exporter.logs.journal import parse_journal_json
+from exporter.logs.markers import LogEvent, MarkerParser, StepTimeline, clean
 from exporter.vocabulary import Step
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "logs"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from exporter.cachectl import evict
-from exporter.sources.pagecache import METHODS, FileMeasurement, measure_fd
+from exporter.storage.pagecache import METHODS, FileMeasurement, measure_fd
 
 MIB = 1024 * 1024
 _CHUNK = 4 * MIB

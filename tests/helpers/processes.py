@@ -33,6 +33,15 @@ def evict_dir(directory: Path) -> None:
         evict(str(shard))
 
 
+def cold_checkpoint(directory: Path, shards: int, size: int) -> Path:
+    """A simulator checkpoint written afresh with none of it left in the page cache: writing
+    a file caches it, and a load of a just-written file would read warm."""
+    directory.mkdir(parents=True, exist_ok=True)
+    generate_shards(directory, shards, size)
+    evict_dir(directory)
+    return directory
+
+
 class ExitClock:
     """Wall-clock time at which a child process exited, taken the moment wait() returns."""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from exporter.sources import pagecache
+from exporter.storage import pagecache
 
 STRICT_FLAG = "MLE_STRICT"
 

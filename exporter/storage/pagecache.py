@@ -1,4 +1,4 @@
-"""Page-cache residency of a target's weight files.
+"""Page-cache residency of a target's weight files, measured file by file.
 
 Residency decides whether the next restart is warm or cold, so it must be true or absent:
 `cachestat` (Linux >= 6.5) answers exactly, `mincore` only where the caller owns or may write
@@ -17,22 +17,15 @@ import contextlib
 import ctypes
 import errno
 import functools
-import logging
 import os
 import platform
-import re
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import NoReturn
 
-from exporter.config import WeightsConfig
 from exporter.libc import LIBC
-from exporter.safeio import PSEUDO_MAGIC, Refused, path_magic
-from exporter.sources.sample import Health, Sample
-
-log = logging.getLogger(__name__)
+from exporter.storage.weighttree import WeightFile
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 METHODS: tuple[str, ...] = ("cachestat", "mincore")
@@ -54,9 +47,6 @@ _MAP_SHARED = 0x01
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY  # no hang on a FIFO
 _LOW_BIT = bytes(i & 1 for i in range(256))
-# A tree seen through another process's root: an absolute symlink in it would resolve against
-# this exporter's root instead, outside the process's files, so it is not followed.
-_CONTAINED = re.compile(r"/proc/\d+/root(?:/|\Z)")
 
 _libc = LIBC
 _libc.syscall.restype = ctypes.c_long  # no argtypes: converting them doubles the call's cost
@@ -106,27 +96,6 @@ class FileResidency:
 
 
 @dataclass(frozen=True)
-class ResidencySample(Sample):
-    files: int
-    total_bytes: int
-    resident_bytes: int | None
-    per_file: tuple[FileResidency, ...]
-    method: str | None
-    measured_at: float
-    pass_cpu_seconds: float
-    next_pass_due: float
-    reason: str | None
-    where: str | None = None  # where residency was measured when not on the files themselves
-
-    def health(self) -> Health:
-        return Health(self.up, self.reason)
-
-    @property
-    def up(self) -> bool:
-        return self.resident_bytes is not None
-
-
-@dataclass(frozen=True)
 class FileMeasurement:
     """One open file's size and residency; resident_bytes None means not measurable truthfully."""
 
@@ -134,28 +103,6 @@ class FileMeasurement:
     resident_bytes: int | None
     method: str | None
     reason: str | None
-
-
-@dataclass(frozen=True)
-class WeightFile:
-    path: str
-    directory: str  # a pass opens each directory once and its files by openat: fewer lookups
-    entry: str
-    name: str  # relative to the weights root it was found under
-    dev: int
-    ino: int
-    size: int  # when discovered (a pass measures the size it finds)
-
-
-@dataclass(frozen=True)
-class WeightTree:
-    """Discovered weight files plus the identity of every directory walked, to notice changes."""
-
-    files: tuple[WeightFile, ...]
-    watched: tuple[tuple[str, tuple[int, int, int] | None], ...]
-
-    def changed(self) -> bool:
-        return any(_signature(path) != sig for path, sig in self.watched)
 
 
 @dataclass(frozen=True)
@@ -296,112 +243,6 @@ def _measure_fd(
             except OSError as exc:
                 failures.append(f"mincore: {exc.strerror}")
     return None, None, f"cannot measure page cache of {path}: {'; '.join(failures)}; {ADVICE}"
-
-
-def _signature(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns if stat.S_ISDIR(st.st_mode) else 0)
-
-
-def _pseudo(path: str) -> bool:
-    """On /proc, /sys or the like: a walk there would go through the whole host."""
-    try:
-        return path_magic(path) in PSEUDO_MAGIC
-    except OSError:
-        return False  # gone, or not ours to see: the walk's own stat says so
-
-
-def walk_weights(weights: WeightsConfig, max_entries: int | None = None) -> WeightTree:
-    """Weight files under each configured path, symlinks followed, each inode once.
-
-    Never into a pseudo file system (/proc, /sys); `max_entries` bounds the entries looked at
-    (Refused "too_many_files" beyond it), so a tree named by someone else's command line cannot
-    make a pass walk the host.
-    """
-    looked = 0
-
-    def count() -> None:
-        nonlocal looked
-        looked += 1
-        if max_entries is not None and looked > max_entries:
-            raise Refused(
-                "too_many_files",
-                f"more than {max_entries} entries under {', '.join(weights.paths)}: not measured",
-            )
-
-    files: list[WeightFile] = []
-    watched: list[tuple[str, tuple[int, int, int] | None]] = []
-    seen_files: set[tuple[int, int]] = set()
-    seen_dirs: set[tuple[int, int]] = set()
-    names: set[str] = set()
-
-    def add(directory: str, entry: str, name: str, st: os.stat_result) -> None:
-        key = (st.st_dev, st.st_ino)
-        if not stat.S_ISREG(st.st_mode) or key in seen_files:
-            return
-        seen_files.add(key)
-        # Two roots may hold the same relative name; the later one keeps its absolute path.
-        path = os.path.join(directory, entry)
-        label = name if name not in names else path
-        names.add(label)
-        files.append(WeightFile(path, directory, entry, label, st.st_dev, st.st_ino, st.st_size))
-
-    for root in weights.paths:
-        watched.append((root, _signature(root)))
-        contained = _CONTAINED.match(root) is not None
-        try:
-            st = os.stat(root)
-        except OSError as exc:
-            log.debug("weights path %s: %s", root, exc.strerror)
-            continue
-        if _pseudo(root):
-            log.debug("weights path %s: on a pseudo file system, not walked", root)
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            parent, base = os.path.split(root)
-            add(parent, base, base, st)
-            continue
-        seen_dirs.add((st.st_dev, st.st_ino))
-        stack = [(root, "")]  # (directory, its path relative to root with a trailing /)
-        while stack:
-            directory, prefix = stack.pop()
-            if prefix:
-                watched.append((directory, _signature(directory)))
-                if _pseudo(directory):
-                    continue
-            try:
-                with os.scandir(directory) as it:
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError as exc:
-                log.debug("cannot list %s: %s", directory, exc.strerror)
-                continue
-            subdirs: list[tuple[str, str]] = []
-            for entry in entries:
-                count()
-                try:
-                    if entry.is_symlink() and (
-                        (contained and os.readlink(entry.path).startswith("/"))
-                        or _pseudo(entry.path)
-                    ):
-                        continue
-                    if entry.is_dir():
-                        dst = entry.stat()
-                        if (dst.st_dev, dst.st_ino) not in seen_dirs:  # symlink loops
-                            seen_dirs.add((dst.st_dev, dst.st_ino))
-                            subdirs.append((entry.path, f"{prefix}{entry.name}/"))
-                    elif _included(entry.name, weights.include):
-                        add(directory, entry.name, prefix + entry.name, entry.stat())
-                except OSError:
-                    continue  # broken symlink, or vanished while walking
-            stack.extend(reversed(subdirs))  # depth first, in name order
-    return WeightTree(tuple(files), tuple(watched))
-
-
-def _included(name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def measure(

@@ -1,6 +1,6 @@
 """How a server module describes its startup log: line prefix, stamp, and marker rules.
 
-Data only: `exporter/logmarkers.py` is the engine that reads these rows (cleaning, rank merging,
+Data only: `exporter/logs/markers.py` is the engine that reads these rows (cleaning, rank merging,
 event times). A rule's `keyword` is a substring every match contains, so the engine searches a
 chunk for all of a format's keywords at once (C speed) and runs a regex only on lines that hold
 one: most log lines cost nothing.

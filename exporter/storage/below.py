@@ -28,9 +28,10 @@ from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from functools import partial
 
-from exporter.sources.backing import overlay_dirs, same_file, source_path
-from exporter.sources.mounts import Placed, relative_to
-from exporter.sources.pagecache import CachestatCall, WeightFile
+from exporter.storage.backing import overlay_dirs, same_file, source_path
+from exporter.storage.mounts import Placed, relative_to
+from exporter.storage.pagecache import CachestatCall
+from exporter.storage.weighttree import WeightFile
 
 PROBE_ENTRIES = 200  # entries looked at to find a probe file on a FUSE mount
 _XINO_BITS = 16  # overlayfs xino keeps the layer number in the top bits of st_ino

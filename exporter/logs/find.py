@@ -19,7 +19,7 @@ journal or runtime log. Container cgroup paths are matched by their last compone
 found from inside a cgroup namespace too (`/../docker-<id>.scope`); a unit's path only from the
 root of the hierarchy, through slices alone: with systemd's delegation a user may make any
 cgroup below their own `user@UID.service`, `system.slice/sshd.service` included. Its journal is
-then read with the process's rights, the unit matched literally (sources/logs.py).
+then read with the process's rights, the unit matched literally (journal.py).
 
 Where reading starts, so that a log found for a process already running gives this process's
 markers from its start (an exporter started mid-load reads the whole load) and never an older
@@ -27,7 +27,7 @@ process's lines:
 
 - a journal: from the process's start time;
 - Docker and CRI files: the records stamped at or after the process's start (less
-  `sources.logs.ENTRY_SKEW`), found by bisection;
+  `files.ENTRY_SKEW`), found by bisection;
 - a plain file: from its start when it is this process's own: born (statx birth time) after the
   process started (by more than the clock tick its start is known to), or written through a
   descriptor that is not in append mode and whose offset is the file's size (the shell's `>`
@@ -36,7 +36,7 @@ process's lines:
 Paths outside /proc are read under `host_root`; a file the process names in its own mount
 namespace is reached through `/proc/PID/root` when the same path here is another file. Every
 file this module opens on the process's behalf is opened by `_read_small` (the rest are stats,
-directory listings and link reads); the log found is opened by `sources.logs._FileReader._open`.
+directory listings and link reads); the log found is opened by `files.FileReader._open`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ _DOCKER_RE = re.compile(
 _UNIT_RE = re.compile(r"/(?:[^/]+\.slice/)*(?P<unit>[^/]+\.service)(?:/.*)?")
 # systemd's unit-name grammar (unit_name_is_valid): letters, digits and `:_.\-`, an instance
 # after `@` that may hold `@` too, the type suffix; UNIT_NAME_MAX characters at most. No glob
-# character passes, and the name is matched literally besides (sources/logs.py).
+# character passes, and the name is matched literally besides (journal.py).
 _UNIT_NAME_RE = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\@-]+)?\.service")
 UNIT_NAME_MAX = 255
 USER_MANAGER = "user@"  # user@UID.service: the user's own service manager

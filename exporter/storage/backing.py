@@ -16,7 +16,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exporter.sources.mounts import Mount, Mounts, Placed, relative_to
+from exporter.storage.mounts import Mount, Mounts, Placed, relative_to
 from exporter.vocabulary import StorageKind
 
 log = logging.getLogger(__name__)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 from exporter.asprocess import OnBehalf
-from exporter.sources.backing import Layer, describe
-from exporter.sources.mounts import Mounts, Placed
-from exporter.sources.rates import CounterRates
+from exporter.storage.backing import Layer, describe
+from exporter.storage.mounts import Mounts, Placed
 
 log = logging.getLogger(__name__)
 
@@ -110,33 +108,6 @@ class WatchedPaths:
         if key not in self._reported:
             self._reported.add(key)
             self._log.log(level, message, *args)
-
-
-class CounterSource:
-    """What the disk, network-filesystem and ZFS sources share: the targets' weight paths
-    placed on their layers, a clock, and the rates of the counters they read. Each logs to its
-    own module's logger."""
-
-    def __init__(
-        self,
-        paths_by_target: Mapping[str, Sequence[str]],
-        proc_root: str = "/proc",
-        sys_root: str = "/sys",
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        logger = logging.getLogger(type(self).__module__)
-        self._watched = WatchedPaths(paths_by_target, proc_root, sys_root, logger)
-        self._proc_root = proc_root
-        self._sys_root = sys_root
-        self._clock = clock
-        self._rates = CounterRates()
-
-    def watch(
-        self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None
-    ) -> None:
-        """Watch another target's weight paths, or none; a discovered target's are looked at
-        `on_behalf` of its process, with its rights (thread-safe)."""
-        self._watched.watch(target, paths, on_behalf)
 
 
 def _stat_all(paths: Sequence[str], behalf: OnBehalf | None) -> list[tuple[str, int | OSError]]:

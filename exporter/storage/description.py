@@ -4,7 +4,7 @@ Residency and the cold/warm verdict assume weights on a local filesystem whose r
 the page cache. Elsewhere they must be redirected, qualified or dropped, never wrong:
 
 * overlayfs: `cachestat` through the overlay's descriptor reports 0 pages while the real file
-  below is fully cached, so residency is measured on the real file (exporter/sources/below.py
+  below is fully cached, so residency is measured on the real file (exporter/storage/below.py
   finds it and checks it is the one);
 * FUSE: every `open()` of a file on a mount without `keep_cache` (bindfs's default) drops that
   file's page cache, so the residency pass would evict what the server just loaded. A passthrough
@@ -31,8 +31,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from exporter.config import WeightsConfig
-from exporter.sources.backing import MAX_DEPTH, Layer, describe
-from exporter.sources.below import (
+from exporter.sources.sample import Health, Sample
+from exporter.storage.backing import MAX_DEPTH, Layer, describe
+from exporter.storage.below import (
     Below,
     FuseProbe,
     moved,
@@ -41,9 +42,8 @@ from exporter.sources.below import (
     probe_fuse,
     stat_if,
 )
-from exporter.sources.mounts import Mount, Mounts, Placed, relative_to
-from exporter.sources.pagecache import WeightFile
-from exporter.sources.sample import Health, Sample
+from exporter.storage.mounts import Mount, Mounts, Placed, relative_to
+from exporter.storage.weighttree import WeightFile
 from exporter.vocabulary import Cache, StorageKind
 
 _READ_COUNTED_BY = {
