@@ -13,12 +13,20 @@ machine's two cores, so the hosts share `VARIANTS` lives (host h shows life h % 
 targets, loads and histories, each in its own phase): every host is its own series to
 Prometheus, and the mix of states across the fleet is what a fleet shows.
 
-Time runs `15 / --scrape` times faster than life (as tests/test_dashboard_prometheus.py runs the
-rules 60 times faster): the loads, the rules' `for:` and range windows, and the dashboard's range
-and step all scale together, so each series holds as many samples per window as it would at the
-shipped 15-s scrape. The dashboard's default range (1 h: 240 steps) is filled when `--seconds`
-reaches it; when it is shorter the range queries cover what was filled, still with Grafana's 240
-steps (the per-step work over every series, what dominates a range query, stays the same).
+By default Prometheus scrapes and evaluates the rules every 15 s, as shipped: what a rule group
+costs is only comparable with its interval when Prometheus ingests what a real fleet sends in that
+interval. `--scrape S` runs time `15 / S` times faster than life (as
+tests/test_dashboard_prometheus.py runs the rules 60 times faster): the loads, the rules' `for:`
+and range windows, and the dashboard's range and step all scale together, so each series holds as
+many samples per window as at the shipped scrape, but Prometheus then ingests and evaluates
+`15 / S` times as often, and each rule group has S seconds, not 15. The dashboard's default range
+(1 h: 240 steps) is filled when `--seconds` reaches it; when it is shorter the range queries cover
+what was filled, still with Grafana's 240 steps (the per-step work over every series, what
+dominates a range query, stays the same).
+
+The harness shares the machine with the Prometheus it measures: its renderer and its HTTP
+threads run at `HARNESS_NICE`, so that Prometheus wins the cores when both want them, and its own
+CPU share is reported beside Prometheus's (`harness_cpu_share`).
 
 Measured: series per target (by state, and by metric family) and per host, Prometheus's head
 series and resident memory (peak), bytes per sample (a head snapshot's block: chunk bytes over its
@@ -35,6 +43,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -99,6 +108,7 @@ MODELS = 24  # models served across the fleet (the recording rules group by mode
 GPUS = 8  # H200s per host
 STALL_AFTER = 300.0  # seconds, the default stall_after
 WARMUP_EVALUATIONS = 3  # rule evaluations left out of the worst (the first ones compile)
+HARNESS_NICE = 10  # the renderer's and the HTTP threads' niceness: Prometheus comes first
 
 
 # -- the hosts: targets living through loads --------------------------------------------------
@@ -357,6 +367,23 @@ def model_name(index: int) -> str:
     return f"model-{index % MODELS:02d}"
 
 
+def yield_cpu() -> None:
+    """Lower this thread's priority (Linux's niceness is per thread, and inherited by the threads
+    it starts), so that the harness does not take the cores from the Prometheus it measures."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HARNESS_NICE)
+
+
+class QuietServer(ThreadingHTTPServer):
+    """Prometheus drops connections (a scrape timeout, its shutdown): not worth a traceback."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):
+            print(f"fleet: serving {client_address}: {error!r}", file=sys.stderr)
+
+
 def render(snapshot: Snapshot) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ExporterCollector(lambda: snapshot))
@@ -403,10 +430,13 @@ class Fleet:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        yield_cpu()  # and every connection's thread, started from this one
+        self.server.serve_forever()
 
     def now(self) -> float:
         return self.epoch + (time.monotonic() - self.wall0) * self.speed
@@ -418,6 +448,7 @@ class Fleet:
         self.served = [render_native(s) for s in self.snapshots] if self.native else self.pages
 
     def keep_fresh(self, every: float, stop: threading.Event) -> None:
+        yield_cpu()
         while not stop.wait(every):
             self.refresh()
 
@@ -572,43 +603,78 @@ class Prometheus:
 
 @dataclass
 class Watch:
-    """Prometheus's own numbers sampled over the run: rule evaluation times, peak memory."""
+    """Prometheus's own numbers sampled over the run: each rule evaluation once (its time, and
+    each rule's with its active alerts), evaluations missed, CPU, peak memory, the load average."""
 
+    interval: float  # the rule groups' evaluation interval in this run, seconds
     durations: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     rule_seconds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    cpu_seconds: float = 0.0
+    rule_alerts: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    seen: dict[str, float] = field(default_factory=dict)  # group: the evaluations counted
+    missed: dict[str, float] = field(default_factory=dict)
+    cpu: list[tuple[float, float]] = field(default_factory=list)  # (wall, Prometheus CPU s)
+    harness_cpu: list[tuple[float, float]] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
     rss_peak: float = 0.0
     head_series: float = 0.0
 
     def look(self, prometheus: Prometheus) -> None:
         own = prometheus.own_metrics()
+        now = time.monotonic()
         self.rss_peak = max(self.rss_peak, own["process_resident_memory_bytes"][0][1])
         self.head_series = own["prometheus_tsdb_head_series"][0][1]
+        self.cpu.append((now, own["process_cpu_seconds_total"][0][1]))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.harness_cpu.append((now, usage.ru_utime + usage.ru_stime))
+        self.load.append(os.getloadavg()[0])
         evaluations = {
             labels["rule_group"]: value
             for labels, value in own.get("prometheus_rule_group_iterations_total", [])
         }
+        for labels, value in own.get("prometheus_rule_group_iterations_missed_total", []):
+            self.missed[labels["rule_group"].rsplit(";", 1)[-1]] = value
         for labels, seconds in own.get("prometheus_rule_group_last_duration_seconds", []):
             group = labels["rule_group"].rsplit(";", 1)[-1]
-            if evaluations.get(labels["rule_group"], 0) > WARMUP_EVALUATIONS:
-                self.durations[group].append(seconds)
-                for rule in prometheus.rules(group):
-                    self.rule_seconds[rule["name"]].append(rule["evaluationTime"])
-        self.cpu_seconds = own["process_cpu_seconds_total"][0][1]
+            count = evaluations.get(labels["rule_group"], 0)
+            if count <= max(WARMUP_EVALUATIONS, self.seen.get(group, 0)):
+                continue  # still warming up, or the evaluation seen at the last look
+            self.seen[group] = count
+            self.durations[group].append(seconds)
+            for rule in prometheus.rules(group):
+                self.rule_seconds[rule["name"]].append(rule["evaluationTime"])
+                if rule["type"] == "alerting":
+                    self.rule_alerts[rule["name"]].append(len(rule.get("alerts", [])))
+
+    @staticmethod
+    def share(samples: list[tuple[float, float]]) -> float:
+        """CPU seconds per wall second between the first and the last look."""
+        (wall0, cpu0), (wall1, cpu1) = samples[0], samples[-1]
+        return round((cpu1 - cpu0) / (wall1 - wall0), 3) if wall1 > wall0 else 0.0
 
     @property
-    def rules(self) -> dict[str, float]:
-        """Each rule's median evaluation time (Prometheus's own, from /api/v1/rules)."""
-        return {name: round(statistics.median(seen), 4) for name, seen in self.rule_seconds.items()}
+    def rules(self) -> dict[str, dict[str, float]]:
+        """Each rule's median evaluation time (Prometheus's own, from /api/v1/rules), and an alert
+        rule's median count of active alerts (each expands its annotations every evaluation)."""
+        return {
+            name: {"seconds": round(statistics.median(seen), 4)}
+            | (
+                {"alerts": statistics.median(self.rule_alerts[name])}
+                if name in self.rule_alerts
+                else {}
+            )
+            for name, seen in self.rule_seconds.items()
+        }
 
     @property
     def rule_groups(self) -> dict[str, dict[str, float]]:
-        """Each group's median and worst evaluation seen, against the shipped interval."""
+        """Each group's median and worst evaluation seen, against its interval in this run."""
         return {
             group: {
                 "seconds": round(statistics.median(seen), 4),
                 "worst_seconds": round(max(seen), 4),
-                "interval_seconds": SHIPPED_SCRAPE,
+                "interval_seconds": self.interval,
+                "evaluations": len(seen),
+                "missed_evaluations": self.missed.get(group, 0.0),
             }
             for group, seen in sorted(self.durations.items())
         }
@@ -681,7 +747,6 @@ def panel_latencies(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     speed = SHIPPED_SCRAPE / args.scrape
     workdir = Path(tempfile.mkdtemp(prefix="fleet-", dir=args.dir))
-    wall0 = time.monotonic()
     stop = threading.Event()
     prometheus = None
     try:
@@ -698,11 +763,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"fleet: Prometheus never scraped every host: {workdir}")
             time.sleep(1)
         print(f"all {args.hosts} hosts up; filling {args.seconds:.0f} s", file=sys.stderr)
-        watch, filled_from = Watch(), time.monotonic()
+        watch, filled_from = Watch(args.scrape), time.monotonic()
+        watch.look(prometheus)
         while (elapsed := time.monotonic() - filled_from) < args.seconds:
             time.sleep(min(5.0, args.seconds - elapsed))
             watch.look(prometheus)
         filled = time.monotonic() - filled_from
+        cpu = {
+            "prometheus_cpu_share": watch.share(watch.cpu),
+            "harness_cpu_share": watch.share(watch.harness_cpu),
+            "load_average": {
+                "median": round(statistics.median(watch.load), 2),
+                "max": round(max(watch.load), 2),
+            },
+        }
         variables = variable_defaults(prometheus, args.all_hosts)
         panels, errors = panel_latencies(prometheus, args.scrape, filled, variables, args.repeats)
         watch.look(prometheus)
@@ -722,8 +796,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **stored,
         "rule_groups": watch.rule_groups,
         "rules": watch.rules,
-        "prometheus_cpu_share": round(watch.cpu_seconds / (time.monotonic() - wall0), 3),
-        "load_average": os.getloadavg()[0],
+        **cpu,
         "panels": panels,
         "panel_errors": errors,
         "variables": variables,
@@ -738,9 +811,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=10)
     parser.add_argument("--targets", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=240, help="scraping after all are up")
+    parser.add_argument("--seconds", type=float, default=300, help="scraping after all are up")
     parser.add_argument(
-        "--scrape", type=float, default=1.0, help="scrape and rule interval, s (15: life's pace)"
+        "--scrape",
+        type=float,
+        default=SHIPPED_SCRAPE,
+        help="scrape and rule interval, s (the shipped 15 s: life's pace; less runs time faster)",
     )
     parser.add_argument(
         "--all-hosts", action="store_true", help="panels with Host and Target at All"

@@ -10,23 +10,30 @@ process that looks like a server, so discovered targets are bounded (`Admission.
 `max_targets`, `max_targets_per_user` of one user, gone targets make room first) and their
 files are only ever touched with their process's rights (`on_behalf`).
 
-A discovered server is watched as the targets `targets_of` names: one today. Admission counts,
-follows and drops targets by name, so a server watched as several (one per model of a
-multi-model server) needs only `targets_of` to say so. Building a target's sources is the
-runtime's (`Wiring`).
+A discovered server is watched as the targets `targets_of` names: one, and one more per model of
+a repository server holding several (Triton's). Admission counts, follows and drops targets by
+name. Building a target's sources is the runtime's (`Wiring`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Protocol
+from urllib.parse import quote
 
 from exporter.asprocess import Actor, OnBehalf, rights_of
 from exporter.config import Config, ProcessConfig, TargetConfig
-from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
+from exporter.discovery import (
+    DiscoveredServer,
+    Discoverer,
+    endpoint_config,
+    model_target_name,
+    weights_config,
+)
 from exporter.refusals import Refusals
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.process import read_stat
@@ -216,15 +223,52 @@ class Admission:
 
 def targets_of(server: DiscoveredServer) -> tuple[TargetConfig, ...]:
     """A discovered server as if it had been configured, its process matched by identity: one
-    target per server."""
+    target per server, and one more per model of a repository server holding several
+    (`<server's target>/<model>`: its own ready answer, its model's directory of weights; the
+    server's own target keeps the process's start). Two models loading at once are then two
+    loads, never one of the server's target."""
+    process = ProcessConfig(pid=server.pid, start_ticks=server.start_ticks)
+    own = TargetConfig(
+        name=server.name,
+        endpoint=endpoint_config(server),
+        weights=weights_config(server),
+        process=process,
+    )
+    if not models_apart(server):
+        return (own,)
+    assert server.model_ready_path is not None
+    weights = weights_config(server)
     return (
-        TargetConfig(
-            name=server.name,
-            endpoint=endpoint_config(server),
-            weights=weights_config(server),
-            process=ProcessConfig(pid=server.pid, start_ticks=server.start_ticks),
+        own,
+        *(
+            TargetConfig(
+                name=model_target_name(server.name, model),
+                endpoint=replace(
+                    endpoint_config(server),
+                    path=server.model_ready_path.format(model=quote(model, safe="")),
+                    model=model,
+                ),
+                weights=None
+                if weights is None
+                else replace(weights, paths=tuple(os.path.join(p, model) for p in weights.paths)),
+                process=process,
+            )
+            for model in server.models
         ),
     )
+
+
+def models_apart(server: DiscoveredServer | None) -> bool:
+    """Whether the server's models are targets of their own (a repository of several)."""
+    return server is not None and server.model_ready_path is not None and len(server.models) > 1
+
+
+def model_of(config: TargetConfig, found: DiscoveredServer | None) -> str | None:
+    """The one model a target watches, of a server whose models are targets of their own
+    (`targets_of`); None for the server's own target and any other."""
+    if not models_apart(found) or config.name == found.name:  # type: ignore[union-attr]
+        return None
+    return config.endpoint.model
 
 
 def on_behalf(actor: Actor, proc_root: str, found: DiscoveredServer | None) -> OnBehalf | None:

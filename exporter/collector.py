@@ -230,6 +230,11 @@ SINCE_PROGRESS = _gauge(
     "seconds_since_progress", "Seconds since any progress signal moved.", "target"
 )
 STALLED = _gauge("stalled", "1 when in progress and nothing moved for stall_after.", "target")
+UNLOADS = _counter(
+    "unloads_total",
+    "Models the running server unloaded (its log says so), since the exporter started.",
+    "target",
+)
 EXPECTED = _gauge(
     "expected_duration_seconds", "Median duration of recent successful loads.", "target", "cache"
 )
@@ -467,6 +472,7 @@ def _load(out: Scrape, view: TargetView) -> None:
     out.add(ETA, [name], state.eta_seconds)
     out.add(SINCE_PROGRESS, [name], state.seconds_since_progress)
     out.add(STALLED, [name], 1 if state.stalled else 0)
+    out.add(UNLOADS, [name], state.unloads)  # absent for a server that never loaded in place
 
 
 def _history(out: Scrape, snap: Snapshot) -> None:

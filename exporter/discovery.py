@@ -5,7 +5,10 @@ new one once more on the next pass, in case it was caught between fork and exec)
 re-read a slice at a time, so a wrapper that execs into a server late is still found within
 `refresh_passes` passes. Only the top-most recognised process of a tree is a server: vLLM's
 EngineCore, SGLang's schedulers or multiprocessing children that kept their parent's command
-line are part of their parent's server, not more servers.
+line are part of their parent's server, not more servers. The exception is a router's child
+(llama-server's router mode starts one llama-server per model it loads, its environment naming
+the router's port): a model server of its own, named `<router's name>/<model>`, so each model's
+loads, however often the router starts and stops it, are loads of one target.
 
 For each server found, its endpoint, probe, served model and weight paths come from its own
 arguments, config file and environment (see exporter/serverargs.py), resolved the way the
@@ -92,6 +95,15 @@ class DiscoveredServer:
     rights: Rights | None = None
     # Values are secrets (the server's API key): never in repr, logs or evidence.
     headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # A repository server's models (Triton's: its directories with a config.pbtxt), and the
+    # path of one model's own ready answer (`{model}`): with several, each is a target of its
+    # own (exporter/admission.py: targets_of).
+    models: tuple[str, ...] = ()
+    model_ready_path: str | None = None
+    # A model server its router started (llama-server's router mode): the router's process
+    # and start, whose log carries this one's lines.
+    router_pid: int | None = None
+    router_start: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -124,6 +136,13 @@ def target_name(kind: str, model: str | None, port: int) -> str:
     """
     label = _model_label(model) if model else ""
     return f"{kind}-{label}-{port}" if label else f"{kind}-{port}"
+
+
+def model_target_name(server: str, model: str | None) -> str:
+    """The target of one model of a server that serves several (its own process or not):
+    `<server's target>/<model>`, the same name for as long as the server keeps its own."""
+    label = _model_label(model) if model else ""
+    return f"{server}/{label or 'model'}"
 
 
 def _model_label(model: str) -> str:
@@ -203,17 +222,29 @@ class Discoverer:
             if entry.argv is not None:
                 candidates[pid] = entry.argv
         self._seen = seen
+        tops, routed = self._tops(candidates)
         found = [
             server
-            for pid, start_ticks in self._tops(candidates)
+            for pid, start_ticks in tops
             if (server := self._server(pid, start_ticks, candidates[pid])) is not None
+        ]
+        routers = {server.pid: server for server in found}
+        found += [
+            server
+            for pid, start_ticks, parent in routed
+            if parent in routers
+            and (server := self._server(pid, start_ticks, candidates[pid], routers[parent]))
+            is not None
         ]
         found = _unique_names(found)
         self._known = {server.key: server for server in found}
         return tuple(sorted(found, key=lambda s: s.name))
 
-    def _tops(self, candidates: Mapping[int, tuple[str, ...]]) -> list[tuple[int, int]]:
-        """(pid, start ticks) of candidates with no recognised ancestor: workers are no servers."""
+    def _tops(
+        self, candidates: Mapping[int, tuple[str, ...]]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """(pid, start ticks) of candidates with no recognised ancestor: workers are no servers;
+        and (pid, start ticks, router pid) of those a router started, one server per model."""
         stats: dict[int, tuple[int, int] | None] = {}  # pid -> (ppid, start ticks)
 
         def stat(pid: int) -> tuple[int, int] | None:
@@ -222,7 +253,7 @@ class Discoverer:
                 stats[pid] = None if proc is None or proc.zombie else (proc.ppid, proc.start_ticks)
             return stats[pid]
 
-        tops = []
+        tops, routed = [], []
         for pid in candidates:
             own = stat(pid)
             if own is None:
@@ -234,9 +265,17 @@ class Discoverer:
                 ancestor = parent[0] if parent is not None else 0
             if not ancestor or ancestor in visited:
                 tops.append((pid, own[1]))
-        return tops
+            elif _routes(candidates[ancestor], candidates[pid], self._kinds):
+                routed.append((pid, own[1], ancestor))
+        return tops, routed
 
-    def _server(self, pid: int, start_ticks: int, argv: tuple[str, ...]) -> DiscoveredServer | None:
+    def _server(
+        self,
+        pid: int,
+        start_ticks: int,
+        argv: tuple[str, ...],
+        router: DiscoveredServer | None = None,
+    ) -> DiscoveredServer | None:
         known = self._known.get((pid, start_ticks))
         settled = known is not None and (known.weights or not _awaits_weights(known))
         if settled and pid % self._refresh != self._passes % self._refresh:
@@ -251,14 +290,19 @@ class Discoverer:
         if known is not None and settled:
             return known
         try:
-            return self._describe(pid, start_ticks, argv, rights)
+            return self._describe(pid, start_ticks, argv, rights, router)
         except Exception as exc:  # one bad process must not end the pass for the others
             log.debug("describing pid %d failed", pid, exc_info=True)
             self.refusals.note("error", (pid, start_ticks), "pid %d skipped: %s", pid, exc)
             return None
 
     def _describe(
-        self, pid: int, start_ticks: int, argv: tuple[str, ...], rights: Rights
+        self,
+        pid: int,
+        start_ticks: int,
+        argv: tuple[str, ...],
+        rights: Rights,
+        router: DiscoveredServer | None = None,
     ) -> DiscoveredServer | None:
         key = (pid, start_ticks)
         base = f"{self._proc_root}/{pid}"
@@ -305,9 +349,17 @@ class Discoverer:
         headers = {"Authorization": f"Bearer {recognised.api_key}"} if recognised.api_key else {}
         if headers and _HEADER_BAD.search(headers["Authorization"]):
             headers = {}  # a line break would forge the probe's request
+        name = target_name(recognised.kind, model or recognised.model, recognised.port)
+        if router is not None:
+            routed = _routed_name(router, command.router_env, environ, model or recognised.model)
+            if routed is None:
+                return None  # a worker that kept its router's command line, not a model's server
+            name = routed
+            why = f"started by the router at pid {router.pid}, which loaded this model"
+            evidence.append(Evidence("router", router.name, why))
         return DiscoveredServer(
             kind=recognised.kind,
-            name=target_name(recognised.kind, model or recognised.model, recognised.port),
+            name=name,
             pid=pid,
             start_ticks=start_ticks,
             start_time=self._start_time(start_ticks),
@@ -323,6 +375,10 @@ class Discoverer:
             ),
             rights=rights,
             headers=headers,
+            models=tuple(clean(m) for m in models),
+            model_ready_path=command.model_ready_path,
+            router_pid=router.pid if router is not None else None,
+            router_start=router.start_time if router is not None else None,
         )
 
     def _argv(self, pid: int) -> tuple[str, ...] | None:
@@ -417,6 +473,35 @@ def _is_model_dir(path: str) -> bool:
 def _awaits_weights(server: DiscoveredServer) -> bool:
     """Weights named but not found yet (a hub download in progress): look again next pass."""
     return any(e.what == "weights" and e.value == "not found" for e in server.evidence)
+
+
+def _routes(parent: tuple[str, ...], child: tuple[str, ...], kinds: Sequence[str]) -> bool:
+    """Whether `child` may be a model server the router `parent` started: both the same
+    command, one whose router starts a server per model (exporter/servers: `router_env`)."""
+    started, by = find_launch(child, kinds), find_launch(parent, kinds)
+    return (
+        started is not None
+        and by is not None
+        and started.command is by.command
+        and started.command.router_env is not None
+    )
+
+
+def _routed_name(
+    router: DiscoveredServer,
+    variable: str | None,
+    environ: Mapping[str, str] | None,
+    model: str | None,
+) -> str | None:
+    """`<router's name>/<model>` for a model server its router started (its environment names
+    the router's port: the name stays the same however often the router starts it again, on
+    whatever port); None when it is no such server."""
+    if variable is None or environ is None:
+        return None
+    port = router.url.rsplit(":", 1)[-1]
+    if environ.get(variable) != port:
+        return None
+    return model_target_name(router.name, model)
 
 
 def _unique_names(servers: list[DiscoveredServer]) -> list[DiscoveredServer]:

@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from exporter import __version__
-from exporter.admission import Admission, on_behalf, on_behalf_of
+from exporter.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.asprocess import Actor, Borrowed, OnBehalf
 from exporter.config import Config, LogConfig, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer
@@ -33,7 +33,7 @@ from exporter.explain import baseline, report, storage_reads
 from exporter.forecast import Environment, Forecast, forecast
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
-from exporter.logs.find import LogFinding, find_log
+from exporter.logs.find import LogFinding, find_log, find_routed_log
 from exporter.nvml_pids import NvmlPidCheck
 from exporter.observation import (
     Marked,
@@ -87,7 +87,8 @@ from exporter.sources.zfs import ZfsSource
 from exporter.storage.description import WeightStorage
 from exporter.target import TargetRuntime
 from exporter.targethistory import TargetHistory, read_history
-from exporter.tracker import LoadRecord, TargetState, Tracker
+from exporter.tracker import LoadRecord, Scope, TargetState, Tracker
+from exporter.untrusted import clean
 from exporter.vocabulary import IN_PROGRESS, Cache, ProbeResult
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class Runtime:
         """A target's tracker, prober and probe cadence; wire() builds its sources."""
         return TargetRuntime(
             config=config,
-            tracker=self._tracker(config),
+            tracker=self._tracker(config, found),
             prober=EndpointProber(config.endpoint),
             cadence=ProbeCadence(
                 self.config.sample_interval,
@@ -204,6 +205,9 @@ class Runtime:
     def wire(self, runtime: TargetRuntime) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
         target = runtime.config
+        # A repository that came to hold several models (poll mode): they are targets of their
+        # own from now on, and the server's keeps its process's loads.
+        runtime.tracker.scope = _scope(target, runtime.discovered)
         runtime.finder = (
             ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
         )
@@ -347,12 +351,13 @@ class Runtime:
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
 
-    def _tracker(self, target: TargetConfig) -> Tracker:
+    def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
         return Tracker(
             target.name,
             stall_after=target.stall_after,
             expectations=self.history,
             interval=self.config.sample_interval,
+            scope=_scope(target, found),
         )
 
     # -- the loops ---------------------------------------------------------------------------
@@ -401,6 +406,10 @@ class Runtime:
             if reads is not None and (not seen or seen[-1].at != reads.at):
                 seen.append(reads)
             record = runtime.tracker.observe(observation)
+            for model in runtime.tracker.unloaded_now:
+                log.info(  # the server's own name for the model: untrusted text
+                    "target %s: the server unloaded model %s", runtime.config.name, clean(model)
+                )
             if record is not None:
                 runtime.tracker.reported(self._finish(runtime, record, reads))
                 self._measure_now(runtime)  # what the next restart would find
@@ -507,7 +516,7 @@ class Runtime:
             last - now,
         )
         for runtime in self.targets.values():
-            runtime.tracker = self._tracker(runtime.config)
+            runtime.tracker = self._tracker(runtime.config, runtime.discovered)
             runtime.started_at = None
 
     def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
@@ -647,9 +656,20 @@ class Runtime:
         except ProcessLookupError:
             pass  # a configured target's process whose credentials cannot be read (gone, or a
             # /proc tree without them): its log, if any is found, with the exporter's rights
+        found = runtime.discovered
         if finding is None:
             finding = find_log(
                 process.root_pid, start, proc_root=self._proc_root, host_root=self._host_root
+            )
+        if finding.config is None and found is not None and found.router_pid is not None:
+            # A router's model server writes into a pipe to its router, whose log has its lines.
+            port = int(found.url.rsplit(":", 1)[-1])
+            finding = find_routed_log(
+                found.router_pid,
+                found.router_start,
+                port,
+                proc_root=self._proc_root,
+                host_root=self._host_root,
             )
         with self._lock:
             runtime.log_finding = finding
@@ -657,7 +677,15 @@ class Runtime:
             log.info("target %s: no log found: %s", name, finding.why)
             return
         log.info("target %s: following its log: %s", name, finding.why)
-        self._follow_log(runtime, finding.config, start, finding.whole_files, behalf, origin=start)
+        self._follow_log(
+            runtime,
+            finding.config,
+            start,
+            finding.whole_files,
+            behalf,
+            origin=start,
+            lines_of=finding.lines_of,
+        )
 
     def _follow_log(
         self,
@@ -667,10 +695,11 @@ class Runtime:
         whole_files: tuple[str, ...] = (),
         behalf: OnBehalf | None = None,
         origin: float | None = None,
+        lines_of: str | None = None,
     ) -> None:
         """Follow `config`: `behalf` of the process whose log it is, else (a configured `log:`)
         with the exporter's own rights; `origin`: the start of the one process the log belongs
-        to (a found log), else None."""
+        to (a found log), else None; `lines_of`: the mark of its lines in a log it shares."""
         opener = None
         if behalf is not None:  # a discovered server's log is read with its own rights
 
@@ -685,6 +714,8 @@ class Runtime:
             opener=opener,
             rights=behalf.current if behalf is not None else None,
             origin=origin,
+            model=model_of(runtime.config, runtime.discovered),  # its lines, not its siblings'
+            lines_of=lines_of,
         )
         self.sampler.add(
             LOGS,
@@ -862,3 +893,10 @@ def _environment_at_start(
         environment_bytes=found.warm_bytes,
         environment_resident_bytes=min(found.resident_bytes, found.warm_bytes),
     ), None
+
+
+def _scope(target: TargetConfig, found: DiscoveredServer | None) -> Scope:
+    """What of its server a target watches (exporter/admission.py: targets_of)."""
+    if model_of(target, found) is not None:
+        return Scope.MODEL
+    return Scope.PROCESS if models_apart(found) else Scope.SERVER

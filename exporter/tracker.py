@@ -11,7 +11,10 @@ is a named constant below, with why it has its value:
   a never-ready one answers up-but-not-ready (then `partial`: never in the histograms). A
   process first seen more than START_GRACE_INTERVALS intervals + START_GRACE_SECONDS after its
   start is `seen_late`: exact duration, start residency rebuilt from /proc/PID/io, unseen phases
-  left out. A running server's log load_begin (Triton) starts an `in_server` load.
+  left out. A running server's log load_begin (Triton) starts an `in_server` load; a model it
+  unloads is counted (`unloads`, from that server's first load or unload seen on). Where a
+  server's models are targets of their own (Scope), the server's target keeps its process's
+  loads and each model's target has its log's loads of that model.
 * It ends `ready` at the first ready probe after the start (or the log's earlier ready line),
   `failed` when the process goes first or the log reports a fatal error. A ready server whose
   probes fail while its process runs stays `ready` (a hang, logged once).
@@ -38,6 +41,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.activity import MOVE_BYTES, ActivityWatch
@@ -210,6 +214,9 @@ class TargetState:
     in_server: bool = False  # the load is a running server's (a model loaded into it)
     # What the running server last unloaded (its log's name for it), until its next load.
     unloaded: str | None = None
+    # Models the running server unloaded since the exporter started; None until it showed it
+    # loads models in place (a load or an unload inside it), so other servers carry no series.
+    unloads: int | None = None
     # Seconds since each measured signal last moved (exporter/activity.py): what a stall's
     # reason is made of. A signal not measured is absent.
     activity: Mapping[str, float] = field(default_factory=dict)
@@ -304,6 +311,18 @@ class _Load:
     expected: dict[Cache | None, Mapping[str, float]] = field(default_factory=dict)
 
 
+class Scope(Enum):
+    """What of a server a target watches (exporter/admission.py: targets_of)."""
+
+    SERVER = "server"  # the whole server: its process's loads, and models loaded into it
+    # A server whose models are targets of their own: its process's loads only.
+    PROCESS = "process"
+    # One model of a server serving several: its loads are the log's load_begin for it (while
+    # the server starts too), never the process's start; between them it is ready or down by
+    # its own ready answer (down: not loaded). Its observations carry its lines only.
+    MODEL = "model"
+
+
 class Tracker:
     """Follows one target through its loads; feed it one Observation per tick, in time order."""
 
@@ -313,11 +332,13 @@ class Tracker:
         stall_after: float,
         expectations: Expectations | None = None,
         interval: float = 1.0,
+        scope: Scope = Scope.SERVER,
     ) -> None:
         self.target = target
         self.stall_after = stall_after
         self.expectations = expectations
         self.interval = interval
+        self.scope = scope
         self._phase = Phase.DOWN
         self._load: _Load | None = None
         self._last_record: LoadRecord | None = None
@@ -333,7 +354,16 @@ class Tracker:
         # before it is no load inside the running server.
         self._serving_since: float | None = None
         self._unloaded: str | None = None
+        self._first_seen: float | None = None  # the time of the first observation
+        self._unloads: int | None = None  # see TargetState.unloads
+        self._unloaded_now: tuple[str, ...] = ()
         self._activity = ActivityWatch()
+
+    @property
+    def unloaded_now(self) -> tuple[str, ...]:
+        """The models the last observation's log said the running server unloaded (its log's
+        names for them): what the runtime logs, one line each."""
+        return self._unloaded_now
 
     def observe(self, obs: Observation) -> LoadRecord | None:
         """Advance by one tick; returns the record when a load finished on this observation."""
@@ -341,6 +371,9 @@ class Tracker:
         if prev is not None and obs.time < prev.time:
             return None
         self._logged = obs.log_lines is not None
+        self._unloaded_now = ()
+        if self._first_seen is None:
+            self._first_seen = obs.time
         last_probe = self._probe
         probe = self._take_probe(obs)
         if probe is not None:
@@ -486,6 +519,7 @@ class Tracker:
                 hung=self._hung(),
                 in_server=load.in_server if load else False,
                 unloaded=self._unloaded,
+                unloads=self._unloads,
                 **self._watched(now),
             )
         rate = self._rate(load)
@@ -518,6 +552,7 @@ class Tracker:
             fatal=None,
             failed_probes=self._failed_probes,
             in_server=load.in_server,
+            unloads=self._unloads,
             **self._watched(now),
         )
 
@@ -588,6 +623,8 @@ class Tracker:
             # The old process died between two ticks and a new one took its place.
             record = self._finish(load, min(max(start, load.started_at), obs.time), Outcome.FAILED)
         self._proc_key = key
+        if self.scope is Scope.MODEL:
+            return record  # the process's start is no load of one model: its log line is
         late = obs.time - start > START_GRACE_INTERVALS * self.interval + START_GRACE_SECONDS
         unknown_age = obs.process_start_time is None and self._last_obs is None
         self._begin(obs, start, partial=unknown_age, seen_failing=False, seen_late=late)
@@ -595,24 +632,43 @@ class Tracker:
 
     def _in_server(self, obs: Observation) -> None:
         """A running server that loads a model (its log's load_begin after it served): a load of
-        this target from that line, its process the same; a model it unloads is said so."""
+        this target from that line, its process the same. A model it unloads is said so and
+        counted, whatever the phase (one model may go while another loads)."""
+        if not obs.process_found or self.scope is Scope.PROCESS:
+            return
         load = self._load
         # A model that failed to load leaves the server serving the others: the next one loads.
         after_failed = self._phase is Phase.FAILED and load is not None and load.in_server
-        if not (self._phase is Phase.READY or after_failed) or not obs.process_found:
-            return
+        may_begin = self._phase is Phase.READY or after_failed
+        since = 0.0
+        if self.scope is Scope.MODEL:  # its own loads, the first while the server starts too
+            may_begin = self._phase not in IN_PROGRESS
+            first = self._first_seen if self._first_seen is not None else obs.time
+            # A line from long before the target was first watched (an exporter started while
+            # the server served) is a load that was over unwatched, as a process seen late.
+            since = first - START_GRACE_INTERVALS * self.interval - START_GRACE_SECONDS
         for event in obs.log_events:
             if event.kind is EventKind.UNLOADED:
-                self._unloaded = event.who or event.detail
-            elif event.kind is EventKind.LOAD_BEGIN and (
-                self._serving_since is None or event.time > self._serving_since
+                who = event.who or event.detail
+                self._unloaded = who
+                self._unloads = (self._unloads or 0) + 1
+                self._unloaded_now = (*self._unloaded_now, who)
+            elif (
+                may_begin
+                and event.kind is EventKind.LOAD_BEGIN
+                and (
+                    event.time >= since
+                    if self.scope is Scope.MODEL
+                    else self._serving_since is None or event.time > self._serving_since
+                )
             ):
+                may_begin = False
                 self._unloaded = None
+                self._unloads = self._unloads or 0
                 self._begin(obs, min(event.time, obs.time), partial=False, seen_failing=False)
                 assert self._load is not None
                 self._load.in_server = True
                 self._load.reads_base = obs.process_read_bytes
-                return
 
     def _count_failure(self, probe: _Probe) -> None:
         """Failed probes in a row: 3 start an endpoint-only load, or make a watched server hung."""
@@ -735,6 +791,8 @@ class Tracker:
                 self._phase = Phase.READY
             elif self._phase is not Phase.READY:
                 self._phase = Phase.DOWN
+        elif obs.process_found and self.scope is Scope.MODEL:
+            self._phase = Phase.READY if ready else Phase.DOWN  # down: not loaded, or unloaded
         elif obs.process_found:
             self._phase = Phase.READY  # finished its load, or was ready on arrival
             if self._serving_since is None:

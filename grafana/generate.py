@@ -378,7 +378,7 @@ def fleet(b: Board) -> None:
     )  # fmt: skip
     b.add(
         "Targets not ready", rows(("Time", "Value", "__name__", "job")), 6, 6,
-        now('model_load_phase{phase!="ready"} == 1', "", Moment.LOADING, TABLE),
+        now("target:model_load_phase:not_ready", "", Moment.LOADING, TABLE),
     )  # fmt: skip
 
 

@@ -484,3 +484,54 @@ def test_a_wrapper_that_execs_late_is_found_by_the_refresh(fleet: Fleet, tmp_pat
 
 def _by_pid(servers: tuple[DiscoveredServer, ...], pid: int) -> DiscoveredServer | None:
     return next((s for s in servers if s.pid == pid), None)
+
+
+def test_a_routers_model_servers_are_servers_of_their_own(tmp_path: Path) -> None:
+    """llama-server's router mode: a llama-server without a model starts a llama-server per
+    model it loads, its environment naming the router's port. Such a child is a server of its
+    own, `<router's name>/<model>` (the same name whichever port the router gives it); a child
+    without that variable, or naming another router's port, is a worker as before."""
+    gguf = tmp_path / "tiny-q4_k_m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(4092))
+    router_port, child_port, worker_port, other_port = (free_port() for _ in range(4))
+    sleep = "import time; time.sleep(60)"
+
+    def child(port: int, alias: str, router: int | None) -> str:
+        argv = ["llama-server", "-c", sleep, "--model", str(gguf), "--alias", alias,
+                "--port", str(port)]  # fmt: skip
+        env = "" if router is None else f', "LLAMA_SERVER_ROUTER_PORT": "{router}"'
+        return f"subprocess.Popen({argv!r}, executable={PY!r}, env={{**os.environ{env}}})\n"
+
+    router_code = (
+        "import os, subprocess, time\n"
+        + child(child_port, "tiny", router_port)
+        + child(worker_port, "worker", None)
+        + child(other_port, "stray", router_port + 1)
+        + "time.sleep(60)\n"
+    )
+    router = subprocess.Popen(
+        ["llama-server", "-c", router_code, "--models-dir", str(tmp_path),
+         "--host", "127.0.0.1", "--port", str(router_port)],
+        executable=PY, start_new_session=True,
+    )  # fmt: skip
+    discoverer = Discoverer()
+    try:
+
+        def both() -> dict[str, DiscoveredServer] | None:
+            found = {s.name: s for s in discoverer.scan()}
+            if len(psutil.Process(router.pid).children()) < 3:
+                return None
+            return found if f"llamacpp-{router_port}/tiny" in found else None
+
+        found = wait_for(both, timeout=10, interval=0.2)
+        found = {s.name: s for s in discoverer.scan()}  # a second pass: from what it kept
+    finally:
+        _stop(router)
+    ours = {name: s for name, s in found.items() if name.startswith(f"llamacpp-{router_port}")}
+    assert set(ours) == {f"llamacpp-{router_port}", f"llamacpp-{router_port}/tiny"}, found.keys()
+    model = ours[f"llamacpp-{router_port}/tiny"]
+    assert model.pid != router.pid and model.url == f"http://127.0.0.1:{child_port}"
+    assert (model.probe, model.probe_path, model.model) == (ProbeKind.HEALTH, "/health", "tiny")
+    assert model.weights == (str(gguf),)
+    assert any(e.what == "router" and e.value == f"llamacpp-{router_port}" for e in model.evidence)
+    assert not any(s.url.endswith((f":{worker_port}", f":{other_port}")) for s in found.values())

@@ -253,7 +253,8 @@ def golden_snapshot() -> Snapshot:
     )
     ready = TargetView(
         config=qwen,
-        state=state("qwen", Phase.READY, started_at=NOW - 900, progress_ratio=1.0),
+        # Two models it loaded in place were unloaded since (model_load_unloads_total).
+        state=state("qwen", Phase.READY, started_at=NOW - 900, progress_ratio=1.0, unloads=2),
         readings={
             "endpoint": reading(
                 ENDPOINT,

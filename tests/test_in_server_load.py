@@ -6,11 +6,13 @@ Loader), a loopback endpoint that answers 503 while a model loads, and a log the
 Triton's own format. The exporter has gone quiet (a ready target, its exit watched) when the
 load begins: the log's `loading:` line must still start a load at once, with progress from the
 files mapped afresh (the same files, consumed whole by the load before, are no progress of this
-one), and the load must end within a second of the endpoint's first ready answer.
+one), and the load must end within a second of the endpoint's first ready answer. Each unload
+is counted in model_load_unloads_total and logged once, naming the target and the model.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -81,8 +83,9 @@ class FakeTriton:
 
 @pytest.mark.system
 def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progress(
-    tmp_path: Path, start_exporter: Any
+    tmp_path: Path, start_exporter: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="exporter.runtime")
     triton = FakeTriton(tmp_path)
     try:
         exporter = start_exporter(
@@ -133,8 +136,12 @@ def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progres
             )
             triton.say("successfully unloaded 'tiny' version 1")
             wait_for(lambda: entry().get("unloaded") == "tiny", timeout=5)
+            unloads = len(loads)  # one per load so far, counted in the metric
+            wait_for(lambda n=unloads: unloads_total(exporter.metrics()) == n, timeout=5)
     finally:
         triton.close()
+    said = [r.getMessage() for r in caplog.records if "unloaded model" in r.getMessage()]
+    assert said == ["target triton: the server unloaded model tiny"] * 2, said
     for load in loads:
         record = load["record"]
         assert record.outcome == "ready" and not record.partial, load
@@ -145,3 +152,11 @@ def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progres
         # Progress from the files mapped in this load, from its first block to its last.
         assert weights and weights[0] < 0.25 and 0.0 < weights[-2] < 1.0, load["during"]
         assert weights == sorted(weights), load
+
+
+def unloads_total(metrics: str) -> float | None:
+    """model_load_unloads_total of the target, None while it is absent."""
+    for line in metrics.splitlines():
+        if line.startswith('model_load_unloads_total{target="triton"} '):
+            return float(line.split()[-1])
+    return None

@@ -29,6 +29,7 @@ from exporter.logs.find import (
     cgroup_owner,
     cgroup_paths,
     find_log,
+    find_routed_log,
 )
 from exporter.sources.process import process_start_time
 from exporter.vocabulary import LogEncoding
@@ -165,6 +166,28 @@ def test_pipes_and_devices_are_no_log_and_say_so(tmp_path: Path) -> None:
     assert finding.why == (f"pid {proc.pid}: stdout is a pipe, stderr is the device /dev/null, "
                            f"and its cgroup ({', '.join(paths[:2])}) is no systemd service, "
                            "Docker container or Kubernetes pod")  # fmt: skip
+
+
+@pytest.mark.parametrize(("port", "mark"), [(38321, "[38321] "), (8080, "[ 8080] ")])
+def test_a_routers_model_server_has_its_lines_in_the_routers_log(
+    tmp_path: Path, port: int, mark: str
+) -> None:
+    """llama-server's router writes its log, its model servers write into pipes to it and it
+    forwards their lines marked `[%5d] ` with their port: a model server's log is the router's,
+    its own lines those so marked; a router with no log of its own gives none."""
+    log = tmp_path / "router.log"
+    with (
+        log.open("w") as out,
+        running(["sh", "-c", "echo up; exec sleep 30"], stdout=out) as router,
+    ):
+        wait_for(lambda: log.read_text() == "up\n")
+        finding = find_routed_log(router.pid, process_start_time(router.pid), port)
+    assert finding.config == LogConfig(file=str(log)) and finding.whole_files == (str(log),)
+    assert finding.lines_of == mark
+    assert finding.why.startswith(f"its router (pid {router.pid}) forwards its lines with ")
+    with running(["sleep", "30"], stdout=subprocess.PIPE) as silent:
+        none = find_routed_log(silent.pid, process_start_time(silent.pid), port)
+    assert none.config is None and none.why.startswith("its router's log is not found either: ")
 
 
 def test_a_deleted_output_file_is_no_log(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import io
 import itertools
 import random
 import time
+from datetime import datetime
 
 import pytest
 from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
@@ -55,6 +56,10 @@ FIXTURE_CASES = [
     # line here; test_llama_server_stamps_date_lines_from_the_process_start reads the stamps).
     ("llama-server-real.log", "llamacpp", "weights_begin weights_end ready", {"weights": 0.1}),
     ("llama-server-real-fail.log", "llamacpp", "weights_begin fatal", {"weights": 0.2}),
+    # Real llama-server in router mode (`--models-dir`): `POST /models/load` starts a child whose
+    # lines the router forwards with `[PORT] ` before them (the child's, not the router's: no
+    # event of the router's), then `/models/unload` stops it: the router unloaded it.
+    ("llama-server-0.3.36-router-real.log", "llamacpp", "unloaded", {}),
     ("tgi-3.3-sharded.log", "tgi", "weights_begin weights_end warmup_begin kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 17.99, "warmup": 0.8, "kv_cache": 0.01, "cuda_graph": 8.39}),
     ("tgi-fatal.log", "tgi", "weights_begin fatal", {"weights": 15.69}),
     ("triton-2.log", "triton", "load_begin weights_begin weights_end ready", {"weights": 40.6}),
@@ -133,6 +138,52 @@ def test_llama_server_stamps_date_lines_from_the_process_start() -> None:
     assert all(e.time - start <= 0.0001 * 20 for e in live.events)
     unknown = replay_fixture("llama-server-real.log", start=start)  # no origin: read times
     assert unknown.durations() == {"weights": 0.1}
+
+
+def test_one_models_events_from_a_server_loading_several() -> None:
+    """Triton loading two models at once: read for one of them, the lines naming the other are
+    none of its (read for the server, the two merge as if ranks of one load, 40.6 s of
+    weights); lines naming no model (the HTTP service) are every model's."""
+    start = datetime(2026, 3, 2, 10, 0).timestamp()
+    onnx = replay_fixture("triton-2.log", model="densenet_onnx")
+    llama = replay_fixture("triton-2.log", model="llama")
+    both = replay_fixture("triton-2.log")
+    assert (
+        compact(onnx.kinds) == compact(llama.kinds) == "load_begin weights_begin weights_end ready"
+    )
+    assert [e.time - start for e in onnx.events] == pytest.approx([0.5, 1.1, 3.2, 41.801])
+    assert [e.time - start for e in llama.events] == pytest.approx([0.51, 1.2, 41.7, 41.801])
+    assert {e.who for e in onnx.events} == {"densenet_onnx", None}
+    assert onnx.durations() == pytest.approx({"weights": 2.1})
+    assert llama.durations() == pytest.approx({"weights": 40.5})
+    assert both.durations() == pytest.approx({"weights": 40.6})
+    # Another model failed to load: not this one's failure; the server then failing to start
+    # (`error: creating server`) is every model's.
+    other = replay_fixture("triton-fatal.log", model="other")
+    assert [e.detail.split(":")[0] for e in other.events] == ["error"]
+    own = replay_fixture("triton-fatal.log", model="llama")
+    assert (
+        own.events[-1].kind is EventKind.FATAL and "failed to load 'llama'" in own.events[-1].detail
+    )
+
+
+def test_a_model_servers_lines_in_its_routers_log() -> None:
+    """llama-server's router forwards its model server's lines with `[PORT] ` before each,
+    stamped with the time since the model server started: read for that server (its start as
+    the origin), they are its load's events; the router's own lines are none of its, and read
+    for the router, the forwarded ones are none of the router's."""
+    start = 1_800_000_000.0
+    model = replay_fixture(
+        "llama-server-0.3.36-router-real.log", start=start + 60, origin=start, lines_of="[38321] "
+    )
+    assert compact(model.kinds) == "weights_begin weights_end ready"
+    assert [e.time - start for e in model.events] == pytest.approx(
+        [0.005314, 0.063005, 3.875273], abs=1e-6
+    )
+    other = replay_fixture("llama-server-0.3.36-router-real.log", origin=start, lines_of="[1234] ")
+    assert other.kinds == [] and other.parser.format is None  # no line of its: nothing decided
+    router = replay_fixture("llama-server-0.3.36-router-real.log", origin=start)
+    assert compact(router.kinds) == "unloaded"
 
 
 def test_tensor_parallel_ranks_merge_into_one_event_each() -> None:

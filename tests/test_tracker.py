@@ -15,7 +15,7 @@ import pytest
 
 from exporter.history import HistoryStore
 from exporter.logs.markers import EventKind, LogEvent
-from exporter.tracker import FileView, LoadRecord, Observation, TargetState, Tracker
+from exporter.tracker import FileView, LoadRecord, Observation, Scope, TargetState, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6
@@ -1466,6 +1466,111 @@ def test_a_model_loaded_into_a_running_server_is_a_load_of_its_own() -> None:
     sim.say(EventKind.LOAD_BEGIN, who="tiny")  # loaded again: no longer unloaded
     sim.tick()
     assert sim.state.in_server and sim.state.unloaded is None
+
+
+def test_models_a_running_server_unloads_are_counted_and_named_once_each() -> None:
+    """Each `successfully unloaded` line counts once and is named once (the runtime logs one
+    line each), whether the server is ready, between two models or loading another; a server
+    that never loaded or unloaded in place carries no count at all (no series)."""
+    sim = Sim(tracker(), logged=True)
+    sim.spawn()
+    sim.endpoint = "ready"
+    sim.tick(2)
+    assert sim.state.unloads is None and sim.tracker.unloaded_now == ()
+    sim.endpoint = "http_error"
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="a")
+    sim.tick()
+    assert sim.state.in_progress and sim.state.unloads == 0  # loads in place: counted from 0
+    sim.endpoint = "ready"
+    sim.tick()
+    sim.say(EventKind.UNLOADED, who="a")
+    sim.say(EventKind.UNLOADED, who="b")  # two in one read of the log
+    sim.tick()
+    assert sim.state.unloads == 2 and sim.state.unloaded == "b"
+    assert sim.tracker.unloaded_now == ("a", "b")
+    sim.tick()
+    assert sim.tracker.unloaded_now == () and sim.state.unloads == 2
+    sim.endpoint = "http_error"
+    sim.say(EventKind.LOAD_BEGIN, ago=0.5, who="c")
+    sim.tick()
+    sim.say(EventKind.UNLOADED, who="a")  # one model goes while another loads
+    sim.tick()
+    assert sim.state.in_progress and sim.state.unloads == 3
+    assert sim.tracker.unloaded_now == ("a",)
+
+    other = Sim(tracker(), logged=True)  # a server that loads its model at start only
+    other.spawn()
+    other.tick(2)
+    other.endpoint = "ready"
+    other.tick(2)
+    assert other.state.phase == "ready" and other.state.unloads is None
+
+
+def test_one_models_target_has_that_models_loads_and_the_servers_its_process() -> None:
+    """A repository of several models: each model's target (Scope.MODEL, fed its own lines) has
+    a load from its log's load_begin, while the server starts too, to its own ready answer;
+    the process's start is none of its loads, and before its load and after its unload it is
+    down. The server's own target (Scope.PROCESS) keeps the process's load and starts none on
+    a model's line."""
+    size = 100 * MB
+    model = Sim(
+        Tracker("triton/a", 300.0, interval=1.0, scope=Scope.MODEL),
+        weights=size,
+        files=True,
+        logged=True,
+    )
+    model.spawn()
+    model.endpoint = "refused"  # the server starts: its ports closed
+    model.tick(2)
+    assert model.state.phase == "down" and not model.records
+    model.say(EventKind.LOAD_BEGIN, ago=0.5, who="a")
+    model.tick()
+    began = model.time - 0.5
+    assert model.state.in_progress and model.state.in_server and model.state.started_at == began
+    model.say(EventKind.WEIGHTS_BEGIN, who="a")
+    model.hold(size)
+    model.tick(2, consume=size // 2)
+    assert model.state.phase == "loading_weights"
+    model.let_go()
+    model.say(EventKind.WEIGHTS_END, who="a")
+    model.tick()
+    model.endpoint = "ready"  # its own /v2/models/a/ready
+    model.tick()
+    [record] = model.records
+    assert record.outcome == "ready" and (record.started_at, record.ended_at) == (began, model.time)
+    model.say(EventKind.UNLOADED, who="a")
+    model.endpoint = "http_error"  # unloaded: its ready answer is 400
+    model.tick()
+    assert model.state.phase == "down" and model.state.unloads == 1
+    model.say(EventKind.LOAD_BEGIN, ago=0.2, who="a")
+    model.tick()
+    model.kill()  # the server dies while the model loads: that load failed
+    model.tick(3)
+    assert model.records[-1].outcome == "failed" and len(model.records) == 2
+
+    server = Sim(Tracker("triton", 300.0, interval=1.0, scope=Scope.PROCESS), logged=True)
+    server.spawn()
+    server.tick(2)
+    server.endpoint = "ready"
+    server.tick()
+    assert [r.outcome for r in server.records] == ["ready"]  # the process's own start
+    server.say(EventKind.LOAD_BEGIN, ago=0.5, who="a")
+    server.say(EventKind.UNLOADED, who="b")
+    server.tick(2)
+    assert server.state.phase == "ready" and not server.state.in_progress
+    assert len(server.records) == 1 and server.state.unloads is None  # the models' own
+
+
+def test_one_models_target_first_watched_long_after_its_load_records_none() -> None:
+    """Its log read from the server's start by a target first watched later (an exporter
+    started while the server served): a load_begin from long before is a load that was over
+    unwatched, not one that lasted until now."""
+    model = Sim(Tracker("triton/a", 300.0, interval=1.0, scope=Scope.MODEL), logged=True)
+    model.spawn()
+    model.endpoint = "ready"
+    model.say(EventKind.LOAD_BEGIN, ago=100.0, who="a")
+    model.tick(2)
+    assert model.state.phase == "ready" and not model.records
 
 
 def test_a_model_that_fails_to_load_into_a_running_server_fails_that_load_only() -> None:

@@ -89,6 +89,24 @@ class LogFinding:
     config: LogConfig | None
     why: str
     whole_files: tuple[str, ...] = ()  # plain files shown to be this process's own: read all
+    # The mark of this process's lines in a log it shares: a router's, which forwards its model
+    # servers' lines with `[PORT] ` before each. None: the log is the process's alone.
+    lines_of: str | None = None
+
+
+def find_routed_log(
+    router_pid: int, router_start: float | None, port: int, **roots: str
+) -> LogFinding:
+    """The log of a model server a router started, which writes into a pipe to its router:
+    the router's own log, the lines the router forwards from it (`[PORT] ` before each)."""
+    found = find_log(router_pid, router_start, **roots)
+    if found.config is None:
+        return LogFinding(None, f"its router's log is not found either: {found.why}")
+    mark = f"[{port:5d}] "  # printf's %5d: a port under 10000 is padded with spaces
+    why = (
+        f"its router (pid {router_pid}) forwards its lines with {mark.strip()!r} into: {found.why}"
+    )
+    return LogFinding(found.config, why, found.whole_files, mark)
 
 
 def find_log(

@@ -232,11 +232,24 @@ class MarkerParser:
     for progress only, since a tqdm bar stays unterminated until its next redraw.
     """
 
-    def __init__(self, fmt: str = AUTO, origin: float | None = None) -> None:
+    def __init__(
+        self,
+        fmt: str = AUTO,
+        origin: float | None = None,
+        model: str | None = None,
+        lines_of: str | None = None,
+    ) -> None:
         """`fmt`: the server kind whose format the log is in (exporter/servers), or AUTO.
         `origin`: the start of the process whose log this is alone (unix seconds), which makes
-        a stamp of the time since its start exact; None where the log may be another's."""
+        a stamp of the time since its start exact; None where the log may be another's.
+        `model`: the one model of a server serving several whose events these are: a line
+        naming another model (Triton's `loading: NAME:1`) is none of its, so two models
+        loading at once are never merged as if they were two ranks of one load.
+        `lines_of`: the mark that begins this process's lines in a log it shares (a router's
+        `[PORT] `): the others are none of its, and the mark is no part of the line."""
         self._origin = origin
+        self._model = model
+        self._lines_of = lines_of
         self.format: str | None = None if fmt == AUTO else fmt  # the kind; None: undecided
         self.format_reason = "configured" if self.format else "auto: no recognisable line yet"
         self.unknown_announced = False  # set once `auto` has seen DETECT_ANNOUNCE_LINES in vain
@@ -257,6 +270,8 @@ class MarkerParser:
     def feed(self, text: str, ref: float) -> list[LogEvent]:
         """Events from a chunk of whole lines (raw or cleaned) read or stamped at `ref`."""
         text = clean(text)
+        if self._lines_of is not None:
+            text = _lines_marked(text, self._lines_of)
         events: list[LogEvent] = []
         if self._spec is None:
             text = self._detect(text, ref)
@@ -272,6 +287,8 @@ class MarkerParser:
         if spec is None or not tail:
             return []
         tail = clean(tail)
+        if self._lines_of is not None:
+            tail = _lines_marked(tail, self._lines_of)
         line = tail[tail.rfind("\n") + 1 :]
         events: list[LogEvent] = []
         if line and spec.keywords.search(line):
@@ -382,6 +399,8 @@ class MarkerParser:
     ) -> None:
         groups = match.groupdict()
         who = groups.get("who") or prefix.who
+        if self._model is not None and groups.get("who") not in (None, self._model):
+            return  # another model's line
         cycle = self._cycle
         detail = prefix.message.strip()
         if prefix.exact is not None:
@@ -475,6 +494,12 @@ class MarkerParser:
 def _fraction(progress: tuple[int, int]) -> float:
     done, total = progress
     return done / total if total > 0 else 1.0
+
+
+def _lines_marked(text: str, mark: str) -> str:
+    """The lines of `text` that begin with `mark`, without it."""
+    kept = [line[len(mark) :] for line in text.split("\n") if line.startswith(mark)]
+    return "\n".join(kept) + ("\n" if kept and text.endswith("\n") else "")
 
 
 def _split_prefix(spec: LogFormat, line: str, ref: float, origin: float | None) -> _Prefix:

@@ -4,7 +4,9 @@
 llama-server's port is open from the start: every path answers 503 `Loading model` until the
 model is in, then /health is 200. llama-cpp-python has no /health, but it loads the model before
 uvicorn listens, so any answer of /v1/models means ready (a completion would run the model).
-Both log to stderr; llama-server stamps each line with the time since it started.
+Both log to stderr; llama-server stamps each line with the time since it started. In router
+mode a llama-server without a model starts one llama-server per model it loads, and forwards
+their lines into its own log (`[PORT] ` before each); it says which model it stops.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ LLAMA_SERVER = Command(
     include=("*.gguf",),
     comma_lists=frozenset({Role.SERVED, Role.API_KEY}),
     model_is="file",
+    # Router mode (no model; `--models-dir`, `--models-preset` or the cache) starts a child
+    # `llama-server --model FILE --alias NAME --port P` per model it loads (on a request naming
+    # it or `POST /models/load`), which answers 503 `Loading model` until it is in.
+    router_env="LLAMA_SERVER_ROUTER_PORT",
 )
 
 LLAMA_CPP_PYTHON = Command(
@@ -104,6 +110,9 @@ LOG = LogFormat(
         rule(EventKind.READY, "server is listening on", r"^main: server is listening on "),
         # llama-cpp-python's server: uvicorn starts once the model is in.
         rule(EventKind.READY, "Uvicorn running on", r"Uvicorn running on"),
+        # Router mode: it stops a model's server (unloaded on request, evicted for another
+        # under --models-max, or at its own exit).
+        rule(EventKind.UNLOADED, "stopping model instance", r"^srv\s+\w+: stopping model instance name=(?P<who>\S+)"),
         rule(EventKind.FATAL, "exiting due to model loading error", r"^(?:srv\s+)?\w+: exiting due to model loading error"),
         rule(EventKind.FATAL, "failed to load model", r"^llama_model_load_from_file\w*: failed to load model"),
         *CAUSE_RULES,
@@ -126,6 +135,7 @@ def _loading(document: Mapping[str, object]) -> bool:
 
 SERVER = Server(
     kind=ServerKind.LLAMACPP,
+    loads_in_place=True,  # a router's models come and go while it runs
     commands=(LLAMA_SERVER, LLAMA_CPP_PYTHON),
     log=LOG,
     answers=Answers(

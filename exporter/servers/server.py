@@ -62,6 +62,10 @@ class Command:
     # A repository server's readiness of one model (`{model}`): probed where discovery finds the
     # repository holds one model and the server loads it at start (MODEL_CONTROL is its default).
     model_ready_path: str | None = None
+    # The environment variable a router of this command (a server started without a model that
+    # starts one child server per model it loads: llama-server's router mode) sets in each
+    # child to its own port: such a child is a model server of its own, not a worker.
+    router_env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,9 @@ class Server:
     commands: tuple[Command, ...]
     log: LogFormat
     answers: Answers = Answers()
-    # Loads models into a running process (Triton's explicit and poll modes), which only its
-    # log announces at once: its log is read every interval even while the target is settled.
+    # Loads and unloads models while it runs (Triton's explicit and poll modes, llama-server's
+    # router), which only its log announces at once: its log is read every interval even while
+    # the target is settled (a pread of nothing new, some microseconds).
     loads_in_place: bool = False
 
     @property

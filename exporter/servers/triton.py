@@ -58,7 +58,7 @@ LOG = LogFormat(
              r'^"?TRITONBACKEND_ModelInstanceInitialize: (?P<who>.+?)(?:_\d+)* \('),
         rule(EventKind.WEIGHTS_END, "successfully loaded", r"""^"?successfully loaded '(?P<who>.+?)(?:_\d+)*'"""),
         rule(EventKind.READY, "Started HTTPService", r'^"?Started HTTPService at '),
-        rule(EventKind.FATAL, "failed to load", r"""^"?failed to load '[^']+' version \d+: .+"""),
+        rule(EventKind.FATAL, "failed to load", r"""^"?failed to load '(?P<who>[^']+)' version \d+: .+"""),
         rule(EventKind.FATAL, "creating server", r"^error: creating server: .+"),
         *CAUSE_RULES,
     ),

@@ -108,12 +108,16 @@ class LogSource:
         origin: float | None = None,
         cpu_clock: Callable[[], float] = time.thread_time,
         cpu_share: float = CPU_SHARE,
+        model: str | None = None,
+        lines_of: str | None = None,
     ) -> None:
         """`opener` opens a log file for reading, `rights` are those journalctl runs with (a
         found log: its process's own); `origin` is the start of the one process whose log this
         is (a found log), which dates the lines stamped with the time since it
         (exporter/logs/markers.py); `cpu_clock` is the CPU time of the thread that samples (a
-        test counts work with it)."""
+        test counts work with it); `model`: the one model, of a server serving several, whose
+        events are wanted (the lines naming others are none of its); `lines_of`: the mark of
+        the process's lines in a log it shares (a router's `[PORT] `)."""
         self._clock = clock
         self._budget = read_budget
         self._cpu_clock = cpu_clock
@@ -123,7 +127,7 @@ class LogSource:
         self._skipped = 0
         self._finishing = False
         self._closed = False
-        self._parser = MarkerParser(config.format, origin)
+        self._parser = MarkerParser(config.format, origin, model, lines_of)
         self._timeline = StepTimeline()
         self._events: deque[LogEvent] = deque(maxlen=MAX_EVENTS)
         self._journal_lines = 0

@@ -77,10 +77,14 @@ def replay(
     year: int = 2026,
     per_line: float = 0.1,
     origin: float | None = None,
+    model: str | None = None,
+    lines_of: str | None = None,
 ) -> Replay:
     """Feed `data` line by line, each at its simulated read time; `origin`: the start of the
-    process whose own log this is (llama-server's stamps count from it)."""
-    parser = MarkerParser(fmt, origin)
+    process whose own log this is (llama-server's stamps count from it); `model`: the one
+    model of a server serving several whose events these are; `lines_of`: the mark of the
+    lines of the process whose events these are, in a log it shares (a router's)."""
+    parser = MarkerParser(fmt, origin, model, lines_of)
     timeline = StepTimeline()
     events: list[LogEvent] = []
     now = start
@@ -94,7 +98,7 @@ def replay(
     return Replay(events, timeline, parser)
 
 
-def replay_fixture(name: str, fmt: str = "auto", **kwargs: float | None) -> Replay:
+def replay_fixture(name: str, fmt: str = "auto", **kwargs: float | str | None) -> Replay:
     return replay((FIXTURES / name).read_text(encoding="utf-8"), fmt, **kwargs)  # type: ignore[arg-type]
 
 

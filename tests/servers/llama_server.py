@@ -10,7 +10,10 @@ writer is seeded: the same bytes every time.
 The server opens its port at once and answers every path 503 `Loading model` until the model is
 in, then /health is 200. It maps the GGUF by default; `--load-mode none` reads it instead. Its
 stderr (stamped with the time since it started: `0.00.007.654 I srv load_model: ...`) goes to a
-log file it owns from the first byte.
+log file it owns from the first byte. Started without a model (`--models-dir DIR`) it is a
+router: /health is 200 at once, and it starts a `llama-server --model FILE --alias NAME --port P`
+child per model it loads (`POST /models/load`), forwarding the child's lines into its own log
+with `[P] ` before each (stamped with the time since the child started).
 """
 
 from __future__ import annotations
@@ -84,17 +87,18 @@ class LlamaServer:
     def __init__(
         self,
         binary: Path,
-        model: Path,
+        model: Path | None,
         log: Path,
         procs: Path | None = None,
         extra: tuple[str, ...] = (),
     ) -> None:
+        """`model` None: a router (give it `--models-dir DIR` in `extra`)."""
         self.log = log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
-            str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "-c", "512", "-t", "2", *extra,
+            str(binary), *(("-m", str(model)) if model else ()), "--host", "127.0.0.1",
+            "--port", str(self.port), "-c", "512", "-t", "2", *extra,
         ]  # fmt: skip
         if procs is not None:
             argv = joining([procs.parent], argv)
@@ -128,6 +132,26 @@ class LlamaServer:
                 raise AssertionError(f"llama-server exited with {code}:\n{self.tail()}")
             time.sleep(0.02)
         raise AssertionError(f"llama-server not ready within {timeout:.0f} s:\n{self.tail()}")
+
+    def router_status(self, name: str) -> tuple[str, list[str]] | None:
+        """A router's word on model `name` (`GET /models`): its status (unloaded, loading,
+        loaded) and the arguments of its server; None while it does not answer."""
+        try:
+            listed = requests.get(f"{self.url}/models", timeout=5).json()["data"]
+        except (requests.RequestException, ValueError, KeyError):
+            return None
+        for entry in listed:
+            if entry.get("id") == name:
+                status = entry.get("status") or {}
+                return str(status.get("value")), list(status.get("args") or [])
+        return None
+
+    def router(self, action: str, name: str) -> float:
+        """`POST /models/load` or `/models/unload` of model `name`: when it was answered (the
+        router answers at once and loads in the background)."""
+        answer = requests.post(f"{self.url}/models/{action}", json={"model": name}, timeout=30)
+        assert answer.status_code == 200, (answer.status_code, answer.text, self.tail())
+        return time.time()
 
     def tail(self, lines: int = 30) -> str:
         return launched.tail(self.log, lines)

@@ -12,7 +12,8 @@ The tree is `tritonserver` -> `triton_python_backend_stub` (started through `bas
 short-lived stubs probe and auto-complete the model, then the instance's stub runs initialize(),
 which maps each shard (safe_open) and lets it go at once. In the default model-control mode every
 port stays closed until the model is loaded; in explicit mode the ports open at once and
-`POST /v2/repository/models/NAME/load` loads it, answering once it is loaded.
+`POST /v2/repository/models/NAME/load` loads it, answering once it is loaded; in poll mode the
+server loads what is added to the repository (and unloads what is removed) at its next poll.
 """
 
 from __future__ import annotations
@@ -91,29 +92,50 @@ def find_dir() -> Path | None:
 def ensure_repository() -> Path:
     """The model repository with MODEL in it, written once (into a scratch name, then renamed:
     one that exists is complete)."""
-    from safetensors.numpy import save_file
-
     repo = CHECKPOINTS / f"triton-{MODEL}-{SHARDS}x{SHARD_TENSORS}"
     if repo.exists():
         return repo
     scratch = repo.with_name(f".{repo.name}.partial")
-    version = scratch / MODEL / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    (scratch / MODEL / "config.pbtxt").write_text(CONFIG)
-    (version / "model.py").write_text(MODEL_PY)
-    rng = np.random.default_rng(0)
-    for k in range(SHARDS):
-        tensors = {
-            f"layers.{k}.{i}.weight": rng.standard_normal(TENSOR_SHAPE, dtype=np.float32)
-            for i in range(SHARD_TENSORS)
-        }
-        save_file(tensors, str(version / f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors"))
+    write_model(scratch, MODEL, SHARDS, seed=0)
     scratch.rename(repo)
     return repo
 
 
+def write_model(repo: Path, name: str, shards: int, seed: int) -> Path:
+    """Model `name` in `repo`: its config, model.py and `shards` safetensors shards of random
+    f32 (seeded: the same bytes every time)."""
+    from safetensors.numpy import save_file
+
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(CONFIG)
+    (version / "model.py").write_text(MODEL_PY)
+    rng = np.random.default_rng(seed)
+    for k in range(shards):
+        tensors = {
+            f"layers.{k}.{i}.weight": rng.standard_normal(TENSOR_SHAPE, dtype=np.float32)
+            for i in range(SHARD_TENSORS)
+        }
+        save_file(tensors, str(version / f"model-{k + 1:05d}-of-{shards:05d}.safetensors"))
+    return repo / name
+
+
 def shards(repo: Path) -> list[Path]:
     return sorted((repo / MODEL / "1").glob("*.safetensors"))
+
+
+def add_model(source: Path, repo: Path, name: str, staging: Path) -> Path:
+    """MODEL of the repository `source` added to `repo` as `name`, whole at once: built in
+    `staging` (the same filesystem; its shards hard links, the same bytes and pages) and
+    renamed in, so a polling server never sees it half-written."""
+    built = staging / name
+    version = built / "1"
+    version.mkdir(parents=True)
+    (built / "config.pbtxt").write_text(CONFIG)
+    (version / "model.py").write_text(MODEL_PY)
+    for shard in shards(source):
+        os.link(shard, version / shard.name)
+    return built.rename(repo / name)
 
 
 class TritonServer:
@@ -127,6 +149,7 @@ class TritonServer:
         log: Path,
         procs: Path | None = None,
         explicit: bool = False,
+        poll_seconds: int | None = None,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -139,6 +162,8 @@ class TritonServer:
         ]  # fmt: skip
         if explicit:
             argv.append("--model-control-mode=explicit")
+        if poll_seconds is not None:  # models added to (or removed from) the repository load
+            argv += ["--model-control-mode=poll", f"--repository-poll-secs={poll_seconds}"]
         if procs is not None:
             argv = joining([procs.parent], argv)
         venv = install / "venv"
