@@ -261,6 +261,11 @@ class LoadReport(Document):
     reason: str | None  # why it was slower than expected; None unless it was
     # Read from storage by the server's tree before its first weight file: its own environment.
     startup_storage_bytes: int | None = field(default=None, metadata=OPTIONAL)
+    # The server's own files (interpreter, packages, libraries) and the bytes of them the page
+    # cache held as it began; or why they are not known.
+    environment_bytes: int | None = field(default=None, metadata=OPTIONAL)
+    environment_resident_bytes: int | None = field(default=None, metadata=OPTIONAL)
+    environment_unknown: str | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,8 @@ class Load(Document):
     fatal: str | None  # the server's own fatal message, when its log gave one
     id: int | None = field(default=None, metadata=OPTIONAL)  # /api/v1/loads/ID; None: not kept
     startup_read_bytes: int | None = field(default=None, metadata=OPTIONAL)
+    environment_bytes: int | None = field(default=None, metadata=OPTIONAL)
+    environment_resident_bytes: int | None = field(default=None, metadata=OPTIONAL)
     report: LoadReport | None = field(default=None, metadata=OPTIONAL)
 
     @property
@@ -524,6 +531,9 @@ class RestartForecast(Document):
     seconds: float | None  # None: no basis, and `reason` says why
     resident_share: float | None  # share of the weights in page cache now, 0..1
     reason: str | None
+    # Share of the server's own files in page cache now, 0..1; absent where not measured.
+    environment_resident_share: float | None = field(default=None, metadata=OPTIONAL)
+    starting_seconds: float | None = field(default=None, metadata=OPTIONAL)  # its start-up part
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,14 @@ def storage_reads(start: Counters | None, end: Counters) -> tuple[StorageRead, .
     return reads if reads or not end else None
 
 
-def report(record: LoadRecord, base: Baseline, reads: tuple[StorageRead, ...] | None) -> LoadReport:
-    """The report of a finished load against `base`, with what the storage read meanwhile."""
+def report(
+    record: LoadRecord,
+    base: Baseline,
+    reads: tuple[StorageRead, ...] | None,
+    environment_unknown: str | None = None,
+) -> LoadReport:
+    """The report of a finished load against `base`, with what the storage read meanwhile and
+    why its environment's residency at the start is not known, where it is not."""
     phases = tuple(
         PhaseTime(phase, seconds, base.phase_medians.get(phase))
         for phase, seconds in _in_order(record.phase_seconds)
@@ -113,6 +119,9 @@ def report(record: LoadRecord, base: Baseline, reads: tuple[StorageRead, ...] | 
         read_rate=rate,
         reason=reason,
         startup_storage_bytes=record.startup_read_bytes,
+        environment_bytes=record.environment_bytes,
+        environment_resident_bytes=record.environment_resident_bytes,
+        environment_unknown=environment_unknown if record.environment_bytes is None else None,
     )
 
 
@@ -176,6 +185,9 @@ def _reason(
         # Start-up reads no weight file: what it read from storage was the server's own files.
         text += (f": it read {_size(record.startup_read_bytes)} of its environment (packages,"
                  " libraries) from storage before its first weight file")  # fmt: skip
+    total, resident = record.environment_bytes, record.environment_resident_bytes
+    if top == Phase.STARTING and total and resident is not None:
+        text += f" ({_size(total)} environment, {resident / total:.0%} cached at its start)"
     if top == Phase.LOADING_WEIGHTS and rate is not None:
         text += f": {READ_FROM[rate.source]} delivered {_rate(rate.bytes_per_second)}"
         if rate.best_before_bytes_per_second:

@@ -42,7 +42,7 @@ from exporter.vocabulary import Cache
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -79,6 +79,10 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("ALTER TABLE loads ADD COLUMN resident_bytes_at_start INTEGER",),
     ("ALTER TABLE loads ADD COLUMN report TEXT",),
     ("ALTER TABLE loads ADD COLUMN startup_read_bytes INTEGER",),
+    (
+        "ALTER TABLE loads ADD COLUMN environment_bytes INTEGER",
+        "ALTER TABLE loads ADD COLUMN environment_resident_bytes INTEGER",
+    ),
 )
 # The record's fields but `id` (the row's own), each a column of the same name.
 _FIELDS = tuple(f for f in dataclasses.fields(LoadRecord) if f.name != "id")

@@ -47,3 +47,8 @@ class LoadReport:
     reason: str | None  # why it was slower than expected; None unless it was
     # Read from storage by the server's tree before its first weight file: its own environment.
     startup_storage_bytes: int | None = None
+    # The server's own files (interpreter, packages, libraries) as a run keeps them in the page
+    # cache, and the bytes of that cached as it began; or why they are not known.
+    environment_bytes: int | None = None
+    environment_resident_bytes: int | None = None
+    environment_unknown: str | None = None

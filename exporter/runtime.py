@@ -31,7 +31,7 @@ from exporter.config import Config, TargetConfig
 from exporter.discovery import DiscoveredServer, Discoverer
 from exporter.exitwatch import ExitWatch
 from exporter.explain import baseline, report, storage_reads
-from exporter.forecast import Forecast, forecast
+from exporter.forecast import Environment, Forecast, forecast
 from exporter.history import HistoryStore
 from exporter.loadstats import Histograms
 from exporter.logs.follow import TargetLog, read_every_interval
@@ -55,6 +55,7 @@ from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
     DISK,
     ENDPOINT,
+    ENVIRONMENT,
     LOGS,
     MEMORY,
     NETFS,
@@ -68,6 +69,8 @@ from exporter.sources import (
 )
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.endpoint import EndpointProber, ProbeSample
+from exporter.sources.environment import REFRESH_SECONDS as ENVIRONMENT_REFRESH_SECONDS
+from exporter.sources.environment import EnvironmentSource
 from exporter.sources.gpu import NvmlSource, mark_pcie
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample, MemorySource
@@ -307,10 +310,38 @@ class Runtime:
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
             runtime.files = None
+        self._wire_environment(runtime, behalf)
         for watcher in (self.disk, self.netfs, self.zfs):
             watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
             self.sampler.wake_all()
+
+    def _wire_environment(self, runtime: TargetRuntime, behalf: OnBehalf | None) -> None:
+        """The server's environment, learned from its tree: kept across its restarts (the next
+        start maps the same files), so only made once per target."""
+        target = runtime.config
+        if runtime.finder is None:
+            self.sampler.discard(ENVIRONMENT, target.name)
+            runtime.environment = None
+            return
+        if runtime.environment is not None:
+            runtime.environment.follow(target.weights, behalf)
+            return
+        name = target.name
+        runtime.environment = EnvironmentSource(
+            target.weights,
+            lambda: self.sampler.value(PROCESS, name),
+            proc_root=self._proc_root,
+            clock=self._clock,
+            cpu_budget=self.config.residency_cpu_budget,
+            refresh_after=lambda: (
+                SERVING_REFRESH_SECONDS if runtime.settled else ENVIRONMENT_REFRESH_SECONDS
+            ),
+            on_behalf=behalf,
+        )
+        self.sampler.add(
+            ENVIRONMENT, name, runtime.environment.sample, every=self._pace_of(ENVIRONMENT, runtime)
+        )
 
     def _refused_tree(self, name: str, exc: Refused) -> None:
         self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
@@ -536,6 +567,11 @@ class Runtime:
                 memory.page_cache_departed_bytes
             ):
                 self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+            environment = runtime.environment
+            if environment is not None and environment.note_departures(
+                memory.page_cache_departed_bytes
+            ):
+                self.sampler.sample_soon(ENVIRONMENT, runtime.config.name)
 
     def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
         """A fresh pass during a load may say the weights are in: tick now (passes are rare).
@@ -652,7 +688,8 @@ class Runtime:
         """File a finished load with its report, built against history before it."""
         during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
         base = baseline(self.history, record.target, record.cache)
-        record = replace(record, report=report(record, base, during))
+        record, unknown = _environment_at_start(runtime.environment, record)
+        record = replace(record, report=report(record, base, during, unknown))
         log.info(
             "target %s: load %s after %.1fs (cache=%s%s)%s",
             record.target,
@@ -737,9 +774,41 @@ def _forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Fore
     measured."""
     reading = readings.get(PAGECACHE.name)
     residency = reading.good if reading is not None else None
+    env_reading = readings.get(ENVIRONMENT.name)
+    env = env_reading.good if env_reading is not None else None
+    environment = (
+        Environment(env.warm_bytes, min(env.resident_bytes, env.warm_bytes))
+        if env is not None and env.resident_bytes is not None and env.warm_bytes is not None
+        else None
+    )
     if residency is None:
-        return forecast(past.rates, None, None)
-    return forecast(past.rates, residency.total_bytes, residency.resident_bytes)
+        return forecast(past.rates, None, None, environment)
+    return forecast(past.rates, residency.total_bytes, residency.resident_bytes, environment)
+
+
+def _environment_at_start(
+    environment: EnvironmentSource | None, record: LoadRecord
+) -> tuple[LoadRecord, str | None]:
+    """The load with its environment's residency as it began (the last pass before its start),
+    or as it was and why that is not known."""
+    if environment is None:
+        return record, "no server process is matched: its files cannot be seen"
+    if record.partial:
+        return record, "its start is not known"
+    if record.seen_late:
+        return record, "the exporter started after the server: nothing was measured before"
+    found = environment.before(record.started_at)
+    if found is None or found.resident_bytes is None or found.warm_bytes is None:
+        why = found.reason if found is not None else None
+        return record, why or (
+            "no measurement before its start: its files are learned from the server's own "
+            "mappings, at its first load"
+        )
+    return replace(
+        record,
+        environment_bytes=found.warm_bytes,
+        environment_resident_bytes=min(found.resident_bytes, found.warm_bytes),
+    ), None
 
 
 def _scope(target: TargetConfig, found: DiscoveredServer | None) -> Scope:

@@ -15,6 +15,7 @@ from exporter.logs.follow import TargetLog
 from exporter.observation import FilesNews, Marked
 from exporter.pacing import ProbeCadence
 from exporter.sources.endpoint import EndpointProber
+from exporter.sources.environment import EnvironmentSource
 from exporter.sources.gpu import PcieMarks
 from exporter.sources.process import ProcessFinder
 from exporter.sources.residency import ResidencySource
@@ -60,6 +61,8 @@ class TargetRuntime:
     reads_at_start: Counters | None = None
     files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
     past: TargetHistory = field(default_factory=TargetHistory)  # what its past loads say
+    # The server's own files and their residency, learned from its tree (sources/environment.py).
+    environment: EnvironmentSource | None = None
 
     @property
     def settled(self) -> bool:

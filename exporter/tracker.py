@@ -171,6 +171,11 @@ class LoadRecord:
     # Storage bytes the tree read before its first weight file: its own environment (the
     # interpreter, packages, libraries), gigabytes when they had left the page cache.
     startup_read_bytes: int | None = None
+    # The server's own files (sources/environment.py) as a run keeps them in the page cache
+    # (what a start needs), and the bytes of that cached as it began, by the last pass before
+    # its start; None where none was made.
+    environment_bytes: int | None = None
+    environment_resident_bytes: int | None = None
     id: int | None = None  # history's row id, once stored and read back
     report: LoadReport | None = None  # where its time went and why (exporter/explain.py)
 
@@ -472,7 +477,18 @@ class Tracker:
     def reported(self, record: LoadRecord) -> None:
         """The last finished load with its report (exporter/explain.py), for what shows it."""
         last = self._last_record
-        if last is not None and replace(last, report=record.report) == record:
+        # The same load, with what the runtime adds as it files it: its report and environment.
+        added = (
+            replace(
+                last,
+                report=record.report,
+                environment_bytes=record.environment_bytes,
+                environment_resident_bytes=record.environment_resident_bytes,
+            )
+            if last is not None
+            else None
+        )
+        if added == record:
             self._last_record = record
 
     def state(self, now: float) -> TargetState:

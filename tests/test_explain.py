@@ -180,3 +180,25 @@ def test_a_slow_start_up_says_what_it_read_of_its_environment(history: HistorySt
     assert result.startup_storage_bytes == int(6.1e9)
     quick = explained(history, replace(load(T0 + 9000, WEIGHTS / 240e6), startup_read_bytes=0))
     assert quick.reason is None and quick.startup_storage_bytes == 0
+    assert quick.environment_bytes is None
+
+
+@pytest.mark.parametrize(("total", "resident", "said"), [
+    (int(9.8e9), int(1.2e9), "9.8 GB environment, 12% cached at its start"),
+    (int(4.1e9), 0, "4.1 GB environment, 0% cached at its start"),
+])  # fmt: skip
+def test_a_slow_start_up_says_how_much_of_its_environment_was_cached(
+    history: HistoryStore, total: int, resident: int, said: str
+) -> None:
+    slow = replace(
+        load(T0 + 7200, WEIGHTS / 240e6, starting=600.0),
+        startup_read_bytes=int(2.5e9),
+        environment_bytes=total,
+        environment_resident_bytes=resident,
+    )
+    result = report(slow, baseline(history, "kimi", slow.cache), None, "ignored: it is known")
+    assert result.reason is not None and result.reason.endswith(f"first weight file ({said})")
+    assert (result.environment_bytes, result.environment_resident_bytes) == (total, resident)
+    assert result.environment_unknown is None
+    unknown = report(load(T0, 500.0), NO_BASELINE, None, "not learned yet")
+    assert unknown.environment_bytes is None and unknown.environment_unknown == "not learned yet"

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from exporter.forecast import NO_RATES, forecast, rates
+from exporter.forecast import NO_RATES, Environment, forecast, rates
 from exporter.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
@@ -121,3 +121,69 @@ def test_a_cold_restart_is_not_forecast_with_imports_that_read_the_environment_f
         assert forecast(rates(older), WEIGHTS, 0).seconds == pytest.approx(
             88.0 + WEIGHTS / STORAGE + 100.0
         )
+
+
+ENV = 4 * GB  # the server's environment: the files its tree maps
+
+
+def with_environment(record: LoadRecord, uncached: int, total: int = ENV) -> LoadRecord:
+    """The load as begun with `uncached` bytes of its environment out of the page cache."""
+    return replace(record, environment_bytes=total, environment_resident_bytes=total - uncached)
+
+
+@pytest.mark.parametrize(
+    ("uncached_now", "expected_starting"),
+    [
+        (0, 20.0),  # all cached: as the cached starts
+        (ENV // 20, 20.0),  # 5 % out: within ENVIRONMENT_CACHED_SHARE, cached
+        (ENV // 2, 20.0 + 0.5 * 40.0),  # half out: half the cold start's extra 40 s
+        (ENV, 60.0),  # all out: as the cold start
+    ],
+)
+def test_start_up_is_scaled_by_the_environment_out_of_the_page_cache_now(
+    uncached_now: int, expected_starting: float
+) -> None:
+    """Issue 26: a cold environment costs start-up seconds per byte that must be read again,
+    whatever the weights' temperature; the loads before timed it (60 s from all out, 18 and
+    22 s from cached)."""
+    loads = [
+        with_environment(load(0, WEIGHTS / STORAGE, starting=60.0), ENV),
+        with_environment(load(WEIGHTS, WEIGHTS / CACHE, starting=18.0, cache=Cache.WARM), 0),
+        with_environment(load(0, WEIGHTS / STORAGE, starting=22.0), 10 << 20),
+    ]
+    known = rates(loads)
+    assert known.starting_cached_environment == 20.0
+    assert known.starting_seconds_per_uncached_byte == pytest.approx(40.0 / ENV)
+    environment = Environment(ENV, ENV - uncached_now)
+    for resident in (0, WEIGHTS):  # cold or warm weights: start-up is the environment's
+        result = forecast(known, WEIGHTS, resident, environment)
+        assert result.starting_seconds == pytest.approx(expected_starting)
+        assert result.environment_resident_share == pytest.approx(1 - uncached_now / ENV)
+        weights = WEIGHTS / CACHE if resident else WEIGHTS / STORAGE
+        assert result.seconds == pytest.approx(expected_starting + weights + 100.0)
+
+
+def test_environments_of_other_sizes_and_half_measured_histories() -> None:
+    """The rate is per byte: a 1 GB environment half out costs what its own bytes cost; loads
+    without the measurement fall back on start-up's reads; the environment unmeasured now, or
+    no load that began with it out, leaves start-up at the cached median (not foreseen)."""
+    small = 1 * GB
+    loads = [
+        with_environment(load(0, WEIGHTS / STORAGE, starting=30.0), small // 2, total=small),
+        replace(load(WEIGHTS, WEIGHTS / CACHE, starting=10.0, cache=Cache.WARM),
+                startup_read_bytes=5_000_000),  # unmeasured, read little: found it cached
+        replace(load(0, WEIGHTS / STORAGE, starting=70.0), startup_read_bytes=3_000_000_000),
+    ]  # fmt: skip
+    known = rates(loads)
+    assert known.starting_cached_environment == 10.0  # the measured one was not cached
+    assert known.starting_seconds_per_uncached_byte == pytest.approx(20.0 / (small // 2))
+    now = forecast(known, WEIGHTS, WEIGHTS, Environment(small, 0))
+    assert now.starting_seconds == pytest.approx(10.0 + small * 20.0 / (small // 2))
+    assert forecast(known, WEIGHTS, WEIGHTS, None).starting_seconds == 10.0
+    unscaled = rates([with_environment(load(0, WEIGHTS / STORAGE, starting=25.0), 0)])
+    assert unscaled.starting_seconds_per_uncached_byte is None
+    result = forecast(unscaled, WEIGHTS, 0, Environment(ENV, 0))
+    assert result.starting_seconds == 25.0 and result.environment_resident_share == 0.0
+    # No forecast still says how much of the environment is cached.
+    quarter = forecast(NO_RATES, WEIGHTS, 0, Environment(ENV, ENV // 4))
+    assert quarter.environment_resident_share == 0.25

@@ -189,8 +189,13 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
     assert old.startup_read_bytes is None  # nor start-up's reads by one before version 6
     store.add(replace(record(40.0), startup_read_bytes=6_100_000_000))
     assert store.loads()[0].startup_read_bytes == 6_100_000_000
+    assert old.environment_bytes is None  # nor the environment by one before version 7
+    store.add(replace(record(50.0), environment_bytes=9_800_000_000,
+                      environment_resident_bytes=9_500_000_000))  # fmt: skip
+    newest = store.loads()[0]
+    assert (newest.environment_bytes, newest.environment_resident_bytes) == (9.8e9, 9.5e9)
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     assert store.loads()[-1].report is None  # no report was made of it
 
 

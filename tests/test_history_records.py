@@ -29,9 +29,12 @@ SLOW = LoadReport(
     read_rate=ReadRate("storage", 365e6, 1.1e9),
     reason="weights took 3.0x their cold median: storage delivered 365 MB/s against 1.1 GB/s",
     startup_storage_bytes=6_100_000_000,
+    environment_bytes=1_750_000_000,
+    environment_resident_bytes=50_000_000,
 )
 # Reports of other shapes: nothing to compare with, no counters at the start, no rate.
-FIRST = LoadReport(None, (PhaseTime(Phase.STARTING, 3.0, None),), None, None, None, None, None)
+FIRST = LoadReport(None, (PhaseTime(Phase.STARTING, 3.0, None),), None, None, None, None, None,
+                   environment_unknown="not learned yet")  # fmt: skip
 BARE = LoadReport(12.0, (), 5, 0, (), ReadRate("page_cache", 4e9, None), None)
 
 
@@ -70,7 +73,7 @@ def test_the_report_is_stored_as_the_json_the_api_document_has(
     tmp_path: Path, report: LoadReport
 ) -> None:
     """What an earlier version wrote (the document's JSON) is what this one writes: files read
-    the same either way, so the schema stays at its version."""
+    the same either way (version 7 only added the environment's two columns)."""
     path = tmp_path / "history.sqlite"
     store = HistoryStore(str(path))
     store.add(load(T0, report))
@@ -78,7 +81,7 @@ def test_the_report_is_stored_as_the_json_the_api_document_has(
         [(stored,)] = db.execute("SELECT report FROM loads").fetchall()
     assert stored == json.dumps(load_document(load(T0, report))["report"])
     assert api.LoadReport.from_json(json.loads(stored)).to_json() == json.loads(stored)
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 7
 
 
 def _old_file(path: Path, version: int, rows: list[dict[str, object]]) -> None:

@@ -132,6 +132,12 @@ def test_the_report_by_its_id_and_from_history_explain(
     disk = [x for x in rest if re.fullmatch(r"  disk \S+: \S+ MiB read meanwhile \(host-wide\)", x)]
     assert len(disk) == len(slow["report"]["storage_reads"] or ()), rest
     assert re.fullmatch(r"  rate +\S+ MB/s from storage, best before \S+ MB/s", rest[-1]), rest
+    # The simulator's own files (its interpreter's libraries), learned in the loads before and
+    # measured before this one began (exporter/sources/environment.py).
+    env = slow["environment_bytes"]
+    assert env > 0 and slow["report"]["environment_bytes"] == env, slow
+    share = slow["environment_resident_bytes"] / env
+    assert f"  environment {env / 2**20:.1f} MiB, {share:.0%} cached at start" in rest, rest
     from_file = cli(*explain, "--history.path", str(host.exporter.history))
     assert from_file.stdout == shown.stdout
 

@@ -33,8 +33,9 @@ FIXTURE_CASES = [
     ("sglang-0.5-tp2.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 20.85, "kv_cache": 0.5, "cuda_graph": 12.35, "warmup": 3.251}),
     ("sglang-0.4.log", "sglang", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_progress*5 cuda_graph_end warmup_begin ready", {"weights": 5.0, "kv_cache": 1.0, "cuda_graph": 4.28, "warmup": 1.8}),
     # Real SGLang 0.5.23 on CPU (tests/servers/test_exporter_on_sglang.py): no CUDA graphs; the
-    # warm-up step runs from uvicorn's start to "fired up" (the completions answered meanwhile).
-    ("sglang-0.5.23-cpu-cold.log", "sglang", "weights_begin weights_progress*4 weights_end kv_cache warmup_begin ready", {"weights": 13.64, "kv_cache": 1.0, "warmup": 3.0}),
+    # warm-up step runs from uvicorn's start to "fired up" (the completions answered meanwhile);
+    # the KV cache's step began its `kv_cache_allocation=0.56` before its line.
+    ("sglang-0.5.23-cpu-cold.log", "sglang", "weights_begin weights_progress*4 weights_end kv_cache kv_cache_timed warmup_begin ready", {"weights": 13.64, "kv_cache": 1.56, "warmup": 3.0}),
     ("sglang-fatal.log", "sglang", "weights_begin weights_end fatal", {"weights": 8.0}),
     ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 31.4, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 12.0}),
     ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.02, "compile": 45.2, "kv_cache": 0.2, "cuda_graph": 13.0}),
@@ -74,7 +75,9 @@ FIXTURE_CASES = [
 JOURNAL_CASES = [
     # The simulator under systemd-cat (2 s of init), read back with journalctl -o json: the
     # byte-array MESSAGEs of \r-redrawn bars, and whole-second stamps refined by journald's time.
-    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end warmup_begin ready", {"weights": 0.0, "kv_cache": 0.301, "compile": 1.052, "cuda_graph": 1.2, "warmup": 0.451}),
+    # Its KV line comes as the allocation begins (the real one's as it ends): the stated 0.30 s
+    # moves the step back only to the weights' end, 2 ms before it.
+    ("journald-sglang-sim.jsonl", "sglang", "weights_begin weights_progress*5 weights_end kv_cache compile_begin cuda_graph_begin cuda_graph_progress*10 cuda_graph_end kv_cache_timed warmup_begin ready", {"weights": 0.0, "kv_cache": 0.303, "compile": 1.052, "cuda_graph": 1.2, "warmup": 0.451}),
     # The real llama-cpp-python server in a unit's cgroup: no stamps, journald's time only.
     ("journald-llamacpp-python-0.3.36-real.jsonl", "llamacpp", "weights_begin weights_progress weights_end kv_cache ready", {"weights": 0.057, "kv_cache": 0.062}),
 ]  # fmt: skip
@@ -409,6 +412,30 @@ END_LINE_SHAPES = {
         (18, "[{s}] KV Cache is allocated. dtype: torch.float32, #tokens: 16384"),
         (21, "[{s}] Capture target decode CPU graph end. bs=[1], elapsed=2.50 s, mem usage=0.00 GB, avail mem=8.90 GB."),
     ], {Step.WEIGHTS: 6.37, Step.KV_CACHE: 0.5, Step.CUDA_GRAPH: 2.5}),
+    # SGLang's `kv_cache_allocation=` (its Engine startup timings) dates the KV cache's begin.
+    "sglang: the KV cache's line a second after its allocation, timed the next second": ("sglang", [
+        (16, "[{s}] Load weight end. elapsed=6.37 s, type=LlamaForCausalLM, avail mem=18.93 GB, mem usage=1.34 GB."),
+        (19, "[{s}] KV Cache is allocated. dtype: torch.float32, #tokens: 16384, K size: 0.06 GB, V size: 0.06 GB"),
+        (20, "[{s}] Engine startup timings (s): load_weight=6.37, kv_cache_allocation=1.50, scheduler_e2e=13.55, cuda_graph={prefill=0.00, decode=0.00}, tokenizer_e2e=30.00"),
+        (21, "[{s}] INFO:     Application startup complete."),
+    ], {Step.WEIGHTS: 6.37, Step.KV_CACHE: 3.5, Step.WARMUP: 0.0}),
+    "sglang: an allocation stated longer than the gap since the weights ended": ("sglang", [
+        (16, "[{s}] Load weight end. elapsed=6.37 s, type=LlamaForCausalLM, avail mem=18.93 GB, mem usage=1.34 GB."),
+        (17, "[{s} TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 900000"),
+        (17, "[{s}] Engine startup timings (s): load_weight=6.37, kv_cache_allocation=4.00, scheduler_e2e=60.00"),
+        (18, "[{s}] INFO:     Waiting for application startup."),
+    ], {Step.WEIGHTS: 6.37, Step.KV_CACHE: 2.0, Step.WARMUP: 0.0}),
+    "sglang: the KV line missed, the timings line alone": ("sglang", [
+        (16, "[{s}] Load weight end. elapsed=6.37 s, type=LlamaForCausalLM, avail mem=18.93 GB, mem usage=1.34 GB."),
+        (20, "[{s}] Engine startup timings (s): load_weight=6.37, kv_cache_allocation=1.25, scheduler_e2e=13.55"),
+        (21, "[{s}] INFO:     Application startup complete."),
+    ], {Step.WEIGHTS: 6.37, Step.KV_CACHE: 1.25, Step.WARMUP: 0.0}),
+    "sglang: graphs after the KV cache, timed once all is done": ("sglang", [
+        (10, "[{s}] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 16384"),
+        (11, "[{s}] Capture cuda graph begin. This can take up to several minutes. avail mem=9.00 GB"),
+        (15, "[{s}] Capture cuda graph end. Time elapsed: 4.00 s. mem usage=0.10 GB. avail mem=8.90 GB."),
+        (16, "[{s}] Engine startup timings (s): load_weight=6.37, kv_cache_allocation=0.80, scheduler_e2e=13.55"),
+    ], {Step.KV_CACHE: 1.8, Step.CUDA_GRAPH: 4.0}),
 }  # fmt: skip
 
 

@@ -40,7 +40,8 @@ SLACK = 0.35  # scheduling on a busy 2-core machine
 JOURNAL_SLACK = 0.75
 INIT_SECONDS = 2.0
 JOURNALD = "/lib/systemd/systemd-journald"
-JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
+JOURNAL_SOCKET = Path("/run/systemd/journal/socket")  # datagrams: journal fields
+JOURNAL_STDOUT = Path("/run/systemd/journal/stdout")  # streams: systemd-cat, a unit's stdout
 SIM_FLAGS = (
     "--generate", "4", "--shard-size", "1MB", "--read-rate", "4MB/s", "--cached-read-rate",
     "4MB/s", "--startup-seconds", "0.3", "--init-seconds", str(INIT_SECONDS), "--port", "0",
@@ -188,11 +189,14 @@ def test_a_crash_is_fatal_within_one_sample(tmp_path: Path) -> None:
 
 
 def _journald_listening() -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(str(JOURNAL_SOCKET))
-        except OSError:
-            return False
+    """Both of journald's sockets answer: a stale socket file left by a journald another test
+    run stopped refuses connections, and systemd-cat writes to the stream one."""
+    for path, kind in ((JOURNAL_SOCKET, socket.SOCK_DGRAM), (JOURNAL_STDOUT, socket.SOCK_STREAM)):
+        with socket.socket(socket.AF_UNIX, kind) as s:
+            try:
+                s.connect(str(path))
+            except OSError:
+                return False
     return True
 
 

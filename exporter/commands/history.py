@@ -122,6 +122,15 @@ def run(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def environment_line(report: api.LoadReport) -> str:
+    """ "9.8 GB, 97 % cached at start", or why that is not known."""
+    total, resident = report.environment_bytes, report.environment_resident_bytes
+    if total is None or resident is None:
+        return f"not measured: {report.environment_unknown or 'by an exporter that did not'}"
+    share = f", {resident / total:.0%} cached at start" if total else ", no file seen"
+    return f"{terminal.size(total)}{share}"
+
+
 def explained(load: api.Load) -> list[str]:
     """A load and its report as plain lines: the load first, then its report, indented."""
     name = f"load {load.id}: " if load.id is not None else ""
@@ -153,6 +162,7 @@ def explained(load: api.Load) -> list[str]:
     if report.startup_storage_bytes is not None:
         lines.append(f"  start-up   read {terminal.size(report.startup_storage_bytes)} of the "
                      "environment from storage")  # fmt: skip
+    lines.append(f"  environment {environment_line(report)}")
     for device in report.storage_reads or ():
         lines.append(f"  {device.kind} {device.name}: {terminal.size(device.read_bytes)} read "
                      "meanwhile (host-wide)")  # fmt: skip

@@ -21,6 +21,9 @@ class EventKind(StrEnum):
     WEIGHTS_PROGRESS = "weights_progress"
     WEIGHTS_END = "weights_end"
     KV_CACHE = "kv_cache"
+    # The KV cache's allocation time in the server's own account, stated after the step began
+    # (SGLang's `Engine startup timings (s): ... kv_cache_allocation=N`): it dates the step.
+    KV_CACHE_TIMED = "kv_cache_timed"
     COMPILE_BEGIN = "compile_begin"
     COMPILE_END = "compile_end"
     CUDA_GRAPH_BEGIN = "cuda_graph_begin"

@@ -36,6 +36,7 @@ line past that line's own second.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ _PROGRESS = frozenset(_BEGIN_OF_PROGRESS)
 _AFTER_WEIGHTS = frozenset(
     {
         EventKind.KV_CACHE,
+        EventKind.KV_CACHE_TIMED,
         EventKind.COMPILE_BEGIN,
         EventKind.CUDA_GRAPH_BEGIN,
         EventKind.WARMUP_BEGIN,
@@ -89,6 +91,7 @@ _AFTER_WEIGHTS = frozenset(
 _ONCE = frozenset(
     {
         EventKind.KV_CACHE,
+        EventKind.KV_CACHE_TIMED,
         EventKind.WARMUP_BEGIN,
         EventKind.READY,
         EventKind.FATAL,
@@ -601,7 +604,11 @@ class StepTimeline:
 
     A step runs from its begin event to its end event, or else to the next step's begin, ready or
     fatal; between an end and the next begin the step is `none`. An end line that states the
-    step's duration counts even without its begin line, backdated by that duration. Progress
+    step's duration counts even without its begin line, backdated by that duration. The KV
+    cache's line comes as its allocation ends (SGLang's `KV Cache is allocated`): the allocation
+    time the server states afterwards (kv_cache_timed) moves the step's begin back by as much,
+    never before the step before it ended, or counts that time alone where no KV line was
+    seen. Progress
     opens its step only when no step is open and that step has not run yet (its begin line was
     missed). A step that runs twice (a draft model's weights) adds up. ready and fatal end the
     load; the next weights_begin starts a new one and clears the durations.
@@ -613,6 +620,9 @@ class StepTimeline:
     def _reset(self) -> None:
         self.step = Step.NONE
         self.since: float | None = None
+        self._left_at = -math.inf  # when the last step ended: none begins before it
+        # When the KV cache's step began, and when the step before it had ended.
+        self._kv_began: tuple[float, float] | None = None
         self.durations: dict[Step, float] = {}
         self.finished = False
         self.ready_at: float | None = None
@@ -630,6 +640,8 @@ class StepTimeline:
             self._reset()
         if kind in _ENTERS:
             self._enter(_ENTERS[kind], at)
+        elif kind is EventKind.KV_CACHE_TIMED:
+            self._date_kv_cache(event)
         elif kind in _LEAVES:
             step = _LEAVES[kind]
             if self.step is step:
@@ -637,12 +649,7 @@ class StepTimeline:
                     self.since, at = tighten(self.since, at, event.seconds)
                 self._leave(at)
             elif event.seconds is not None:
-                # "Graph capturing finished in 3 secs" without its begin line: it ran for the
-                # seconds it states, up to now; a step still open ended where this one began.
-                began = at - event.seconds
-                if self.since is not None:
-                    self._leave(max(self.since, began))
-                self.durations[step] = self.durations.get(step, 0.0) + event.seconds
+                self._count_unseen(step, at, event.seconds)
         elif kind in _PROGRESS_STEP:
             step = _PROGRESS_STEP[kind]
             if self.step is Step.NONE and step not in self.durations:
@@ -659,6 +666,33 @@ class StepTimeline:
             self._leave(at)
             self.finished, self.fatal = True, event.detail
 
+    def _count_unseen(self, step: Step, at: float, seconds: float) -> None:
+        """A step whose begin line was missed ran for the `seconds` its end line states, up to
+        `at` ("Graph capturing finished in 3 secs"); a step still open ended where it began."""
+        began = at - seconds
+        if self.since is not None:
+            self._leave(max(self.since, began))
+        self.durations[step] = self.durations.get(step, 0.0) + seconds
+        self._left_at = max(self._left_at, at)
+
+    def _date_kv_cache(self, event: LogEvent) -> None:
+        """The KV cache's allocation time, stated after its line: the open step began that much
+        before the line (not before the step before it ended); without the line it ran alone."""
+        seconds = event.seconds
+        if seconds is None:
+            return
+        if self._kv_began is None:
+            if Step.KV_CACHE not in self.durations:
+                self._count_unseen(Step.KV_CACHE, event.time, seconds)
+            return
+        began, floor = self._kv_began
+        earlier = max(0.0, min(seconds, began - floor))
+        self._kv_began = (began - earlier, floor)
+        if self.step is Step.KV_CACHE and self.since is not None:
+            self.since -= earlier
+        else:  # over already (CUDA graphs came between it and the timings, as on a GPU)
+            self.durations[Step.KV_CACHE] = self.durations.get(Step.KV_CACHE, 0.0) + earlier
+
     def close(self, at: float) -> None:
         """The load ended at `at` without the log saying so (the process died): end the step."""
         self._leave(at)
@@ -668,9 +702,12 @@ class StepTimeline:
             return
         self._leave(at)
         self.step, self.since = step, at
+        if step is Step.KV_CACHE and self._kv_began is None:
+            self._kv_began = (at, self._left_at)
 
     def _leave(self, at: float) -> None:
         if self.step is not Step.NONE and self.since is not None:
             spent = max(0.0, at - self.since)
             self.durations[self.step] = self.durations.get(self.step, 0.0) + spent
+            self._left_at = max(self._left_at, at)
         self.step, self.since = Step.NONE, None

@@ -66,6 +66,11 @@ LOG = LogFormat(
             r"^Load weight end\. (?:elapsed=(?P<seconds>[\d.]+) s, )?",
         ),
         rule(EventKind.KV_CACHE, "KV Cache is allocated", r"^KV Cache is allocated\."),
+        rule(
+            EventKind.KV_CACHE_TIMED,
+            "Engine startup timings",
+            r"^Engine startup timings \(s\): .*?\bkv_cache_allocation=(?P<seconds>[\d.]+)",
+        ),
         rule(EventKind.COMPILE_BEGIN, "Compiling num tokens", r"Compiling num tokens \("),
         rule(EventKind.COMPILE_BEGIN, "DeepGEMM", r"Entering DeepGEMM JIT Pre-Compile|DeepGEMM warmup"),
         rule(EventKind.CUDA_GRAPH_BEGIN, "graph begin", r"^Capture (?:\S+ ){0,3}(?:cuda|[A-Z]{2,}) graph begin\."),

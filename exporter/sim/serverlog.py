@@ -183,13 +183,7 @@ class SGLangLog(ServerLog):
 
     def step_begin(self, step: str) -> None:
         avail = self.avail_after_weights
-        if step == "kv_cache":
-            size = avail * 0.85 / 2
-            self.line(
-                f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {self._kv_tokens()}, "
-                f"K size: {size:.2f} GB, V size: {size:.2f} GB"
-            )
-        elif step == "compile":
+        if step == "compile":
             self.line("Entering DeepGEMM JIT Pre-Compile session. It may take a long time.")
         elif step == "cuda_graph":
             self.line(
@@ -229,7 +223,12 @@ class SGLangLog(ServerLog):
 
     def step_end(self, step: str, seconds: float) -> None:
         self.timings[step] = seconds
-        if step == "kv_cache":
+        if step == "kv_cache":  # as SGLang's pool is made: its lines once the memory is taken
+            size = self.avail_after_weights * 0.85 / 2
+            self.line(
+                f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {self._kv_tokens()}, "
+                f"K size: {size:.2f} GB, V size: {size:.2f} GB"
+            )
             self.line(f"Memory pool end. avail mem={self.avail_after_weights * 0.15:.2f} GB")
         elif step == "cuda_graph":
             sizes = ", ".join(map(str, reversed(self._BATCH_SIZES)))

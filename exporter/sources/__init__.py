@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 if TYPE_CHECKING:
     from exporter.sources.disk import DiskSample
     from exporter.sources.endpoint import ProbeSample
+    from exporter.sources.environment import EnvironmentSample
     from exporter.sources.gpu import GpuSample
     from exporter.sources.logs import LogSample
     from exporter.sources.memory import MemorySample
@@ -46,3 +47,4 @@ PAGECACHE: SourceKey[ResidencySample] = SourceKey("pagecache", per_target=True)
 LOGS: SourceKey[LogSample] = SourceKey("logs", per_target=True)
 WEIGHT_FILES: SourceKey[WeightFilesSample] = SourceKey("weight_files", per_target=True)
 STORAGE: SourceKey[StorageDescription] = SourceKey("storage", per_target=True)
+ENVIRONMENT: SourceKey[EnvironmentSample] = SourceKey("environment", per_target=True)

@@ -12,7 +12,9 @@ exporter's figures in .servers/reports/exporter-on-sglang.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import threading
@@ -20,14 +22,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+import pytest
 import yaml
 from helpers.filesystems import scratch
+from helpers.forecasts import TOLERANCE
 from helpers.hostile import ExporterProcess
-from helpers.support import free_port
+from helpers.support import free_port, wait_for
 from test_disk import lsblk_whole_disk
 
+from exporter.cachectl import evict
 from exporter.sources.process import process_start_time
-from servers.sglang_server import START_TIMEOUT, SglangServer, describe
+from servers.sglang_server import LIBCUDA_ENV, START_TIMEOUT, SglangServer, describe
 from servers.vllm_server import SERVERS, set_cache
 
 REPORT = SERVERS / "reports" / "exporter-on-sglang.json"
@@ -215,3 +221,181 @@ def check(load: dict[str, Any], cache: str) -> None:
         assert "weights" in said["steps_seen_live"], said
         errors = said["weights_eta_errors_second_half"]
         assert errors and statistics.median(errors) <= 0.5, said
+
+
+FORECAST_REPORT = SERVERS / "reports" / "forecast-on-sglang.json"
+# Shares of the environment the exporter must have measured before a restart is begun: a run
+# leaves it (near) whole in the page cache; an eviction leaves the interpreter's own shared
+# libraries and what other processes map.
+ENV_WARM, ENV_COLD = 0.9, 0.2
+
+
+class HostCpu:
+    """What else used this shared machine's CPU while a load ran: the host's busy CPU seconds
+    (/proc/stat) less the server tree's own, and the share of time some task waited for a CPU
+    (/proc/pressure/cpu), beside the pressure the kernel averaged just before it began."""
+
+    def __init__(self) -> None:
+        self.before = _pressure()
+        self.busy, self.waited, self.at = _busy_seconds(), _waited_seconds(), time.monotonic()
+
+    def during(self, server: SglangServer) -> dict[str, Any]:
+        wall = time.monotonic() - self.at
+        own = 0.0
+        for process in server.tree():
+            with contextlib.suppress(psutil.Error):
+                t = process.cpu_times()
+                own += t.user + t.system + t.children_user + t.children_system
+        return {
+            "cpu_pressure_avg10_avg60_before": self.before,
+            "server_cpu_cores": round(own / wall, 2),
+            "others_cpu_cores": round((_busy_seconds() - self.busy - own) / wall, 2),
+            "cpu_waited_share": round((_waited_seconds() - self.waited) / wall, 3),
+        }
+
+
+def _busy_seconds() -> float:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _pressure_line() -> list[str]:
+    return Path("/proc/pressure/cpu").read_text().split("\n", 1)[0].split()
+
+
+def _pressure() -> list[float]:
+    return [float(f.split("=")[1]) for f in _pressure_line()[1:3]]
+
+
+def _waited_seconds() -> float:
+    return int(_pressure_line()[4].split("=")[1]) / 1e6
+
+
+def evict_environment(python: str) -> int:
+    """Drop SGLang's venv and its libcuda folder from the page cache (the project's own eviction
+    helper, posix_fadvise DONTNEED per file); the bytes of the files it went over."""
+    total = 0
+    for root in (Path(python).parent.parent, Path(os.environ[LIBCUDA_ENV]).resolve()):
+        for directory, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(directory, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    total += evict(path)
+    return total
+
+
+def status_of(exporter: ExporterProcess, name: str) -> dict[str, Any]:
+    targets = exporter.get("/api/v1/status").json()["targets"]
+    return dict(next(t for t in targets if t["target"] == name))
+
+
+def forecast_from(exporter: ExporterProcess, name: str, weights: float, env: str) -> dict[str, Any]:
+    """The restart forecast once it is made from what the test just prepared: the weights'
+    share cached (within 5 %) and the environment warm or cold by a pass after it."""
+    seen: list[dict[str, Any]] = []
+
+    def made() -> bool:
+        seen.append(status_of(exporter, name).get("restart_forecast") or {})
+        share, env_share = (
+            seen[-1].get("resident_share"),
+            seen[-1].get("environment_resident_share"),
+        )
+        if share is None or env_share is None or abs(share - weights) > 0.05:
+            return False
+        return env_share >= ENV_WARM if env == "warm" else env_share <= ENV_COLD
+
+    try:
+        wait_for(made, timeout=30, interval=0.25)
+    except AssertionError:
+        raise AssertionError(
+            f"no forecast from {weights:.0%} cached, {env} env: {seen[-1]}"
+        ) from None
+    return seen[-1]
+
+
+@pytest.mark.timeout(2400)
+def test_forecast_before_a_warm_and_a_cold_sglang_restart_within_20_percent(
+    sglang_python: str, sglang_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Three loads for history (the first teaches the exporter SGLang's files; one with the
+    environment warm, one with it evicted), then the restarts: weights and environment warm,
+    then both evicted. Each forecast is read once the exporter has measured what the test
+    prepared, and held to SGLang's first completion, counted from its process's start."""
+    config = tmp_path / "config.yaml"
+    history = {"history_path": str(tmp_path / "history.sqlite"), "discovery": {"interval": "1s"}}
+    config.write_text(yaml.safe_dump(history))
+    exporter = ExporterProcess([f"--config.file={config}"])
+    plan = [  # (what it is, weights, environment): history first, then the restarts
+        ("history", "cold", "as found"), ("history", "warm", "warm"), ("history", "cold", "cold"),
+        ("restart", "warm", "warm"), ("restart", "cold", "cold"),
+    ]  # fmt: skip
+    loads: list[dict[str, Any]] = []
+    name: str | None = None
+    FORECAST_REPORT.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        exporter.wait_listening()
+        with scratch(tmp_path / "scratch") as s:
+            procs = s.throttle(lsblk_whole_disk(sglang_checkpoint), THROTTLE)
+            port = free_port()
+            for n, (kind, weights, env) in enumerate(plan):
+                set_cache(sglang_checkpoint, weights)
+                evicted = evict_environment(sglang_python) if env == "cold" else None
+                said = None
+                if name is not None:
+                    share = 1.0 if weights == "warm" else 0.0
+                    said = forecast_from(exporter, name, share, env)
+                    assert kind == "history" or said.get("seconds"), said
+                elif env == "as found":
+                    time.sleep(1.5)
+                log = tmp_path / f"sglang-forecast-{n}.log"
+                loadavg = os.getloadavg()
+                cpu = HostCpu()
+                server = SglangServer(sglang_python, sglang_checkpoint, port, log, procs)
+                try:
+                    load = one_load(exporter, server)
+                    contention = cpu.during(server)
+                finally:
+                    assert server.stop() == []
+                record = load["record"]
+                name = str(record["target"])
+                truth = load["truth"]["first_completion_after_start"]
+                loads.append({
+                    "kind": kind, "weights": weights, "environment": env,
+                    "evicted_environment_files_bytes": evicted,
+                    "loadavg_before": [round(x, 2) for x in loadavg],
+                    **contention,
+                    "forecast": said,
+                    "truth_seconds": round(truth, 2),
+                    "error": (
+                        round((said["seconds"] - truth) / truth, 4)
+                        if said and said.get("seconds") else None
+                    ),
+                    "exporter_duration": round(record["duration_seconds"], 2),
+                    "cache": record["cache"],
+                    "phases": {k: round(v, 2) for k, v in record["phase_seconds"].items()},
+                    "environment_bytes": record.get("environment_bytes"),
+                    "environment_resident_bytes": record.get("environment_resident_bytes"),
+                    "environment_unknown": (record.get("report") or {}).get("environment_unknown"),
+                    "startup_read_bytes": record.get("startup_read_bytes"),
+                    "sglang_startup_timings": load["words"]["startup_timings"],
+                })  # fmt: skip
+                shutil.copy(log, REPORT.parent / f"sglang-forecast-{n}.log")
+    finally:
+        exporter.stop()
+        FORECAST_REPORT.write_text(
+            json.dumps({"throttle_bytes_per_second": THROTTLE, "loads": loads}, indent=2) + "\n"
+        )
+    history_loads, restarts = loads[:3], loads[3:]
+    # The first load teaches the exporter SGLang's files; the next two began with them measured.
+    assert history_loads[0]["environment_unknown"], history_loads[0]
+    for warm_or_cold in history_loads[1:] + restarts:
+        env_bytes, resident = (
+            warm_or_cold["environment_bytes"],
+            warm_or_cold["environment_resident_bytes"],
+        )
+        assert env_bytes and env_bytes > 100 << 20, warm_or_cold  # gigabytes of libraries
+        share = resident / env_bytes
+        assert share >= ENV_WARM if warm_or_cold["environment"] == "warm" else share <= ENV_COLD
+    assert len(restarts) == 2 and all(r["cache"] == r["weights"] for r in restarts), restarts
+    assert all(abs(r["error"]) <= TOLERANCE for r in restarts), restarts
