@@ -184,18 +184,7 @@ def test_a_model_loaded_into_a_running_triton_is_a_load_of_its_target(
             try:
                 server.wait(ready=False)
                 pid = server.proc.pid
-                up = follow(  # the process's own start: ready at once, nothing loaded
-                    exporter,
-                    lambda: target_of(exporter, pid),
-                    lambda states: states[-1].get("phase") == "ready",
-                    server.tail,
-                )
-                name = up[-1]["target"]
-                for shard in shards:
-                    evict(str(shard))
-                time.sleep(1.5)  # the exporter has measured the evicted shards
-                before = len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
-                observed = histogram_count(exporter.get("/metrics").text, name)
+                name, before, observed = ready_with_nothing_loaded(exporter, server, shards)
                 answer: dict[str, float] = {}
 
                 def load() -> None:
@@ -219,13 +208,7 @@ def test_a_model_loaded_into_a_running_triton_is_a_load_of_its_target(
                 record = last_load(exporter, name)
                 metrics = exporter.get("/metrics").text
                 server.repository("unload")
-                unloaded = follow(
-                    exporter,
-                    lambda: target_of(exporter, pid),
-                    lambda states: states[-1].get("unloaded") is not None,
-                    server.tail,
-                    timeout=15,
-                )[-1]
+                unloaded = until_unloaded(exporter, server)
             finally:
                 assert server.stop() == []
     finally:
@@ -267,6 +250,40 @@ def test_a_model_loaded_into_a_running_triton_is_a_load_of_its_target(
     assert any(
         s["phase"] == "loading_weights" and 0.0 < (s["progress"] or 0) < 1.0 for s in in_server
     ), r["live"]
+
+
+def ready_with_nothing_loaded(
+    exporter: Any, server: TritonServer, shards: list[Path]
+) -> tuple[str, int, float]:
+    """The server's own target once ready with nothing loaded (the process's own start), after
+    its model's shards were evicted and measured so: its name, how many loads it has filed and
+    its histogram's count, to tell the model's load from what came before."""
+    pid = server.proc.pid
+    up = follow(
+        exporter,
+        lambda: target_of(exporter, pid),
+        lambda states: states[-1].get("phase") == "ready",
+        server.tail,
+    )
+    name = up[-1]["target"]
+    for shard in shards:
+        evict(str(shard))
+    time.sleep(1.5)  # the exporter has measured the evicted shards
+    before = len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
+    return name, before, histogram_count(exporter.get("/metrics").text, name)
+
+
+def until_unloaded(exporter: Any, server: TritonServer) -> dict[str, Any]:
+    """The server's target's state once it says a model was unloaded."""
+    pid = server.proc.pid
+    states = follow(
+        exporter,
+        lambda: target_of(exporter, pid),
+        lambda states: states[-1].get("unloaded") is not None,
+        server.tail,
+        timeout=15,
+    )
+    return states[-1]
 
 
 def histogram_count(metrics: str, target: str) -> float:
@@ -333,18 +350,9 @@ def test_a_model_added_to_a_polled_repository_is_a_load_of_its_target(
             try:
                 server.wait(ready=False)
                 pid = server.proc.pid
-                up = follow(  # the process's own start: ready at once, nothing loaded
-                    exporter,
-                    lambda: target_of(exporter, pid),
-                    lambda states: states[-1].get("phase") == "ready",
-                    server.tail,
-                )
-                name = up[-1]["target"]
-                for shard in triton_server.shards(triton_repo):
-                    evict(str(shard))  # the added model's shards are hard links of these
-                time.sleep(1.5)  # the exporter has measured the evicted shards
-                before = len(exporter.get(f"/api/v1/loads?target={name}").json()["loads"])
-                observed = histogram_count(exporter.get("/metrics").text, name)
+                # The added model's shards are hard links of these.
+                shards = triton_server.shards(triton_repo)
+                name, before, observed = ready_with_nothing_loaded(exporter, server, shards)
                 clock = ModelReadyClock(server, triton_server.MODEL)
                 added_at = time.time()
                 added = triton_server.add_model(triton_repo, repo, triton_server.MODEL, staging)
@@ -363,13 +371,7 @@ def test_a_model_added_to_a_polled_repository_is_a_load_of_its_target(
                 record = last_load(exporter, name)
                 metrics = exporter.get("/metrics").text
                 added.rename(staging / "removed")  # the next poll unloads it
-                unloaded = follow(
-                    exporter,
-                    lambda: target_of(exporter, pid),
-                    lambda states: states[-1].get("unloaded") is not None,
-                    server.tail,
-                    timeout=15,
-                )[-1]
+                unloaded = until_unloaded(exporter, server)
                 unloads = unloads_total(exporter.get("/metrics").text, name)
             finally:
                 assert server.stop() == []
