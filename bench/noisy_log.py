@@ -28,22 +28,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from helpers import noisylog  # noqa: E402
 from helpers.hostile import ExporterProcess  # noqa: E402
 from helpers.support import free_port, wait_for  # noqa: E402
 
-WRITER = """
-import sys, time
-path, rate, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-line = b"ok\\n"
-block = line * max(1, rate // 100 // len(line))
-end = time.monotonic() + seconds
-with open(path, "ab", buffering=0) as f:
-    due = time.monotonic()
-    while due < end:
-        f.write(block)
-        due += 0.01
-        time.sleep(max(0.0, due - time.monotonic()))
-"""
 QUIET_RATE = 30  # bytes a second: ten short lines
 LOOK_SECONDS = 0.2
 
@@ -85,10 +73,7 @@ def round_of(args: argparse.Namespace, rate: int, work: Path) -> dict[str, float
     try:
         exporter.wait_listening()
         wait_for(lambda: len(exporter.get("/api/v1/status").json()["targets"]) == len(targets))
-        writers = [
-            subprocess.Popen([sys.executable, "-c", WRITER, str(log), str(rate), str(args.seconds)])
-            for log in logs
-        ]
+        writers = [subprocess.Popen(noisylog.command(log, rate, args.seconds)) for log in logs]
         time.sleep(1.0)
         cpu0, wall0 = exporter.cpu_seconds(), time.monotonic()
         scrapes, statuses, ages = [], [], []

@@ -24,6 +24,7 @@ from typing import Protocol
 from exporter.activity import CPU_BUSY_SHARE
 from exporter.snapshot import TargetView
 from exporter.sources import ENDPOINT
+from exporter.units import age
 from exporter.untrusted import clean
 from exporter.vocabulary import Activity, Phase
 
@@ -128,7 +129,7 @@ def alive(view: TargetView, now: float, interval: float) -> Verdict:
     # Still moving: within 10 s (3 intervals), and never longer than the stall's own limit.
     window = min(max(ACTIVE_SECONDS, 3 * interval), view.config.stall_after)
     if state.stalled:
-        since = _duration(state.seconds_since_progress or 0.0)
+        since = age(state.seconds_since_progress or 0.0)
         head = f"stalled in {phase}{at}: nothing moved for {since}"
         return Verdict(False, _line(head, activity(state, window)))
     head = f"{phase}{at}"
@@ -170,7 +171,7 @@ def activity(state: Watched, window: float) -> list[str]:
         if seconds is None:
             continue
         if seconds >= window:
-            stopped.append(f"{quiet_words} for {_duration(seconds)}")
+            stopped.append(f"{quiet_words} for {age(seconds)}")
         else:
             moving.append(moving_words)
     parts = stopped
@@ -178,7 +179,7 @@ def activity(state: Watched, window: float) -> list[str]:
         parts.append(", ".join(moving) + " still move")
     cpu_quiet, share = state.activity.get(Activity.CPU), state.cpu_share
     if cpu_quiet is not None and cpu_quiet >= window:
-        parts.append(f"CPU idle for {_duration(cpu_quiet)}")
+        parts.append(f"CPU idle for {age(cpu_quiet)}")
     elif share is not None and share < CPU_BUSY_SHARE:  # it ran within the window, not lately
         parts.append(f"CPU at {share * 100:.0f} % of a core")
     elif cpu_quiet is not None:
@@ -212,19 +213,8 @@ def _line(head: str, parts: list[str]) -> str:
 
 
 def _ago(seconds: float) -> str:
-    return _duration(max(0.0, seconds))
+    return age(max(0.0, seconds))
 
 
 def _percent(ratio: float) -> str:
     return f"{int(ratio * 100 + 1e-9)} %"
-
-
-def _duration(seconds: float) -> str:
-    """45s, 2m10s, 1h05m: as `kubectl` prints ages."""
-    whole = round(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    minutes, secs = divmod(whole, 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    return f"{minutes // 60}h{minutes % 60:02d}m"

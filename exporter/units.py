@@ -1,4 +1,4 @@
-"""Human sizes and rates (`256MiB`, `240MB/s`) -> bytes and bytes per second.
+"""Human sizes and rates (`256MiB`, `240MB/s`) -> bytes and bytes per second; seconds -> ages.
 
 Both decimal (kB, MB, GB: powers of 1000, as disk vendors and `dd` report throughput) and binary
 (KiB, MiB, GiB: powers of 1024, as file sizes are usually meant) suffixes are accepted, because the
@@ -53,3 +53,14 @@ def parse_rate(text: str) -> float:
     if rate <= 0:
         raise ValueError(f"rate must be positive, got {text!r}")
     return rate
+
+
+def age(seconds: float) -> str:
+    """45s, 2m10s, 1h05m: as `kubectl` prints ages, to the whole second."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"

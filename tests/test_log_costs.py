@@ -6,12 +6,12 @@ The figures are in bench/noisy_log.py; here only bounds with wide margins."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import noisylog
 from helpers.support import free_port, wait_for
 from test_logs_e2e import (
     exporter_with_log,
@@ -24,19 +24,6 @@ from test_logs_e2e import (
 
 pytestmark = pytest.mark.system
 
-WRITER = """
-import sys, time
-path, rate, seconds, line = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-line = line.encode() + b"\\n"
-block = line * (rate // 100 // len(line))
-end = time.monotonic() + seconds
-with open(path, "ab", buffering=0) as f:
-    due = time.monotonic()
-    while due < end:
-        f.write(block)
-        due += 0.01
-        time.sleep(max(0.0, due - time.monotonic()))
-"""
 RATE = 10_000_000  # bytes per second the noisy server writes
 WATCH_SECONDS = 8.0
 
@@ -108,15 +95,7 @@ def test_a_noisy_log_leaves_other_targets_and_scrapes_on_time(
         }
     )
     wait_for(lambda: "other" in {t["target"] for t in running.status()["targets"]})
-    writer = [
-        sys.executable,
-        "-c",
-        WRITER,
-        str(noisy),
-        str(RATE),
-        str(WATCH_SECONDS + 5),
-        LINES[line],
-    ]
+    writer = noisylog.command(noisy, RATE, WATCH_SECONDS + 5, LINES[line])
     ages, scrapes = [], []
     with subprocess.Popen(writer) as child:
         try:

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exporter import api
+from exporter.units import age
 
 if TYPE_CHECKING:  # only its attributes are read here; prewarm need not import requests
     from exporter.commands.client import ShownTarget
@@ -82,13 +83,7 @@ def duration(seconds: float | None) -> str:
     seconds = max(0.0, seconds)
     if round(seconds, 1) < 10:
         return f"{seconds:.1f}s"
-    whole = round(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    minutes, secs = divmod(whole, 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    return f"{minutes // 60}h{minutes % 60:02d}m"
+    return age(seconds)
 
 
 def percent(ratio: float | None) -> str:
