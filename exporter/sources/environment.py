@@ -30,7 +30,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -113,7 +113,8 @@ class EnvironmentSource:
         self._refresh_after = refresh_after
         self._lock = threading.Lock()
         self._files: dict[tuple[int, int], _Learned] = {}
-        self._seen_paths: set[tuple[int, str]] = set()  # (pid, path) looked at: no stat again
+        # Paths each process was seen with: no stat, and no fdinfo read, again.
+        self._seen_paths: dict[int, set[str]] = {}
         self._root: tuple[int | None, float | None] | None = None
         self._last: EnvironmentSample | None = None
         self._warm: int | None = None  # the most a pass found cached (EnvironmentSample)
@@ -185,12 +186,13 @@ class EnvironmentSource:
         for pid in pids:
             base = f"{self._proc_root}/{pid}"
             prefix = self._prefix(base)
-            for path in (*_mapped(base), *_open_for_reading(base)):
+            seen = self._seen_paths.setdefault(pid, set())
+            for path in (*_mapped(base), *_open_for_reading(base, seen)):
                 if len(self._files) >= MAX_FILES:
                     return
-                if (pid, path) in self._seen_paths:
+                if path in seen:
                     continue
-                self._seen_paths.add((pid, path))
+                seen.add(path)
                 self._add(prefix + path if prefix is not None else None, path)
 
     def _prefix(self, base: str) -> str | None:
@@ -288,8 +290,9 @@ def _mapped(base: str) -> list[str]:
     return list(paths)
 
 
-def _open_for_reading(base: str) -> list[str]:
-    """The files a process holds open read-only (a log it writes is no part of what it reads)."""
+def _open_for_reading(base: str, seen: Collection[str]) -> list[str]:
+    """The files a process holds open read-only (a log it writes is no part of what it reads),
+    but for those `seen` already: their fdinfo is not read again each sample."""
     try:
         numbers = os.listdir(f"{base}/fd")
     except OSError:
@@ -300,7 +303,7 @@ def _open_for_reading(base: str) -> list[str]:
             path = os.readlink(f"{base}/fd/{number}")
         except OSError:
             continue
-        if not path.startswith("/") or path.startswith(PSEUDO_PATHS):
+        if not path.startswith("/") or path.startswith(PSEUDO_PATHS) or path in seen:
             continue
         flags = _read(f"{base}/fdinfo/{number}").partition("flags:")[2].split("\n", 1)[0]
         try:
