@@ -10,11 +10,33 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 STOP_GRACE = 30.0  # SIGTERM to SIGKILL
+
+
+def first_answer(
+    proc: subprocess.Popen[bytes],
+    answered: Callable[[], bool],
+    *,
+    name: str,
+    tail: Callable[[], str],
+    timeout: float,
+    every: float,
+) -> float:
+    """Ask `answered` every `every` seconds until it says yes: the unix time it did. Fails at
+    once if the server (`name` in the failure) exits, with the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if answered():
+            return time.time()
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} exited with {proc.returncode}:\n{tail()}")
+        time.sleep(every)
+    raise AssertionError(f"{name} did not answer within {timeout:.0f} s:\n{tail()}")
 
 
 def tail(log: Path, lines: int = 30) -> str:

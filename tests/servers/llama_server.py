@@ -120,18 +120,17 @@ class LlamaServer:
         """Poll /health every 20 ms until 200: when it first answered so, and every distinct
         answer before it. Fails at once if the server exits."""
         answers: list[tuple[int, str]] = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             answer = self.health()
-            if answer is not None and answer[0] == 200:
-                return time.time(), answers
-            if answer is not None and answer not in answers:
+            if answer is not None and answer[0] != 200 and answer not in answers:
                 answers.append(answer)
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                raise AssertionError(f"llama-server exited with {code}:\n{self.tail()}")
-            time.sleep(0.02)
-        raise AssertionError(f"llama-server not ready within {timeout:.0f} s:\n{self.tail()}")
+            return answer is not None and answer[0] == 200
+
+        at = launched.first_answer(
+            self.proc, ready, name="llama-server", tail=self.tail, timeout=timeout, every=0.02
+        )
+        return at, answers
 
     def router_status(self, name: str) -> tuple[str, list[str]] | None:
         """A router's word on model `name` (`GET /models`): its status (unloaded, loading,

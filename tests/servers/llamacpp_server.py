@@ -15,7 +15,6 @@ enough on this machine's fast disk for read rates to mean something).
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import requests
@@ -88,16 +87,9 @@ class LlamaCppServer:
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
         """Poll /v1/models every 20 ms; the unix time it first answered. Fails if it exits."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready():
-                return time.time()
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"llama.cpp exited with {self.proc.returncode}:\n{self.tail()}"
-                )
-            time.sleep(0.02)
-        raise AssertionError(f"llama.cpp not ready within {timeout:.0f} s:\n{self.tail()}")
+        return launched.first_answer(
+            self.proc, self.ready, name="llama.cpp", tail=self.tail, timeout=timeout, every=0.02
+        )
 
     def tail(self, lines: int = 30) -> str:
         return launched.tail(self.log, lines)

@@ -119,14 +119,9 @@ class SglangServer:
 
     def wait_first_completion(self, timeout: float = START_TIMEOUT) -> float:
         """Ask for a completion every 100 ms until one is answered; the unix time it was."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.complete():
-                return time.time()
-            if self.proc.poll() is not None:
-                raise AssertionError(f"SGLang exited with {self.proc.returncode}:\n{self.tail()}")
-            time.sleep(0.1)
-        raise AssertionError(f"SGLang answered nothing within {timeout:.0f} s:\n{self.tail()}")
+        return launched.first_answer(
+            self.proc, self.complete, name="SGLang", tail=self.tail, timeout=timeout, every=0.1
+        )
 
     def wait_fired_up(self, timeout: float = 120.0) -> None:
         """Until SGLang's own warm-up is over (its log says so): a stop during it is untidy."""

@@ -200,15 +200,9 @@ class TritonServer:
         """Poll every 20 ms until the model is ready (or, `ready=False`, the server live); the
         unix time it first answered so. Fails at once if it exits."""
         check = self.model_ready if ready else self.live
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if check():
-                return time.time()
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                raise AssertionError(f"tritonserver exited with {code}:\n{self.tail()}")
-            time.sleep(0.02)
-        raise AssertionError(f"tritonserver not ready within {timeout:.0f} s:\n{self.tail()}")
+        return launched.first_answer(
+            self.proc, check, name="tritonserver", tail=self.tail, timeout=timeout, every=0.02
+        )
 
     def repository(self, action: str, name: str = MODEL) -> tuple[float, float]:
         """`POST /v2/repository/models/NAME/{load,unload}`: when it was sent and answered."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +95,9 @@ class VllmServer:
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> float:
         """Wait for `/health` 200; returns when it answered. Fails at once if vLLM exits."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.healthy():
-                return time.time()
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            time.sleep(0.25)
-        raise AssertionError(f"vLLM not healthy within {timeout:.0f} s:\n{self.tail()}")
+        return launched.first_answer(
+            self.proc, self.healthy, name="vLLM", tail=self.tail, timeout=timeout, every=0.25
+        )
 
     def tree(self) -> list[psutil.Process]:
         """vLLM's processes now: the API server, EngineCore, Worker and the resource tracker,
