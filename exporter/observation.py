@@ -38,6 +38,7 @@ class TargetReadings:
     process: ProcessSample | None  # the latest good sample
     pagecache: Reading[ResidencySample] | None
     logs: Reading[LogSample] | None
+    log_followed: bool  # a log is followed (its first reading may not have come yet)
     files: Reading[WeightFilesSample] | None  # the weight-file view; None until its first look
     gpu: GpuSample | None
     disk: DiskSample | None
@@ -89,6 +90,7 @@ def observe(readings: TargetReadings, now: float) -> Seen:
         log_events=events,
         log_lines=log_sample.activity if log_sample is not None else None,
         log_read_at=min(logs.finished_at, now) if logs is not None else None,
+        log_followed=readings.log_followed,
         files=file_view(files, process, readings.files is not None),
         gpu_rx_bytes=tree_rx(readings.gpu, gpus),
         storage_cache=storage_cache(readings.storage),

@@ -675,6 +675,7 @@ class Runtime:
             process=self.sampler.value(PROCESS, name) if process_configured else None,
             pagecache=self.sampler.latest(PAGECACHE, name) if runtime.residency else None,
             logs=self.sampler.latest(LOGS, name) if runtime.log.source is not None else None,
+            log_followed=runtime.log.source is not None,
             files=self.sampler.latest(WEIGHT_FILES, name) if process_configured else None,
             gpu=self.sampler.value(NVML),
             disk=disk,

@@ -141,6 +141,9 @@ class Observation:
     log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
     log_lines: int | None = None  # lines of the server's log read, plus bytes skipped; None: no log
     log_read_at: float | None = None  # when the log was last read
+    # The target follows a log, read or not yet: one just opened (a new process's) has no
+    # reading before its first read, and lines it holds may date a load already over.
+    log_followed: bool = False
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
     # What the storage under the weights says of the label (storage/description.py): bypass (reads
@@ -350,6 +353,7 @@ class Tracker:
         self._failed_probes = 0  # distinct failed probes in a row
         self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
+        self._log_followed = False  # whether it has one, read yet or not
         # The last load's ready answer (or an in-server load's end): a load_begin line stamped
         # before it is no load inside the running server.
         self._serving_since: float | None = None
@@ -371,6 +375,7 @@ class Tracker:
         if prev is not None and obs.time < prev.time:
             return None
         self._logged = obs.log_lines is not None
+        self._log_followed = obs.log_followed or self._logged
         self._unloaded_now = ()
         if self._first_seen is None:
             self._first_seen = obs.time
@@ -429,11 +434,13 @@ class Tracker:
 
     def _awaits_log(self, obs: Observation, load: _Load) -> bool:
         """A ready answer waits for a read of the log after it, an interval at most: the lines
-        written before it date the phases of a load shorter than an interval (a warm start)."""
+        written before it date the phases of a load shorter than an interval (a warm start).
+        A log opened for a new process but not read yet is waited for too: it holds the lines
+        of a load over before the exporter found the process (a router's model server)."""
         at = load.ready_at
         assert at is not None
         read = obs.log_read_at
-        return self._logged and (read is None or read < at) and obs.time < at + self.interval
+        return self._log_followed and (read is None or read < at) and obs.time < at + self.interval
 
     def _awaits_residency(self, obs: Observation, load: _Load) -> bool:
         """A ready answer waits for the residency pass requested at the start, an interval at
@@ -860,11 +867,16 @@ class Tracker:
             kind = event.kind
             # The log dates a boundary exactly, even one crossed before the exporter arrived.
             if kind is EventKind.WEIGHTS_BEGIN:
+                # Lines read after the heuristics had crossed both boundaries (a log opened
+                # late): the load's first begin line still dates its weights.
+                late = load.log_weights_began is None and self._phase is Phase.INITIALIZING
                 load.log_weights_open = load.log_from_start = True
                 load.log_weights_began = at
                 if self._phase is Phase.STARTING:
                     self._begin_weights(load, at, load.progress or 0.0, obs.time, seen=True)
-                elif self._phase is Phase.LOADING_WEIGHTS:
+                elif self._phase is Phase.LOADING_WEIGHTS or (
+                    late and at <= (load.weights_ended or at)
+                ):
                     load.weights_began, load.weights_began_seen = at, True
             elif kind is EventKind.WEIGHTS_PROGRESS and event.total:
                 load.log_shards = (event.done or 0, event.total)

@@ -163,6 +163,7 @@ def readings(**fields: Any) -> TargetReadings:
         "process": None,
         "pagecache": None,
         "logs": None,
+        "log_followed": False,
         "files": None,
         "gpu": None,
         "disk": None,

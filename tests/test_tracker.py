@@ -48,6 +48,7 @@ class Sim:
     ticks: int = 0
     probe: tuple[str, float] | None = None
     logged: bool = False  # the target has a log source
+    log_unread: bool = False  # it has one, opened but not read yet (no reading, no lines)
     files: bool = False  # the tree's weight files are in view (sources/weightfiles.py)
     pending: int = 0  # ticks before the file view's first look at the process (it is pending)
     consumed: int = 0  # bytes of the weight files the tree has consumed
@@ -113,9 +114,10 @@ class Sim:
             resident_bytes=self.resident,
             resident_measured_at=self.time if self.measured_at is None else self.measured_at,
             disk_read_bytes=self.disk,
-            log_events=tuple(self.log),
-            log_lines=self.log_lines if self.logged else None,
-            log_read_at=self.time - self.log_lag if self.logged else None,
+            log_events=() if self.log_unread else tuple(self.log),
+            log_lines=self.log_lines if self.logged and not self.log_unread else None,
+            log_read_at=self.time - self.log_lag if self.logged and not self.log_unread else None,
+            log_followed=self.logged,
             files=(
                 FileView(None, False, None, 0, 0, 0, pending=True)
                 if self.files and alive and self.ticks <= self.pending
@@ -932,6 +934,58 @@ def test_a_load_over_before_it_was_first_asked_ends_at_the_logs_ready_line() -> 
     early.tick()
     [record] = early.records
     assert record.ended_at == T0 + 4  # the answer
+
+
+@pytest.mark.parametrize("first_read", [1, 2])
+def test_a_load_found_over_waits_for_the_first_read_of_the_log_just_opened(first_read: int) -> None:
+    """A router's model server started again, warm: serving 70 ms after its start and found
+    1.5 s later, its log (the router's, opened for it on that tick) not read yet. The answer
+    waits for that read, whose lines date the load; a read that does not come within an
+    interval leaves the answer to end it."""
+    sim = Sim(tracker(), logged=True, log_unread=True)
+    sim.spawn()
+    sim.time += 0.5
+    sim.endpoint = "ready"
+    sim.tick()  # found, answering; its log opened
+    answered = sim.time
+    assert sim.records == [] and sim.state.in_progress
+    sim.log_unread = first_read > 1
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=2.49)  # written 10 ms after its start
+    sim.say(EventKind.WEIGHTS_END, ago=2.48)
+    sim.say(EventKind.READY, ago=2.43)
+    sim.tick()
+    [record] = sim.records
+    if first_read > 1:  # an interval went by unread: the answer ends it
+        assert record.ended_at == answered and record.phase_seconds == {"starting": 1.5}
+        return
+    assert record.ended_at == pytest.approx(T0 + 0.07)
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 0.01, "loading_weights": 0.01, "initializing": 0.05}
+    )
+
+
+def test_a_begin_line_read_after_the_heuristics_crossed_both_boundaries_dates_the_weights() -> None:
+    """A warm model server found with its weights already mapped and in the page cache: the
+    first look takes them as loaded on that tick. Its log, read on the next, says when they
+    began and ended: both come from the lines, not from the tick."""
+    sim = Sim(tracker(), weights=4 * GB, files=True, logged=True, log_unread=True)
+    sim.spawn()
+    sim.hold(4 * GB)
+    sim.consumed = 4 * GB
+    sim.let_go()
+    sim.endpoint = "ready"
+    sim.tick()
+    assert sim.state.phase == "initializing" and sim.records == []
+    sim.log_unread = False
+    sim.say(EventKind.WEIGHTS_BEGIN, ago=1.99)
+    sim.say(EventKind.WEIGHTS_END, ago=1.98)
+    sim.say(EventKind.READY, ago=1.93)
+    sim.tick()
+    [record] = sim.records
+    assert record.ended_at == pytest.approx(T0 + 0.07)
+    assert record.phase_seconds == pytest.approx(
+        {"starting": 0.01, "loading_weights": 0.01, "initializing": 0.05}
+    )
 
 
 def test_a_fatal_line_fails_the_load_at_once_with_the_servers_words() -> None:
