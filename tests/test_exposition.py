@@ -32,29 +32,26 @@ from exporter.sampler import Reading
 from exporter.serverargs import Evidence
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
-    DISK,
     ENDPOINT,
     LOGS,
     MEMORY,
-    NETFS,
     NVML,
     PAGECACHE,
     PROCESS,
     STORAGE,
     WEIGHT_FILES,
-    ZFS,
     SourceKey,
 )
-from exporter.sources.disk import DeviceReads, DiskSample
+from exporter.sources.disk import DISK, DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample, PcieMark
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample
-from exporter.sources.netfs import MountReads, NetFsSample
+from exporter.sources.netfs import NETFS, MountReads, NetFsSample
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
-from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
+from exporter.sources.zfs import ZFS, ArcReads, PoolReads, ZfsSample
 from exporter.startupwindow import StartupAdvice
 from exporter.storage.description import Fact, MountStorage, StorageDescription
 from exporter.storage.pagecache import FileResidency
