@@ -70,25 +70,24 @@ from exporter.loadstats import Histograms
 from exporter.sampler import Reading
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
-    DISK,
     ENDPOINT,
     LOGS,
     MEMORY,
-    NETFS,
     NVML,
     PAGECACHE,
     PROCESS,
     STORAGE,
     WEIGHT_FILES,
-    ZFS,
     SourceKey,
 )
-from exporter.sources.disk import DeviceReads, DiskSample
+from exporter.sources.disk import DISK, DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuSample
 from exporter.sources.memory import MemorySample
+from exporter.sources.netfs import NETFS
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
+from exporter.sources.zfs import ZFS
 from exporter.targethistory import TargetHistory
 from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, Outcome, Phase, ProbeResult, ServerKind, Step

@@ -20,8 +20,8 @@ from exporter import api, liveness
 from exporter.discovery import DiscoveredServer
 from exporter.sampler import Reading, health
 from exporter.snapshot import Snapshot, TargetView
-from exporter.sources import DISK, LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
-from exporter.sources.disk import DiskSample
+from exporter.sources import LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
+from exporter.sources.disk import DISK, DiskSample
 from exporter.sources.gpu import pcie_rx_since
 from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import WeightFilesSample

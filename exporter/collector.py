@@ -25,24 +25,21 @@ from prometheus_client.samples import BucketSpan, NativeHistogram
 from exporter.loadstats import LOAD_BUCKETS, NATIVE_SCHEMA, NATIVE_ZERO_THRESHOLD, HistogramCounts
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
-    DISK,
     ENDPOINT,
     MEMORY,
-    NETFS,
     NVML,
     PAGECACHE,
     PROCESS,
-    ZFS,
     SourceKey,
 )
-from exporter.sources.disk import DiskSample
+from exporter.sources.disk import DISK, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuSample
 from exporter.sources.memory import MemorySample
-from exporter.sources.netfs import NetFsSample
+from exporter.sources.netfs import NETFS, NetFsSample
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
-from exporter.sources.zfs import ZfsSample
+from exporter.sources.zfs import ZFS, ZfsSample
 from exporter.untrusted import clean
 from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
 

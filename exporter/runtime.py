@@ -53,28 +53,27 @@ from exporter.safeio import Refused
 from exporter.sampler import Reading, Sampler
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
-    DISK,
     ENDPOINT,
     ENVIRONMENT,
     LOGS,
     MEMORY,
-    NETFS,
     NVML,
     PAGECACHE,
     PROCESS,
     STORAGE,
     WEIGHT_FILES,
-    ZFS,
+    Host,
     SourceKey,
+    host_sources,
 )
-from exporter.sources.disk import DiskSample, DiskSource
+from exporter.sources.disk import DISK, DiskSample
 from exporter.sources.endpoint import EndpointProber, ProbeSample
 from exporter.sources.environment import REFRESH_SECONDS as ENVIRONMENT_REFRESH_SECONDS
 from exporter.sources.environment import EnvironmentSource
 from exporter.sources.gpu import NvmlSource, mark_pcie
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample, MemorySource
-from exporter.sources.netfs import NetFsSource
+from exporter.sources.netfs import NETFS
 from exporter.sources.process import ProcessFinder, ProcessSample
 from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
@@ -83,7 +82,7 @@ from exporter.sources.residency import (
     ResidencySource,
 )
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
-from exporter.sources.zfs import ZfsSource
+from exporter.sources.zfs import ZFS
 from exporter.storage.description import WeightStorage
 from exporter.target import TargetRuntime
 from exporter.targethistory import TargetHistory, read_history
@@ -132,11 +131,12 @@ class Runtime:
         self._lock = threading.Lock()
         self._ticked = threading.Event()
         self._last_tick: float | None = None
-        weights = {t.name: t.weights.paths for t in config.targets if t.weights is not None}
         self._sys_root = sys_root
-        self.disk = DiskSource(weights, proc_root=proc_root, sys_root=sys_root)
-        self.netfs = NetFsSource(weights, proc_root=proc_root, sys_root=sys_root)
-        self.zfs = ZfsSource(weights, proc_root=proc_root, sys_root=sys_root)
+        self.host = Host(proc_root, sys_root)
+        # Started before any target is wired: wiring tells the host's sources of its weights.
+        for source in host_sources():  # each declared in its own module (exporter/sources)
+            start = source.start(self.host)
+            self.sampler.add(source.key, "", start, every=self._pace_of(source.key))
         discoverer = (
             Discoverer(
                 config.discovery.servers,
@@ -159,9 +159,6 @@ class Runtime:
         for target in config.targets:
             self.admission.add(target)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
-        self.sampler.add(DISK, "", self.disk.sample, every=self._pace_of(DISK))
-        self.sampler.add(NETFS, "", self.netfs.sample, every=self._pace_of(NETFS))
-        self.sampler.add(ZFS, "", self.zfs.sample, every=self._pace_of(ZFS))
         self.sampler.add(
             MEMORY,
             "",
@@ -311,8 +308,7 @@ class Runtime:
             self.sampler.discard(WEIGHT_FILES, target.name)
             runtime.files = None
         self._wire_environment(runtime, behalf)
-        for watcher in (self.disk, self.netfs, self.zfs):
-            watcher.watch(target.name, target.weights.paths if target.weights else None, behalf)
+        self.host.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
             self.sampler.wake_all()
 
@@ -351,8 +347,7 @@ class Runtime:
         name = runtime.config.name
         runtime.prober.close()
         self.sampler.remove(name)
-        for watcher in (self.disk, self.netfs, self.zfs):
-            watcher.watch(name, None)
+        self.host.watch(name, None)
         self.load_durations.forget(name)
         self.phase_durations.forget(name)
         if runtime.watched_pid is not None:

@@ -5,6 +5,10 @@ The dashboard, the alert rules and every user's queries depend on the metric nam
 page and scripts on the status document's keys, so a rename must show up as a diff in review
 (node_exporter's e2e-output.txt does the same). Regenerate after an intended change with
 `UPDATE_GOLDEN=1 pytest tests/test_exposition.py`.
+
+Every family of the catalog has samples here or in tests/fixtures/e2e-output.prom, the runtime's
+own exposition over a fixture host (tests/test_e2e_golden.py): a source that host exercises
+needs nothing in this snapshot.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.api_build import status_document
@@ -32,29 +37,26 @@ from exporter.sampler import Reading
 from exporter.serverargs import Evidence
 from exporter.snapshot import Snapshot, TargetView
 from exporter.sources import (
-    DISK,
     ENDPOINT,
     LOGS,
     MEMORY,
-    NETFS,
     NVML,
     PAGECACHE,
     PROCESS,
     STORAGE,
     WEIGHT_FILES,
-    ZFS,
     SourceKey,
 )
-from exporter.sources.disk import DeviceReads, DiskSample
+from exporter.sources.disk import DISK, DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample, PcieMark
 from exporter.sources.logs import LogSample
 from exporter.sources.memory import MemorySample
-from exporter.sources.netfs import MountReads, NetFsSample
+from exporter.sources.netfs import NETFS, MountReads, NetFsSample
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
-from exporter.sources.zfs import ArcReads, PoolReads, ZfsSample
+from exporter.sources.zfs import ZFS, ArcReads, PoolReads, ZfsSample
 from exporter.startupwindow import StartupAdvice
 from exporter.storage.description import Fact, MountStorage, StorageDescription
 from exporter.storage.pagecache import FileResidency
@@ -73,6 +75,7 @@ from exporter.vocabulary import (
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).with_name("fixtures") / "metrics.prom"
+E2E_GOLDEN = GOLDEN.with_name("e2e-output.prom")  # tests/test_e2e_golden.py's, of a fixture host
 STATUS_GOLDEN = GOLDEN.with_name("status.json")
 DESIGN_METRICS = ROOT / "tests" / "fixtures" / "design-metrics.txt"
 GIB = 1 << 30
@@ -351,14 +354,37 @@ def assert_matches_golden(text: str, golden: Path) -> None:
     assert text == golden.read_text(), f"{golden.name} changed: see the diff, then UPDATE_GOLDEN=1"
 
 
+def with_samples(text: str) -> str:
+    """The families of an exposition that have samples: an empty one pins nothing here, and that
+    every family is exposed, empty or not, the end-to-end golden pins."""
+    families = re.split(r"(?m)^(?=# HELP )", text)
+    return "".join(f for f in families if any(not line.startswith("#") for line in f.splitlines()))
+
+
 def test_exposition_matches_the_golden_file() -> None:
-    assert_matches_golden(exposition(golden_snapshot()), GOLDEN)
+    assert_matches_golden(with_samples(exposition(golden_snapshot())), GOLDEN)
 
 
-def test_golden_file_has_every_family_of_the_catalog_with_samples() -> None:
-    families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
-    assert [f"model_load_{s.name}".removesuffix("_total") for s in CATALOG] == list(families)
-    assert all(f.samples for f in families.values()), "a family without samples pins nothing"
+def golden_families(golden: Path) -> dict[str, Metric]:
+    """A golden file's families by name (the end-to-end one's masked durations read as 0)."""
+    text = re.sub(r" DURATION$", " 0", golden.read_text(), flags=re.M)
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_every_family_of_the_catalog_has_samples_in_a_golden_file() -> None:
+    """The snapshot built here needs to hold only what the fixture host of the end-to-end golden
+    cannot show (network filesystems, ZFS, finished loads, refusals): a family with samples
+    there is pinned from the files it is read from. This one keeps the catalog's order."""
+    catalog = [f"model_load_{s.name}".removesuffix("_total") for s in CATALOG]
+    made = golden_families(GOLDEN)
+    assert list(made) == [name for name in catalog if name in made]
+    pinned = {
+        name
+        for golden in (GOLDEN, E2E_GOLDEN)
+        for name, family in golden_families(golden).items()
+        if family.samples
+    }
+    assert not set(catalog) - pinned, f"no samples in either golden: {set(catalog) - pinned}"
 
 
 def catalog_names(markdown: str) -> set[str]:
@@ -381,10 +407,11 @@ def catalog_names(markdown: str) -> set[str]:
 
 
 def exposed_names() -> set[str]:
-    """Family names as a user queries them (counters with their `_total`)."""
+    """Family names as a user queries them (counters with their `_total`), in either golden."""
     names = set()
-    for family in text_string_to_metric_families(GOLDEN.read_text()):
-        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    for golden in (GOLDEN, E2E_GOLDEN):
+        for family in golden_families(golden).values():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
     return names
 
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_exposition import exposition, host_snapshot
 
 from exporter.config import WeightsConfig
-from exporter.sources import NETFS
 from exporter.sources.netfs import (
+    NETFS,
     MountReads,
     NetFsSource,
     lustre_fsname,

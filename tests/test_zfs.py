@@ -13,9 +13,8 @@ from test_netfs import FIXTURES, FakeHost
 
 from exporter.cachectl import prewarm
 from exporter.config import WeightsConfig
-from exporter.sources import ZFS
 from exporter.sources.residency import ResidencySource
-from exporter.sources.zfs import ZfsSource, parse_kstat_io, parse_kstat_named, pool_of
+from exporter.sources.zfs import ZFS, ZfsSource, parse_kstat_io, parse_kstat_named, pool_of
 from exporter.storage.description import WeightStorage
 from exporter.vocabulary import Cache, StorageKind
 

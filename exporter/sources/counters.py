@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Self
 
 from exporter.asprocess import OnBehalf
+from exporter.sources import Host
 from exporter.storage.watched import WatchedPaths
 
 
@@ -52,6 +54,12 @@ class CounterSource:
         self._sys_root = sys_root
         self._clock = clock
         self._rates = CounterRates()
+
+    @classmethod
+    def started(cls, host: Host) -> Self:
+        """One over `host`, watching no target's weights until the runtime wires them (its
+        module's `HOST_SOURCE`)."""
+        return host.watching_weights(cls({}, host.proc_root, host.sys_root))
 
     def watch(
         self, target: str, paths: Sequence[str] | None, on_behalf: OnBehalf | None = None

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from exporter.sources import HostSource, SourceKey
 from exporter.sources.counters import CounterSource
 from exporter.sources.sample import Sample
 from exporter.storage.backing import Layer
@@ -132,3 +133,7 @@ def read_diskstats(proc_root: str = "/proc") -> dict[str, int]:
         if len(fields) >= 6:
             totals[fields[2]] = int(fields[5]) * SECTOR_BYTES
     return totals
+
+
+DISK: SourceKey[DiskSample] = SourceKey("disk", per_target=False)
+HOST_SOURCE = HostSource(DISK, lambda host: DiskSource.started(host).sample)

@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from exporter.sources import HostSource, SourceKey
 from exporter.sources.counters import CounterSource
 from exporter.sources.sample import Health, Sample
 from exporter.storage.mounts import Mount, namespace_of, unescape
@@ -241,3 +242,7 @@ def _read_total(path: str, parse: Callable[[str], int | None], what: str) -> int
     if total is None:
         raise _Unmeasured(f"{path} has no {what}")
     return total
+
+
+NETFS: SourceKey[NetFsSample] = SourceKey("netfs", per_target=False)
+HOST_SOURCE = HostSource(NETFS, lambda host: NetFsSource.started(host).sample)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from exporter.sources import HostSource, SourceKey
 from exporter.sources.counters import CounterSource
 from exporter.sources.sample import Health, Sample
 from exporter.vocabulary import StorageKind
@@ -146,3 +147,7 @@ def _read(path: str, parse: Callable[[str], T | None], unmeasured: list[str]) ->
     if value is None:
         unmeasured.append(f"{path}: not a kstat this exporter can read")
     return value
+
+
+ZFS: SourceKey[ZfsSample] = SourceKey("zfs", per_target=False)
+HOST_SOURCE = HostSource(ZFS, lambda host: ZfsSource.started(host).sample)
