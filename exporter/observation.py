@@ -76,6 +76,9 @@ def observe(readings: TargetReadings, now: float) -> Seen:
         endpoint_result=probe_value.result if probe_value is not None else None,
         # A reading stamped before the wall clock stepped back must not look like the future.
         endpoint_probe_time=min(probe.finished_at, now) if probe is not None else None,
+        endpoint_probe_sent=(
+            min(probe.finished_at - probe.duration_seconds, now) if probe is not None else None
+        ),
         process_configured=readings.process_configured,
         process_found=bool(process and process.found),
         process_pid=process.root_pid if process else None,

@@ -138,6 +138,9 @@ class Observation:
     resident_bytes: int | None  # page-cache bytes of the weight files; None = not measurable
     resident_measured_at: float | None  # when resident_bytes was measured
     disk_read_bytes: int | None  # counter: reads of the devices backing the weights (host-wide)
+    # When the newest probe was sent (None: when it finished): its answer is the server's word
+    # at some moment between the two.
+    endpoint_probe_sent: float | None = None
     log_events: tuple[LogEvent, ...] = ()  # the server log's markers new since the last tick
     log_lines: int | None = None  # lines of the server's log read, plus bytes skipped; None: no log
     log_read_at: float | None = None  # when the log was last read
@@ -249,7 +252,8 @@ class Expectations(Protocol):
 
 class _Probe(NamedTuple):
     result: ProbeResult
-    time: float
+    time: float  # when it was answered
+    sent: float
 
 
 class _Evidence(NamedTuple):
@@ -304,7 +308,7 @@ class _Load:
     fatal_at: float | None = None
     ready_at: float | None = None  # the first ready answer, while the log is read up to it
     log_weights_began: float | None = None  # when the log's weights-begin line was dated
-    unready_at: float | None = None  # the last answer that said not ready
+    unready_at: float | None = None  # when the last answer that said not ready was asked
     in_server: bool = False  # a running server's load: its process started before it
     reads_base: int | None = None  # the tree's storage reads as an in-server load began
     bytes_read: int | None = None
@@ -401,7 +405,7 @@ class Tracker:
                 record = self._finish(load, load.fatal_at, Outcome.FAILED)
             elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
-                load.unready_at = probe.time
+                load.unready_at = probe.sent
             elif probe is not None and probe.time > load.started_at and load.ready_at is None:
                 load.ready_at = probe.time  # when it first answered
             if (
@@ -420,9 +424,12 @@ class Tracker:
 
     @staticmethod
     def _served_from(load: _Load) -> float:
-        """The first ready answer, or the log's ready line where that is earlier and no answer
-        after the line said otherwise: a load over before it was first asked (a warm start
-        found by discovery a second late) ends when the server said it serves."""
+        """The first ready answer, or the log's ready line where that is earlier and no probe
+        sent after the line was answered otherwise: a load over before it was first asked (a
+        warm start found by discovery a second late), or between a probe that came too early
+        and the next, ends when the server said it serves. A probe sent before the line and
+        answered after it (llama-server marks itself ready, then writes the line) says nothing
+        against it."""
         answered = load.ready_at
         assert answered is not None
         said = load.steps.ready_at
@@ -592,7 +599,8 @@ class Tracker:
         at = obs.endpoint_probe_time if obs.endpoint_probe_time is not None else obs.time
         if self._probe is not None and at <= self._probe.time:
             return None
-        self._probe = _Probe(obs.endpoint_result, at)
+        sent = obs.endpoint_probe_sent
+        self._probe = _Probe(obs.endpoint_result, at, min(sent, at) if sent is not None else at)
         return self._probe
 
     def _track_process(self, obs: Observation) -> LoadRecord | None:
