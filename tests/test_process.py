@@ -269,7 +269,7 @@ def test_fake_proc_vanished_and_unreadable_entries(tmp_path: Path) -> None:
     finder = ProcessFinder(ProcessConfig(cmdline="sglang"), proc_root=str(proc))
     sample = finder.sample()
     assert sample.pids == (100, 101)
-    assert sample.start_time == pytest.approx(1700000000 + 500 / os.sysconf("SC_CLK_TCK"))
+    assert sample.start_time == pytest.approx(1700000000 + 500 / os.sysconf("SC_CLK_TCK"), abs=1e-3)
     assert (sample.read_bytes, sample.read_chars) == (1010, 5020)
     assert sample.cmdline == "python3 -m sglang.launch_server"
     unreadable = fake_process(proc, 103, 100, 700, rb=1, rc=1)

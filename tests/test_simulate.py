@@ -162,6 +162,7 @@ class Sim:
              "--trace", str(self.trace), *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+        self.spawned = time.time()
 
     def text(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
@@ -252,7 +253,10 @@ def test_closed_port_refuses_while_loading_then_serves(tmp_path: Path, sim: Any)
 
     report = child.result()
     assert report["pid"] == child.proc.pid and report["outcome"] == "ready"
-    assert report["start_time"] == pytest.approx(psutil.Process(child.proc.pid).create_time())
+    # Between the test's clock before and after it spawned the child, to a clock tick (psutil's
+    # create_time counts from /proc/stat's whole-second btime: up to a second early).
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert child.started - tick <= report["start_time"] <= child.spawned + tick
     assert report["load_seconds"] == pytest.approx(report["ready_at"] - report["start_time"])
     assert report["start_time"] < report["weights_done_at"] < report["ready_at"] <= seen_ready
     # 4 MiB at 4 MB/s plus 0.4 s of init is a floor; the test's own clock is a ceiling, give or
