@@ -97,7 +97,7 @@ def around_the_weights(load: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
             "since_begin_line": round(s["read_at"] - begin, 2),
-            "phase": s["phase"],
+            "phase": s.get("phase"),  # none before the target's first tick
             "step": s.get("step"),
             "progress": s.get("progress_ratio"),
             "source": s.get("progress_source"),

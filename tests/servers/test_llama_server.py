@@ -127,7 +127,7 @@ def one_load(
         "weights_began_minus_log": round(began - started - begin_line, 3),
         "weights_ended_minus_log": round(ended - started - end_line, 3),
         "answers_before_ready": [f"{code} {body[:80]}" for code, body in before],
-        "phases_seen": sorted({s["phase"] for s in seen}),
+        "phases_seen": sorted({s["phase"] for s in seen if "phase" in s}),  # none before a tick
         "weights_bytes": record["weights_bytes"],
         "discovered_weights": final["discovered"]["weights"],
         "log_found_by": (final.get("log") or {}).get("found_by"),
@@ -282,7 +282,7 @@ def routed_load(
         "log_weights_seconds": round(end_line - begin_line, 3),
         "weights_began_minus_log": round(began - started - begin_line, 3),
         "weights_ended_minus_log": round(ended - started - end_line, 3),
-        "phases_seen": sorted({s["phase"] for s in seen}),
+        "phases_seen": sorted({s["phase"] for s in seen if "phase" in s}),  # none before a tick
         "endpoint": seen[-1]["endpoint"],
         "router_evidence": next(
             (e["value"] for e in seen[-1]["discovered"]["why"] if e["what"] == "router"), None

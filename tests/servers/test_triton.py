@@ -469,7 +469,7 @@ def test_two_models_loading_at_once_are_two_loads_of_their_own_targets(
                     exporter,
                     lambda: {t: target_state(exporter, t) for t in targets.values()},
                     lambda states: all(
-                        s is not None and s["phase"] == "down" for s in states[-1].values()
+                        s is not None and s.get("phase") == "down" for s in states[-1].values()
                     ),
                     server.tail,
                     timeout=30,
@@ -539,7 +539,7 @@ def test_two_models_loading_at_once_are_two_loads_of_their_own_targets(
         "target": name,
         "loads_before": server_loads,
         "loads_after": len(after),
-        "phase": server_state["phase"] if server_state else None,
+        "phase": server_state.get("phase") if server_state else None,
     }
     write_report("triton-two-models.json", report)
     for model in models:
