@@ -95,6 +95,11 @@ CACHE_INDEPENDENT: tuple[str, ...] = (Phase.INITIALIZING, *FINE_STEPS)
 # A log line stamped this much before a load's start still belongs to it: log stamps and the
 # process start time come from different clocks, and many servers stamp whole seconds.
 LOG_SKEW_SECONDS = 1.0
+# How much later than its stamp a line may have been written, against the exporter's clock: a
+# server stamping the time since its start starts that clock after exec and its libraries load
+# (llama-server: 30-50 ms after the process's start time on 2 busy cores, so its lines read that
+# much early). A not-ready answer to a probe sent within this of a ready line does not refute it.
+LINE_STAMP_SKEW_SECONDS = 0.25
 FATAL_WITHOUT_DETAIL = "the server's log reported a fatal error"
 
 _STORAGE = (Signal.PAGE_CACHE, Signal.PROCESS_READS, Signal.DISK_READS)
@@ -429,15 +434,18 @@ class Tracker:
         warm start found by discovery a second late), or between a probe that came too early
         and the next, ends when the server said it serves. A probe sent before the line and
         answered after it (llama-server marks itself ready, then writes the line) says nothing
-        against it."""
+        against it, nor does one sent within the line stamp's skew after it."""
         answered = load.ready_at
         assert answered is not None
         said = load.steps.ready_at
         if said is None or not load.started_at <= said < answered:
             return answered
-        if load.unready_at is not None and load.unready_at >= said:
+        unready = load.unready_at
+        if unready is not None and unready >= said + LINE_STAMP_SKEW_SECONDS:
             return answered
-        return said
+        # Not ready when asked just after the line: ready between that request and the line's
+        # true time, its stamp's skew at most later; the request is the nearer bound.
+        return said if unready is None else max(said, unready)
 
     def _awaits_log(self, obs: Observation, load: _Load) -> bool:
         """A ready answer waits for a read of the log after it, an interval at most: the lines

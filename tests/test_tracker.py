@@ -15,7 +15,15 @@ import pytest
 
 from exporter.history import HistoryStore
 from exporter.logs.markers import EventKind, LogEvent
-from exporter.tracker import FileView, LoadRecord, Observation, Scope, TargetState, Tracker
+from exporter.tracker import (
+    LINE_STAMP_SKEW_SECONDS,
+    FileView,
+    LoadRecord,
+    Observation,
+    Scope,
+    TargetState,
+    Tracker,
+)
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6
@@ -990,25 +998,36 @@ def test_a_begin_line_read_after_the_heuristics_crossed_both_boundaries_dates_th
     )
 
 
-@pytest.mark.parametrize("takes", [0.3, 0.1])
-def test_a_not_ready_answer_outweighs_the_ready_line_only_if_asked_after_it(takes: float) -> None:
+@pytest.mark.parametrize(
+    ("line_ago", "takes", "ended"),
+    [
+        (0.2, 0.3, 3.8),  # sent before the line, answered after it: the line
+        (0.2, 0.15, 3.85),  # sent 50 ms after the line's stamp: within its skew, the request
+        (LINE_STAMP_SKEW_SECONDS, 0.0, 5.0),  # sent a whole skew after it: the next answer
+        (0.8, 0.0, 5.0),  # sent 0.8 s after it: the line was early, the next answer
+    ],
+)
+def test_a_not_ready_answer_outweighs_the_ready_line_only_if_asked_after_it(
+    line_ago: float, takes: float, ended: float
+) -> None:
     """llama-server marks itself ready, then writes `model loaded`: a 503 to a probe sent before
     the line and answered after it (slowly, the server busy) says nothing against the line,
-    which ends the load; one sent after the line makes the line too early, and the next ready
-    answer ends it."""
+    which ends the load. Its stamps count from a clock it starts after exec, tens of ms after
+    the process's start time, so a line reads that much early: a 503 to a probe sent within
+    that skew after the line dates the end at the request. One sent later makes the line too
+    early (the server said ready before it served), and the next ready answer ends the load."""
     sim = Sim(tracker(), logged=True)
     sim.spawn()
     sim.endpoint = "http_error"  # 503 Loading model
     sim.tick(3)
     sim.probe_takes = takes
-    sim.say(EventKind.READY, ago=0.2)  # written 0.2 s before the next answer
+    sim.say(EventKind.READY, ago=line_ago)  # written this long before the next answer
     sim.tick()
     sim.probe_takes = 0.0
     sim.endpoint = "ready"
     sim.tick()
     [record] = sim.records
-    line = T0 + 4 - 0.2
-    assert record.ended_at == pytest.approx(line if takes > 0.2 else sim.time, abs=1e-3)
+    assert record.ended_at == pytest.approx(T0 + ended, abs=1e-3)
 
 
 def test_a_fatal_line_fails_the_load_at_once_with_the_servers_words() -> None:
