@@ -662,6 +662,7 @@ class Runtime:
         """The latest readings of one target's sources, for the tick's observation."""
         name = runtime.config.name
         process_configured = runtime.finder is not None
+        followed = runtime.log.source is not None
         return TargetReadings(
             name=name,
             gpus=runtime.config.gpus,
@@ -669,8 +670,8 @@ class Runtime:
             probe=self.sampler.latest(ENDPOINT, name),
             process=self.sampler.value(PROCESS, name) if process_configured else None,
             pagecache=self.sampler.latest(PAGECACHE, name) if runtime.residency else None,
-            logs=self.sampler.latest(LOGS, name) if runtime.log.source is not None else None,
-            log_followed=runtime.log.source is not None,
+            logs=self.sampler.latest(LOGS, name) if followed else None,
+            log_followed=followed,
             files=self.sampler.latest(WEIGHT_FILES, name) if process_configured else None,
             gpu=self.sampler.value(NVML),
             disk=disk,

@@ -362,7 +362,6 @@ class Tracker:
         self._failed_probes = 0  # distinct failed probes in a row
         self._fail_start = 0.0  # when the first of them finished
         self._logged = False  # whether the target has a log source (observations carry lines)
-        self._log_followed = False  # whether it has one, read yet or not
         # The last load's ready answer (or an in-server load's end): a load_begin line stamped
         # before it is no load inside the running server.
         self._serving_since: float | None = None
@@ -384,7 +383,6 @@ class Tracker:
         if prev is not None and obs.time < prev.time:
             return None
         self._logged = obs.log_lines is not None
-        self._log_followed = obs.log_followed or self._logged
         self._unloaded_now = ()
         if self._first_seen is None:
             self._first_seen = obs.time
@@ -455,7 +453,8 @@ class Tracker:
         at = load.ready_at
         assert at is not None
         read = obs.log_read_at
-        return self._log_followed and (read is None or read < at) and obs.time < at + self.interval
+        followed = obs.log_followed or self._logged
+        return followed and (read is None or read < at) and obs.time < at + self.interval
 
     def _awaits_residency(self, obs: Observation, load: _Load) -> bool:
         """A ready answer waits for the residency pass requested at the start, an interval at
