@@ -29,15 +29,11 @@ import requests
 from helpers.cgroups import joining
 
 from servers import launched
-from servers.vllm_server import SERVERS, executable
+from servers.vllm_server import DTYPE, SERVERS, executable
 
 PYTHON_ENV = "MLE_SGLANG_PYTHON"
 LIBCUDA_ENV = "MLE_LIBCUDA_DIR"
 START_TIMEOUT = 400.0  # about 75 s warm here on 2 shared cores, twice that with cold imports
-# float32: on a CPU without AVX-512 BF16 or AMX, torch's bf16 matmuls take a slow path, so a
-# bf16 model's warm-up and first answers cost minutes where float32's cost seconds; the
-# checkpoint's bf16 tensors are converted as they load, as a user asking for float32 gets.
-DTYPE = "float32"
 ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
     "HF_HUB_OFFLINE": "1",

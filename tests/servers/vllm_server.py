@@ -64,6 +64,13 @@ def set_cache(model: Path, cache: str) -> None:
         raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
 
 
+# vLLM's and SGLang's dtype, float32: on a CPU without AVX-512 BF16 or AMX, torch's bf16 matmuls
+# take a slow path, so a bf16 model's warm-up and first answers cost minutes where float32's cost
+# seconds (vLLM's warm-up: over 5 min at bf16, 2 at float32 on an AVX2-only EPYC); the
+# checkpoint's bf16 tensors are converted as they load, as a user asking for float32 gets.
+DTYPE = "float32"
+
+
 class VllmServer:
     """One vLLM API server on `port`, stdout and stderr appended to `log`."""
 
@@ -76,7 +83,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{port}"
         argv = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
+            "--port", str(port), "--dtype", DTYPE, "--max-model-len", "512",
         ]  # fmt: skip
         if procs is not None:
             argv = joining([procs.parent], argv)  # in the cgroup (a blkio throttle) from the start
