@@ -764,11 +764,13 @@ def test_readiness_is_seen_within_a_fraction_of_the_sample_interval(tmp_path: Pa
             proc.terminate()
             proc.wait(timeout=10)
     assert load["outcome"] == "ready"
-    # 503s answered: about 1/s while starting and loading, 4/s through 2.5 s of initializing.
+    # 503s answered: 1/s while starting and loading, 4/s once the tracker's tick (1 s apart) has
+    # seen initializing, so at least (2.5 - 1) s x 4 = 6 fast ones. At the sample interval alone
+    # the whole 503 window (1 s start-up, 0.4 s of weights, 2.5 s initializing) holds at most 4.
     answered_503 = sample_value(
         text, "model_load_endpoint_probes_total", target="m", result="http_error"
     )
-    assert answered_503 is not None and answered_503 >= 8, answered_503
+    assert answered_503 is not None and answered_503 >= 6, answered_503
     assert 0 <= load["ended_at"] - ready_at < 0.4, (
         load["ended_at"],
         ready_at,
