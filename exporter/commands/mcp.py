@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        client_from_args(args)  # a bad URL, CA file or missing password: said before the SDK's
+    except ClientError as exc:  # seconds of imports, and before serving
+        terminal.fail("mcp", str(exc))
+        return Exit.USAGE
+    try:
         from exporter.commands import mcp_server
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
@@ -34,11 +39,6 @@ def run(args: argparse.Namespace) -> int:
             raise
         terminal.fail("mcp", f"the MCP SDK is not installed (no module {missing}): {INSTALL_HINT}")
         return Exit.FAILED
-    try:
-        client_from_args(args)  # a bad URL, CA file or missing password: say so before serving
-    except ClientError as exc:
-        terminal.fail("mcp", str(exc))
-        return Exit.USAGE
     setup_logging(args.log_level)
     # A client per tool call: calls run on worker threads, and a requests session is not shared.
     mcp_server.build(functools.partial(client_from_args, args)).run("stdio")
