@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from cloudcoil.models.prometheus_operator import v1 as operator
 from helpers.support import free_port, wait_for
 
 from exporter import __version__
@@ -222,6 +221,10 @@ def test_core_objects_pass_kubernetes_validate_strict(tmp_path: Path) -> None:
 
 def operator_round_trip(document: dict[str, Any]) -> dict[str, Any]:
     """The document as the operator's CRD model reads it; unknown fields drop out."""
+    # Imported here: its ~4,700 pydantic models take seconds, paid by each test worker that
+    # collects this file otherwise.
+    from cloudcoil.models.prometheus_operator import v1 as operator
+
     model = {"PodMonitor": operator.PodMonitor, "PrometheusRule": operator.PrometheusRule}
     parsed = model[document["kind"]].model_validate(document)
     return parsed.model_dump(mode="json", by_alias=True, exclude_unset=True)

@@ -23,8 +23,6 @@ from helpers.support import free_port, wait_for
 
 from exporter import api
 from exporter.commands.client import ExporterClient
-from exporter.commands.mcp_server import list_targets, recent_loads
-from exporter.commands.mcp_server import wait_for as mcp_wait
 from exporter.untrusted import clean
 
 UNSEEN = ("Cc", "Cf", "Cs", "Zl", "Zp")  # control, format, surrogate, line and paragraph breaks
@@ -197,6 +195,8 @@ def _cli(exporter: ExporterProcess, *args: str) -> str:
 @pytest.mark.requires("root", "setpriv")
 @pytest.mark.parametrize("case", CASES)
 def test_a_servers_dirty_paths_and_log_leave_clean(exporter: ExporterProcess, case: str) -> None:
+    from exporter.commands import mcp_server  # the MCP SDK takes seconds to import: here only
+
     kind, dirt, said = CASES[case]
     root = world_dir("untrusted-")
     try:
@@ -232,9 +232,9 @@ def test_a_servers_dirty_paths_and_log_leave_clean(exporter: ExporterProcess, ca
             _cli(exporter)
             _cli(exporter, "--json")
             connect = lambda: ExporterClient(exporter.url)  # noqa: E731
-            listed = list_targets(connect).model_dump()
+            listed = mcp_server.list_targets(connect).model_dump()
             assert_clean_json(json.dumps(listed).encode())
-            answer = mcp_wait(connect, name, 5.0).model_dump()
+            answer = mcp_server.wait_for(connect, name, 5.0).model_dump()
             assert answer["result"] == "failed"
             assert_clean_json(json.dumps(answer).encode())
             fatal = answer["server_text"]["fatal"]
@@ -251,7 +251,7 @@ def test_a_servers_dirty_paths_and_log_leave_clean(exporter: ExporterProcess, ca
         loads = assert_clean_json(exporter.get("/api/v1/loads").content)["loads"]
         assert any("note to the AI agent" in (load.get("fatal") or "") for load in loads), loads
         _cli(exporter)
-        past = recent_loads(lambda: ExporterClient(exporter.url), name, 5).model_dump()
+        past = mcp_server.recent_loads(lambda: ExporterClient(exporter.url), name, 5).model_dump()
         assert_clean_json(json.dumps(past).encode())
         assert all("note to" not in load["summary"] for load in past["loads"])
         assert any(

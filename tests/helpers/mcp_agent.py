@@ -6,12 +6,10 @@ from __future__ import annotations
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from anyio.from_thread import start_blocking_portal
-from mcp import ClientSession
-from mcp.client.stdio import StdioServerParameters, stdio_client
-from mcp.types import CallToolResult, Tool
+if TYPE_CHECKING:
+    from mcp.types import CallToolResult, Tool
 
 
 class Agent:
@@ -33,6 +31,12 @@ class Agent:
             raise
 
     def _open(self, args: tuple[str, ...], env: dict[str, str] | None) -> None:
+        # Imported here, not at the top: the SDK takes seconds to import, paid otherwise by each
+        # test worker that collects test_mcp.py.
+        from anyio.from_thread import start_blocking_portal
+        from mcp import ClientSession
+        from mcp.client.stdio import StdioServerParameters, stdio_client
+
         errlog = self._stack.enter_context(self.stderr_path.open("w"))
         self._portal = self._stack.enter_context(start_blocking_portal())
         params = StdioServerParameters(
