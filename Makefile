@@ -27,10 +27,15 @@ lint: $(BIN)/model-load-exporter
 	$(BIN)/ruff format --check exporter tests bench scripts grafana
 	$(BIN)/mypy
 
+# The tests start hundreds of Python processes (exporters, simulators, workers): without bytecode
+# caches each one compiles the package and pytest rewrites every test module again, so a
+# PYTHONDONTWRITEBYTECODE from the environment (set on some CI images) is dropped for them.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
+
 # Four workers on two cores: most system tests wait on servers, clocks and page-cache I/O, not
 # the CPU (1370 tests: 5m07s at -n 3, 4m19s at -n 4 on this 2-core machine).
 test: lint
-	$(BIN)/pytest -ra -n 4 --dist loadfile
+	$(PYTEST) -ra -n 4 --dist loadfile
 
 # Tests against real model servers (tests/servers/, left out of `make test`), each in a venv or
 # build of its own, installed once into SERVERS_CACHE, outside the clone and named by version, so a
@@ -122,7 +127,7 @@ test-servers: $(BIN)/model-load-exporter $(SERVER_STAMPS)
 	MLE_VLLM_PYTHON=$(VLLM)/bin/python MLE_LLAMACPP_PYTHON=$(LLAMACPP)/bin/python \
 		MLE_SGLANG_PYTHON=$(SGLANG)/bin/python MLE_LIBCUDA_DIR=$(LIBCUDA)/lib \
 		MLE_LLAMA_SERVER=$(LLAMA_SERVER)/build/bin/llama-server MLE_TRITON_DIR=$(TRITON) \
-		$(BIN)/pytest -ra -n 0 tests/servers
+		$(PYTEST) -ra -n 0 tests/servers
 
 # Regenerate grafana/dashboards/model-load.json from grafana/generate.py (commit the result).
 dashboards: $(BIN)/model-load-exporter
