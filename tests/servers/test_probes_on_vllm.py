@@ -32,7 +32,10 @@ from servers.vllm_server import SERVERS, START_TIMEOUT, VllmServer, set_cache
 
 THROTTLE = 100_000_000
 INTERVAL = 0.5
-STALL_AFTER = 15.0  # vLLM's quiet stretches while it loads are shorter than this
+# Longer than vLLM's quiet stretches while it loads, CPU busy and no line written: at float32
+# its compile warm-up ("Warming up model for the compilation..." to "Warming up done.") took 17 s
+# here, and a busy CPU is no progress (DESIGN: a hung collective spins too), so 15 s failed it.
+STALL_AFTER = 40.0
 PERIOD, TIMEOUT, FAILURES, FIRST_PROBE = 2.0, 1.0, 3, 1.0
 LAG = 2 * INTERVAL
 REPORT = SERVERS / "reports" / "probes-on-vllm.json"
