@@ -102,7 +102,14 @@ class Llama:
         wait_for(lambda: self.entry().get("phase") in ("down", "failed"), timeout=10)
         last = self.exporter.runtime.loads("llama", 1)[0]
         phases = {str(p): round(t, 3) for p, t in last.phase_seconds.items()}
-        self.loads.append({"cache": str(last.cache), "truth": ready_at - started, "phases": phases})
+        self.loads.append({
+            "cache": str(last.cache), "truth": ready_at - started, "phases": phases,
+            # what start-up read from storage and how much of the environment was cached: a
+            # warm start of a second and a half is mostly imports, paced by them
+            "startup_read_bytes": last.startup_read_bytes,
+            "environment_bytes": last.environment_bytes,
+            "environment_resident_bytes": last.environment_resident_bytes,
+        })  # fmt: skip
         return str(last.cache), ready_at - started
 
     def cold_load(self, procs: Path) -> tuple[str, float]:
