@@ -204,9 +204,11 @@ def test_an_exporter_restarted_mid_load_answers_no_503_without_a_basis(host: Any
     exporter, simulate = host
     first = exporter()
     sim = simulate("--stall-at", "0.4", "--stall-for", "3s")
-    # Stop the first exporter one second into the stall, so the stall outlives it by two
-    # seconds: a stall_after of 2 s counted from the stall's start would fail alive at once.
-    wait_for(lambda: (first.status()["targets"][0].get("seconds_since_progress") or 0) >= 1.0, 30)
+    # Stop the first exporter 1.5 s into the stall (as it saw it), so the stall outlives it by
+    # 1.5 s at most: the new exporter, watching for stall_after (2 s), sees the weights move
+    # again with half a second to spare for its sampling lag, where a stall_after counted from
+    # the stall's start would fail alive within half a second and for a second (two probes).
+    wait_for(lambda: (first.status()["targets"][0].get("seconds_since_progress") or 0) >= 1.5, 30)
     first.stop()
     second = exporter()
     alive, _ = probers(second)
