@@ -32,7 +32,7 @@ import pynvml
 import pytest
 import requests
 from helpers.fake_nvml import FakeNvml, h200_node
-from helpers.hostile import IdleClients, Listener, fill, tiny_tmpfs
+from helpers.hostile import CONNECTION_THREAD, IdleClients, Listener, fill, tiny_tmpfs
 from helpers.support import RunningExporter, sample_value, wait_for
 
 from exporter.config import parse_config
@@ -364,7 +364,7 @@ def thread_names() -> list[str]:
     return sorted(
         t.name
         for t in threading.enumerate()
-        if not t.name.startswith("http-") and not t.name.endswith("(_serve)")
+        if not t.name.startswith("http-") and t.name != CONNECTION_THREAD
     )
 
 

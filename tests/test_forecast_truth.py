@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.forecasts import TOLERANCE, Restart, forecast_at, table
+from helpers.forecasts import Restart, forecast_at, table
 from helpers.processes import Simulator, evict_dir
 from helpers.support import RunningExporter, free_port, sim_target, wait_for
 
@@ -88,4 +88,4 @@ def test_forecasts_before_warm_cold_and_mixed_restarts_are_within_20_percent_of_
             Restart(cache, known["seconds"], known["resident_share"], report["load_seconds"])
         )
     print("\n" + table(restarts))
-    assert all(abs(r.error) <= TOLERANCE for r in restarts), table(restarts)
+    assert all(r.within() for r in restarts), table(restarts)

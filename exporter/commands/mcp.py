@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A bad URL, CA file or missing password: said before the SDK's seconds of imports.
     try:
-        client_from_args(args)  # a bad URL, CA file or missing password: said before the SDK's
-    except ClientError as exc:  # seconds of imports, and before serving
+        client_from_args(args)
+    except ClientError as exc:
         terminal.fail("mcp", str(exc))
         return Exit.USAGE
     try:

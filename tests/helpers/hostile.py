@@ -193,6 +193,9 @@ class IdleClients:
             sock.close()
 
 
+CONNECTION_THREAD = "listener-connection"  # the name of each connection's thread
+
+
 class Listener:
     """A loopback TCP server that hands each connection to `_serve` on a thread of its own."""
 
@@ -212,7 +215,10 @@ class Listener:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            # Named, so that a test counting threads can leave these short-lived ones out.
+            threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name=CONNECTION_THREAD
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         raise NotImplementedError
