@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 from exporter_cpu import REPO, cpu_shares, free_port, wait_http
 
-from exporter.discovery import Discoverer
+from exporter.discovery.scan import Discoverer
 
 PATTERN = "sglang|vllm|llama-server|llama_cpp|text-generation-launcher|tritonserver"
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import requests
 
-from exporter.cachectl import evict
 from exporter.sim.shards import generate_shards
+from exporter.storage.cachectl import evict
 from exporter.units import parse_size
 
 REPO = Path(__file__).resolve().parent.parent

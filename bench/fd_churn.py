@@ -45,7 +45,7 @@ for line in sys.stdin:
 
 MEASURE = r"""
 import json, os, statistics, subprocess, sys, time
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.process import ProcessSample
 from exporter.sources.weightfiles import WeightFilesSource
 child_code, libs, model = sys.argv[1:4]

@@ -62,13 +62,15 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collector import ExporterCollector
-from exporter.config import TargetConfig, parse_config
-from exporter.forecast import Forecast
-from exporter.http import protobuf
-from exporter.loadstats import Histograms
-from exporter.sampler import Reading
-from exporter.snapshot import Snapshot, TargetView
+from exporter.config.schema import TargetConfig, parse_config
+from exporter.exposition.collector import ExporterCollector
+from exporter.exposition.http import protobuf
+from exporter.history.forecast import Forecast
+from exporter.history.histograms import Histograms
+from exporter.history.targethistory import TargetHistory
+from exporter.load.tracker import TargetState
+from exporter.runtime.sampler import Reading
+from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.sources import (
     ENDPOINT,
     LOGS,
@@ -88,8 +90,6 @@ from exporter.sources.netfs import NETFS
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
 from exporter.sources.zfs import ZFS
-from exporter.targethistory import TargetHistory
-from exporter.tracker import TargetState
 from exporter.vocabulary import Cache, Outcome, Phase, ProbeResult, ServerKind, Step
 
 REPO = Path(__file__).resolve().parents[1]

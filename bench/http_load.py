@@ -81,9 +81,9 @@ class _Stub(BaseHTTPRequestHandler):
 
 def _app() -> Any:
     sys.path.insert(0, str(REPO))
-    from exporter.config import parse_config
-    from exporter.http.app import WebApp
-    from exporter.runtime import Runtime
+    from exporter.config.schema import parse_config
+    from exporter.exposition.http.app import WebApp
+    from exporter.runtime.wiring import Runtime
 
     stub = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     stub.daemon_threads = True
@@ -96,8 +96,8 @@ def _app() -> Any:
 
 
 def _serve_ours(app: Any, port: int, tls: tuple[str, str] | None) -> Callable[[], None]:
-    from exporter.http.app import HttpServer
-    from exporter.http.webconfig import TlsConfig, WebConfig
+    from exporter.exposition.http.app import HttpServer
+    from exporter.exposition.http.webconfig import TlsConfig, WebConfig
 
     app.web = WebConfig(tls=TlsConfig(*tls)) if tls else WebConfig()
     server = HttpServer(app, f"127.0.0.1:{port}")

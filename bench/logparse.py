@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.logs.markers import MarkerParser
 from exporter.sources.logs import LogSource
 

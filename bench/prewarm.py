@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.cachectl import evict, prewarm_files
 from exporter.sources.memory import read_meminfo
+from exporter.storage.cachectl import evict, prewarm_files
 from exporter.units import parse_size
 
 REPO = Path(__file__).resolve().parents[1]

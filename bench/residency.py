@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.residency import ResidencySource
 
 GiB = 1 << 30

@@ -41,9 +41,9 @@ def child(config: str, port: int) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 
-    from exporter.config import load_config
-    from exporter.http.app import HttpServer, WebApp
-    from exporter.runtime import Runtime
+    from exporter.config.schema import load_config
+    from exporter.exposition.http.app import HttpServer, WebApp
+    from exporter.runtime.wiring import Runtime
 
     parsed = load_config(config)
     gpus = h200_node(GPUS)
@@ -92,7 +92,7 @@ class Servers:
 
     def _start(self, i: int) -> None:
         sys.path.insert(0, str(REPO))
-        from exporter.cachectl import evict
+        from exporter.storage.cachectl import evict
 
         if self.starts[i] % 3 == 0:
             for shard in self.weights[i].glob("*.safetensors"):

@@ -29,7 +29,7 @@ from pathlib import Path
 import requests
 from exporter_cpu import free_port, wait_http
 
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.process import ProcessSample
 from exporter.sources.weightfiles import WeightFilesSource
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.cachectl import evict
+from exporter.storage.cachectl import evict
 
 REPO = Path(__file__).resolve().parent.parent
 # The truth is measured as the tests measure it (cachestat as root, by path).

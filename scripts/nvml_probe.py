@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporter.nvml_pids import in_initial_pid_namespace
 from exporter.sources.gpu import (
     PCIE_RX_BYTES_FIELD,
     GpuSample,
@@ -43,6 +42,7 @@ from exporter.sources.gpu import (
     field_value,
     process_gpu_memory,
 )
+from exporter.sources.nvml_pids import in_initial_pid_namespace
 
 SCHEMA = 1
 MIB = 1024 * 1024

@@ -9,9 +9,9 @@ import pytest
 from helpers.require import require_all
 from helpers.support import ModelServer, RunningExporter
 
-from exporter.config import parse_config
-from exporter.http.webconfig import WebConfig
-from exporter.nvml_pids import NvmlPidCheck
+from exporter.config.schema import parse_config
+from exporter.exposition.http.webconfig import WebConfig
+from exporter.sources.nvml_pids import NvmlPidCheck
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -18,16 +18,7 @@ from pathlib import Path
 import pytest
 from helpers.support import wait_for
 
-from exporter.admission import (
-    Admission,
-    model_of,
-    models_apart,
-    on_behalf,
-    on_behalf_of,
-    targets_of,
-)
-from exporter.asprocess import Actor, Borrowed, Rights
-from exporter.config import (
+from exporter.config.schema import (
     Config,
     DiscoveryConfig,
     EndpointConfig,
@@ -35,15 +26,24 @@ from exporter.config import (
     TargetConfig,
     WeightsConfig,
 )
-from exporter.discovery import DiscoveredServer
-from exporter.logs.follow import TargetLog
-from exporter.pacing import ProbeCadence
-from exporter.refusals import Refusals
-from exporter.serverargs import Evidence
+from exporter.discovery.refusals import Refusals
+from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.serverargs import Evidence
+from exporter.load.tracker import Tracker
+from exporter.runtime.admission import (
+    Admission,
+    model_of,
+    models_apart,
+    on_behalf,
+    on_behalf_of,
+    targets_of,
+)
+from exporter.runtime.logfollow import TargetLog
+from exporter.runtime.pacing import ProbeCadence
+from exporter.runtime.target import TargetRuntime
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.process import ProcessFinder, read_stat
-from exporter.target import TargetRuntime
-from exporter.tracker import Tracker
+from exporter.trust.asprocess import Actor, Borrowed, Rights
 from exporter.vocabulary import ProbeKind
 
 INTERVAL = 1.0  # sample interval: passes while a discovered server is gone come this often

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from helpers.documents import load
 
-from exporter import api
+from exporter.exposition import api
 
 GOLDEN = Path(__file__).with_name("fixtures") / "status.json"
 

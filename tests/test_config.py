@@ -13,7 +13,7 @@ import yaml
 
 from exporter.cli import build_parser
 from exporter.commands.serve import config_from_args
-from exporter.config import (
+from exporter.config.schema import (
     DISCOVERY_SERVERS,
     ConfigError,
     DiscoveryConfig,

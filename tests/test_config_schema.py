@@ -12,7 +12,7 @@ from typing import Annotated
 import pytest
 import yaml
 
-from exporter.config import (
+from exporter.config.schema import (
     NOT_IN_YAML,
     Config,
     ConfigError,

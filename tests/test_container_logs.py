@@ -14,7 +14,7 @@ import pytest
 from helpers.containerlog import cri_record, docker_record, rfc3339nano
 from helpers.logreplay import FIXTURES
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.logs.decode import (
     BISECT_WINDOW,
     MAX_LINE,

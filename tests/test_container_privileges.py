@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from helpers.pagecache_io import file_residency
 
-from exporter.cachectl import evict
 from exporter.storage.backing import block_device_of
+from exporter.storage.cachectl import evict
 
 pytestmark = pytest.mark.system  # child processes with fewer privileges
 

@@ -29,7 +29,7 @@ from helpers.support import free_port, wait_for
 
 from exporter import __version__
 from exporter.cli import build_parser
-from exporter.config import DEFAULT_HISTORY_PATH
+from exporter.config.schema import DEFAULT_HISTORY_PATH
 from exporter.logs import find as logfind
 
 REPO = Path(__file__).resolve().parent.parent

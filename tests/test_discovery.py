@@ -27,7 +27,7 @@ from helpers.require import require
 from helpers.standins import install
 from helpers.support import free_port, wait_for
 
-from exporter.discovery import DiscoveredServer, Discoverer, endpoint_config, weights_config
+from exporter.discovery.scan import DiscoveredServer, Discoverer, endpoint_config, weights_config
 from exporter.sources.endpoint import EndpointProber
 from exporter.vocabulary import ProbeKind, ProbeResult
 

@@ -19,8 +19,8 @@ from helpers.support import (
     wait_for,
 )
 
-from exporter.cachectl import prewarm
 from exporter.sim.shards import generate_shards
+from exporter.storage.cachectl import prewarm
 
 pytestmark = pytest.mark.system  # child processes, servers
 

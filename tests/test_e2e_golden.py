@@ -30,11 +30,11 @@ from helpers.stepped import SteppedLoops
 from helpers.support import ModelServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.cachectl import evict
-from exporter.config import parse_config
-from exporter.http.app import HttpServer, WebApp
-from exporter.runtime import TRACKER_LOOP, Runtime
-from exporter.sampler import Sampler
+from exporter.config.schema import parse_config
+from exporter.exposition.http.app import HttpServer, WebApp
+from exporter.runtime.sampler import Sampler
+from exporter.runtime.wiring import TRACKER_LOOP, Runtime
+from exporter.storage.cachectl import evict
 
 FIXTURE = Path(__file__).with_name("fixtures") / "e2e"
 GOLDEN = Path(__file__).with_name("fixtures") / "e2e-output.prom"

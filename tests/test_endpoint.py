@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers.hostile import make_tls
 
-from exporter.config import EndpointConfig
+from exporter.config.schema import EndpointConfig
 from exporter.sources.endpoint import EndpointProber
 from exporter.vocabulary import ProbeResult, ServerKind
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from helpers.filesystems import fincore_bytes
 
-from exporter.cachectl import evict, prewarm
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.environment import NOT_LEARNED, EnvironmentSource
 from exporter.sources.process import NOT_FOUND, ProcessSample, process_start_time
+from exporter.storage.cachectl import evict, prewarm
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 pytestmark = [pytest.mark.system, pytest.mark.requires("fincore", "cachestat")]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.explain import NO_BASELINE, baseline, report, storage_reads
-from exporter.history import HistoryStore
-from exporter.loadreport import LoadReport, ReadRate, StorageRead
-from exporter.tracker import LoadRecord
+from exporter.history.explain import NO_BASELINE, baseline, report, storage_reads
+from exporter.history.store import HistoryStore
+from exporter.load.report import LoadReport, ReadRate, StorageRead
+from exporter.load.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 GB = 10**9

@@ -29,8 +29,8 @@ from helpers.support import (
 )
 from helpers.users import NOBODY, REPO, nobody_python
 
-from exporter.cachectl import evict
-from exporter.http.webconfig import load_web_config
+from exporter.exposition.http.webconfig import load_web_config
+from exporter.storage.cachectl import evict
 
 
 def target(name: str, url: str, **extra: Any) -> dict[str, Any]:

@@ -24,18 +24,21 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.api_build import status_document
-from exporter.collector import CATALOG, ExporterCollector
-from exporter.config import LogConfig, MetricsConfig, parse_config
-from exporter.discovery import DiscoveredServer
-from exporter.forecast import Forecast
-from exporter.loadreport import LoadReport, PhaseTime, ReadRate, StorageRead
-from exporter.loadstats import Histograms
+from exporter.config.schema import LogConfig, MetricsConfig, parse_config
+from exporter.discovery.refusals import REASONS
+from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.serverargs import Evidence
+from exporter.exposition.api_build import status_document
+from exporter.exposition.collector import CATALOG, ExporterCollector
+from exporter.history.forecast import Forecast
+from exporter.history.histograms import Histograms
+from exporter.history.startupwindow import StartupAdvice
+from exporter.history.targethistory import TargetHistory
+from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
+from exporter.load.tracker import LoadRecord, TargetState
 from exporter.logs.find import LogFinding
-from exporter.refusals import REASONS
-from exporter.sampler import Reading
-from exporter.serverargs import Evidence
-from exporter.snapshot import Snapshot, TargetView
+from exporter.runtime.sampler import Reading
+from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.sources import (
     ENDPOINT,
     LOGS,
@@ -55,13 +58,10 @@ from exporter.sources.memory import MemorySample
 from exporter.sources.netfs import NETFS, MountReads, NetFsSample
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
+from exporter.sources.storage import Fact, MountStorage, StorageDescription
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import ZFS, ArcReads, PoolReads, ZfsSample
-from exporter.startupwindow import StartupAdvice
-from exporter.storage.description import Fact, MountStorage, StorageDescription
 from exporter.storage.pagecache import FileResidency
-from exporter.targethistory import TargetHistory
-from exporter.tracker import LoadRecord, TargetState
 from exporter.vocabulary import (
     Cache,
     Outcome,

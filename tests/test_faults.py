@@ -35,7 +35,7 @@ from helpers.fake_nvml import FakeNvml, h200_node
 from helpers.hostile import CONNECTION_THREAD, IdleClients, Listener, fill, tiny_tmpfs
 from helpers.support import RunningExporter, sample_value, wait_for
 
-from exporter.config import parse_config
+from exporter.config.schema import parse_config
 from exporter.sources import ENDPOINT, PROCESS
 
 pytestmark = pytest.mark.system
@@ -377,7 +377,7 @@ def rss_bytes() -> int:
 
 def test_a_clock_stepped_back_restarts_tracking_and_follows_the_probes_after_it() -> None:
     """Deterministic: readings and ticks stepped by hand around a one-hour step back."""
-    from exporter.runtime import Runtime
+    from exporter.runtime.wiring import Runtime
     from exporter.sources.endpoint import ProbeSample
     from exporter.vocabulary import ProbeResult, ServerKind
 

@@ -18,8 +18,8 @@ from helpers.forecasts import Restart, forecast_at, table
 from helpers.processes import Simulator, evict_dir
 from helpers.support import RunningExporter, free_port, sim_target, wait_for
 
-from exporter.cachectl import evict, prewarm
 from exporter.sim.shards import generate_shards
+from exporter.storage.cachectl import evict, prewarm
 
 pytestmark = pytest.mark.system
 

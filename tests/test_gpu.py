@@ -30,7 +30,6 @@ from helpers.fake_nvml import (
 )
 from helpers.real_nvml import RealNvml, real_nvml
 
-from exporter.nvml_pids import NvmlPidCheck, in_initial_pid_namespace
 from exporter.sources.gpu import (
     GpuDevice,
     GpuProcess,
@@ -42,6 +41,7 @@ from exporter.sources.gpu import (
     pcie_rx_since,
     process_gpu_memory,
 )
+from exporter.sources.nvml_pids import NvmlPidCheck, in_initial_pid_namespace
 
 PROBE = Path(__file__).resolve().parent.parent / "scripts" / "nvml_probe.py"
 SERVER_PIDS = (4242, 4243)  # a launcher and its tensor-parallel worker

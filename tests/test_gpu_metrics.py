@@ -21,10 +21,10 @@ from helpers.fake_nvml import (
 )
 from helpers.support import RunningExporter, sample_value, wait_for
 
-from exporter.config import parse_config
-from exporter.nvml_pids import NvmlPidCheck
-from exporter.runtime import Runtime
+from exporter.config.schema import parse_config
+from exporter.runtime.wiring import Runtime
 from exporter.sources import NVML
+from exporter.sources.nvml_pids import NvmlPidCheck
 
 # A server whose tree is two processes, like a launcher and its TP worker.
 TREE = (

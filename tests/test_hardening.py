@@ -567,8 +567,8 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_10_a_full_disk_keeps_history_readable_and_says_so(tiny_fs: Path) -> None:
-    from exporter.history import HistoryStore
-    from exporter.tracker import LoadRecord
+    from exporter.history.store import HistoryStore
+    from exporter.load.tracker import LoadRecord
     from exporter.vocabulary import Cache, Outcome
 
     def record(at: float) -> LoadRecord:
@@ -659,7 +659,7 @@ def test_12_a_hung_ready_server_stays_ready_with_endpoint_down_and_is_logged_onc
         )  # fmt: skip
         settled_ready(running.url, "m")
         caplog.clear()
-        caplog.set_level(logging.INFO, logger="exporter.runtime")
+        caplog.set_level(logging.INFO, logger="exporter.runtime.wiring")
         model_server.mode = "hang"
         wait_for(lambda: any("hung?" in r.getMessage() for r in caplog.records), timeout=15)
         text = running.metrics()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config import HistoryRetention
-from exporter.history import SCHEMA_VERSION, HistoryStore
-from exporter.loadreport import LoadReport, PhaseTime, ReadRate, StorageRead
-from exporter.tracker import LoadRecord
+from exporter.config.schema import HistoryRetention
+from exporter.history.store import SCHEMA_VERSION, HistoryStore
+from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
+from exporter.load.tracker import LoadRecord
 from exporter.vocabulary import Cache
 
 T0 = 1_750_000_000.0
@@ -54,7 +54,9 @@ def store(tmp_path: Path) -> HistoryStore:
 
 def errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [
-        r for r in caplog.records if r.name == "exporter.history" and r.levelno >= logging.ERROR
+        r
+        for r in caplog.records
+        if r.name == "exporter.history.store" and r.levelno >= logging.ERROR
     ]
 
 

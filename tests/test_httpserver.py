@@ -15,8 +15,8 @@ import pytest
 import requests
 from helpers.hostile import make_tls
 
-from exporter.http.server import Limits, Server
-from exporter.http.webconfig import BasicAuth
+from exporter.exposition.http.server import Limits, Server
+from exporter.exposition.http.webconfig import BasicAuth
 
 SMALL = Limits(handshake_timeout=0.5, header_timeout=0.5, idle_timeout=0.5, write_timeout=2.0)
 

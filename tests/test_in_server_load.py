@@ -85,7 +85,7 @@ class FakeTriton:
 def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progress(
     tmp_path: Path, start_exporter: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="exporter.runtime")
+    caplog.set_level(logging.INFO, logger="exporter.runtime.wiring")
     triton = FakeTriton(tmp_path)
     try:
         exporter = start_exporter(
@@ -107,7 +107,7 @@ def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progres
                 ],
             }
         )
-        runtime = exporter.runtime
+        runtime = exporter.runtime.wiring
 
         def entry() -> dict[str, Any]:
             return dict(exporter.status()["targets"][0])

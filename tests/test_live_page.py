@@ -28,9 +28,9 @@ from helpers.processes import Simulator, evict_dir
 from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
-from exporter.config import parse_config
-from exporter.http.app import WebApp
-from exporter.http.webconfig import WebConfig
+from exporter.config.schema import parse_config
+from exporter.exposition.http.app import WebApp
+from exporter.exposition.http.webconfig import WebConfig
 from exporter.sim.shards import generate_shards
 
 playwright = pytest.importorskip("playwright.sync_api")

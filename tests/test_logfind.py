@@ -21,7 +21,7 @@ from helpers.cgroups import cgroups, hierarchies, joining
 from helpers.require import require
 from helpers.support import wait_for
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.logs.find import (
     CgroupOwner,
     LogFinding,

@@ -17,11 +17,10 @@ import pytest
 from helpers.fakeservers import world_dir
 from helpers.support import wait_for
 
-from exporter.admission import on_behalf_of
-from exporter.asprocess import Actor, OnBehalf
-from exporter.config import LogConfig, ProcessConfig
-from exporter.discovery import DiscoveredServer
-from exporter.logs.follow import (
+from exporter.config.schema import LogConfig, ProcessConfig
+from exporter.discovery.scan import DiscoveredServer
+from exporter.runtime.admission import on_behalf_of
+from exporter.runtime.logfollow import (
     Configured,
     FindFor,
     TargetLog,
@@ -29,10 +28,11 @@ from exporter.logs.follow import (
     read_every_interval,
     wanted,
 )
-from exporter.sampler import Reading, Sampler
+from exporter.runtime.sampler import Reading, Sampler
 from exporter.sources import LOGS, PROCESS
 from exporter.sources.logs import LogSample, LogSource
 from exporter.sources.process import ProcessFinder, ProcessSample, process_start_time
+from exporter.trust.asprocess import Actor, OnBehalf
 from exporter.vocabulary import ProbeKind
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

@@ -11,7 +11,7 @@ from datetime import datetime
 import pytest
 from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
-from exporter.config import parse_config
+from exporter.config.schema import parse_config
 from exporter.logs.markers import (
     DETAIL_MAX,
     DETECT_ANNOUNCE_LINES,

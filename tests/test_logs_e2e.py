@@ -27,7 +27,7 @@ from helpers.cgroups import cgroups, hierarchies, joining
 from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.logs.markers import LogEvent
 from exporter.sim.serverlog import STEP_SHARES
 from exporter.sources.logs import LogSample, LogSource

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from helpers.logreplay import FIXTURES
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.logs.decode import MAX_LINE
 from exporter.logs.journal import journalctl_command, parse_journal_json
 from exporter.sources.logs import (

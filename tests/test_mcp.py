@@ -20,8 +20,8 @@ from helpers.processes import Host
 from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
 
-from exporter import api
-from exporter.http.webconfig import WebConfig
+from exporter.exposition import api
+from exporter.exposition.http.webconfig import WebConfig
 
 pytestmark = pytest.mark.system
 

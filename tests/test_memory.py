@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 from helpers.pagecache_io import MIB, read_all, write_cold_file
 
-from exporter.cachectl import evict
 from exporter.sources.memory import (
     CacheFlows,
     MemorySample,
@@ -13,6 +12,7 @@ from exporter.sources.memory import (
     read_cache_flows,
     read_meminfo,
 )
+from exporter.storage.cachectl import evict
 from exporter.storage.pagecache import PAGE_SIZE
 
 GOOD = """\

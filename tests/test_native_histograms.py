@@ -20,11 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_dashboard import RULES
 from test_exposition import exposition, golden_snapshot
 
-from exporter.config import MetricsConfig, parse_config
-from exporter.http import protobuf
-from exporter.http.app import HttpServer, WebApp
-from exporter.loadstats import Histograms, native_index
-from exporter.snapshot import Snapshot
+from exporter.config.schema import MetricsConfig, parse_config
+from exporter.exposition.http import protobuf
+from exporter.exposition.http.app import HttpServer, WebApp
+from exporter.history.histograms import Histograms, native_index
+from exporter.runtime.snapshot import Snapshot
 from exporter.vocabulary import Cache, Outcome
 
 pytestmark = pytest.mark.system

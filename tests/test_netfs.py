@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_exposition import exposition, host_snapshot
 
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.netfs import (
     NETFS,
     MountReads,
@@ -28,7 +28,7 @@ from exporter.sources.netfs import (
     parse_mountstats,
 )
 from exporter.sources.residency import ResidencySource
-from exporter.storage.description import WeightStorage
+from exporter.sources.storage import WeightStorage
 from exporter.vocabulary import StorageKind
 
 FIXTURES = Path(__file__).with_name("fixtures") / "storage"

@@ -23,12 +23,12 @@ from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 from helpers.support import RunningExporter, sample_value, wait_for
 from helpers.users import REPO, as_nobody, nobody_python
 
-from exporter.nvml_pids import (
+from exporter.sources.gpu import NvmlSource, process_gpu_memory
+from exporter.sources.nvml_pids import (
     INIT_PID_NAMESPACE_INODE,
     NvmlPidCheck,
     in_initial_pid_namespace,
 )
-from exporter.sources.gpu import NvmlSource, process_gpu_memory
 
 TESTS = Path(__file__).resolve().parent
 PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -198,7 +198,7 @@ IN_NAMESPACE = """
 import json, os, subprocess, sys
 from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 from exporter.sources.gpu import NvmlSource, process_gpu_memory
-from exporter.nvml_pids import NvmlPidCheck, in_initial_pid_namespace
+from exporter.sources.nvml_pids import NvmlPidCheck, in_initial_pid_namespace
 
 prefix, device, host_client = sys.argv[1], sys.argv[2], int(sys.argv[3])
 holder = subprocess.Popen([sys.executable, "-c", sys.argv[4], device], stdout=subprocess.PIPE)
@@ -253,7 +253,7 @@ def test_in_a_new_pid_namespace_host_pids_are_refused_and_local_ones_trusted(
 
 UNREADABLE = """
 import json, sys
-from exporter.nvml_pids import NvmlPidCheck
+from exporter.sources.nvml_pids import NvmlPidCheck
 check = NvmlPidCheck(host_namespace=False, device_prefix=sys.argv[1])
 print(json.dumps(check.problem({int(sys.argv[2])})))
 """

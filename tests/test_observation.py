@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from exporter.logs.format import EventKind
+from exporter.load.tracker import FileView, TargetState, Tracker
 from exporter.logs.markers import LogEvent
-from exporter.observation import (
+from exporter.runtime.observe import (
     Marked,
     TargetReadings,
     bytes_read_under,
@@ -24,7 +24,8 @@ from exporter.observation import (
     storage_cache,
     tree_rx,
 )
-from exporter.sampler import Reading
+from exporter.runtime.sampler import Reading
+from exporter.servers.logformat import EventKind
 from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample
@@ -32,10 +33,9 @@ from exporter.sources.logs import LogSample
 from exporter.sources.netfs import MountReads, NetFsSample
 from exporter.sources.process import ProcessSample
 from exporter.sources.residency import ResidencySample
+from exporter.sources.storage import StorageDescription
 from exporter.sources.weightfiles import FileUse, WeightFilesSample
 from exporter.sources.zfs import PoolReads, ZfsSample
-from exporter.storage.description import StorageDescription
-from exporter.tracker import FileView, TargetState, Tracker
 from exporter.vocabulary import Cache, ProbeResult, Step, StorageKind
 
 NOW = 1_764_489_600.0

@@ -22,7 +22,7 @@ from helpers.processes import CLI, ExitClock, Host, Simulator, cli
 from helpers.scripted import ScriptedExporter
 from helpers.support import free_port
 
-from exporter.http.webconfig import TlsConfig, WebConfig
+from exporter.exposition.http.webconfig import TlsConfig, WebConfig
 from exporter.sim.shards import generate_shards
 
 pytestmark = pytest.mark.system

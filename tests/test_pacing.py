@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from exporter.pacing import (
+from exporter.runtime.pacing import (
     EVICTION_LOOK_SECONDS,
     FILE_LOOKS_PER_INTERVAL,
     QUIET_INTERVAL,

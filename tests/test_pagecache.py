@@ -23,8 +23,7 @@ import pytest
 from helpers.pagecache_io import file_residency
 from helpers.users import NOBODY, as_nobody, nobody_python
 
-from exporter.cachectl import evict
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.residency import (
     DEPARTED_SHARE_FOR_PASS,
     MIN_READS_FOR_PASS,
@@ -33,6 +32,7 @@ from exporter.sources.residency import (
     ResidencySource,
 )
 from exporter.storage import pagecache
+from exporter.storage.cachectl import evict
 from exporter.storage.pagecache import measure
 from exporter.storage.weighttree import walk_weights
 
@@ -507,8 +507,8 @@ def test_unmeasurable_residency_is_absent_and_logged_once(tmp_path: Path, caplog
 
 NOBODY_PROBE = """
 import json, os, sys
-from exporter.cachectl import evict
-from exporter.config import WeightsConfig
+from exporter.storage.cachectl import evict
+from exporter.config.schema import WeightsConfig
 from exporter.storage import pagecache
 from exporter.sources.residency import ResidencySource
 directory, path = sys.argv[1], sys.argv[2]

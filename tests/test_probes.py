@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from exporter.activity import ActivityWatch
-from exporter.config import EndpointConfig, ProcessConfig, TargetConfig
-from exporter.liveness import Question, alive, answer, ready
-from exporter.snapshot import TargetView
-from exporter.startupwindow import MARGIN, PERIOD_SECONDS, advise, percentile
-from exporter.tracker import LoadRecord, Observation, Tracker
+from exporter.config.schema import EndpointConfig, ProcessConfig, TargetConfig
+from exporter.exposition.liveness import Question, alive, answer, ready
+from exporter.history.startupwindow import MARGIN, PERIOD_SECONDS, advise, percentile
+from exporter.load.activity import ActivityWatch
+from exporter.load.tracker import LoadRecord, Observation, Tracker
+from exporter.runtime.snapshot import TargetView
 from exporter.vocabulary import Activity, Cache, Outcome, ProbeResult
 
 MIB = 1 << 20

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.pagecache_io import MIB, write_cold_file
 
-from exporter.config import ProcessConfig
+from exporter.config.schema import ProcessConfig
 from exporter.sources.process import ProcessFinder, ProcessSample
 
 pytestmark = pytest.mark.system  # child processes, servers

@@ -17,7 +17,7 @@ import pytest
 from helpers.hostile import ExporterProcess
 from helpers.support import ModelServer, metrics_when, sample_value, wait_for
 
-from exporter.exitwatch import ExitWatch
+from exporter.runtime.exitwatch import ExitWatch
 
 QUIET = 30.0  # longer than any wait below: what happens within it is not the quiet pace
 

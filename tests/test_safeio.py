@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config import WeightsConfig
-from exporter.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
+from exporter.config.schema import WeightsConfig
 from exporter.storage.weighttree import walk_weights
-from exporter.untrusted import clean
+from exporter.trust.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
+from exporter.trust.untrusted import clean
 
 
 def test_only_small_regular_files_are_read(tmp_path: Path) -> None:

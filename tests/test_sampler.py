@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from exporter.sampler import Periodic, Sampler
+from exporter.runtime.sampler import Periodic, Sampler
 from exporter.sources import MEMORY
 
 

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from helpers.require import require
 
-from exporter.config import ConfigError, parse_config
-from exporter.discovery import (
+from exporter.config.schema import ConfigError, parse_config
+from exporter.discovery.scan import (
     _local_addresses,
     _probe_host,
     _revision_snapshot,
     _url_host,
     target_name,
 )
-from exporter.serverargs import SECRET, find_launch, recognise
+from exporter.discovery.serverargs import SECRET, find_launch, recognise
 
 LAUNCHES: list[tuple[list[str], str | None]] = [
     (["python3", "-m", "sglang.launch_server", "--model-path", "m"], "sglang"),

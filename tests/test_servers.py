@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from helpers.support import free_port, metrics_when, sample_value, wait_for
 
-from exporter.config import ConfigError, EndpointConfig, parse_config
-from exporter.logs.format import CAUSE_RULES, EventKind, LogFormat, rule, stamp_utc
+from exporter.config.schema import ConfigError, EndpointConfig, parse_config
+from exporter.discovery.serverargs import find_launch, recognise
 from exporter.logs.markers import MarkerParser
-from exporter.serverargs import find_launch, recognise
 from exporter.servers import SERVERS
+from exporter.servers.logformat import CAUSE_RULES, EventKind, LogFormat, rule, stamp_utc
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.sim.shards import generate_shards
 from exporter.sources.endpoint import EndpointProber

@@ -22,7 +22,7 @@ from helpers.processes import Simulator, evict_dir
 from helpers.support import RunningExporter, free_port, sim_target, wait_for
 from test_dashboard_prometheus import SIM, AlertStates, Prometheus
 
-from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
+from exporter.runtime.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
 from exporter.sim.shards import generate_shards
 from exporter.sources import MEMORY, PAGECACHE
 from exporter.sources.residency import SERVING_REFRESH_SECONDS

@@ -25,7 +25,6 @@ from helpers.procview import Look, look
 from helpers.support import free_port, wait_for
 from safetensors import safe_open
 
-from exporter.cachectl import evict, prewarm
 from exporter.sim.imports import imports_dir
 from exporter.sim.shards import (
     CHUNK_SIZE,
@@ -37,6 +36,7 @@ from exporter.sim.shards import (
     read_chunk,
 )
 from exporter.sim.simulate import Endpoint
+from exporter.storage.cachectl import evict, prewarm
 from exporter.vocabulary import ServerKind
 
 pytestmark = pytest.mark.system  # child processes, servers

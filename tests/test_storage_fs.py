@@ -39,16 +39,16 @@ from helpers.support import RunningExporter, free_port, sample_value, sim_target
 from test_disk import lsblk_whole_disk
 from test_e2e import finished
 
-from exporter.cachectl import evict
-from exporter.config import ProcessConfig, WeightsConfig
+from exporter.config.schema import ProcessConfig, WeightsConfig
+from exporter.load.tracker import temperature
 from exporter.sim.shards import generate_shards
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.process import ProcessFinder
 from exporter.sources.residency import ResidencySample, ResidencySource
+from exporter.sources.storage import StorageDescription, WeightStorage
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
-from exporter.storage.description import StorageDescription, WeightStorage
+from exporter.storage.cachectl import evict
 from exporter.storage.pagecache import CachestatCall
-from exporter.tracker import temperature
 from exporter.vocabulary import Cache, StorageKind
 
 pytestmark = pytest.mark.system

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from exporter.explain import baseline, report
-from exporter.forecast import NO_RATES
-from exporter.history import HistoryStore
-from exporter.targethistory import TargetHistory, read_history
-from exporter.tracker import LoadRecord
+from exporter.history.explain import baseline, report
+from exporter.history.forecast import NO_RATES
+from exporter.history.store import HistoryStore
+from exporter.history.targethistory import TargetHistory, read_history
+from exporter.load.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 T0 = 1_750_000_000.0

@@ -9,10 +9,10 @@ import json
 import pytest
 from helpers.documents import load
 
-from exporter import api
 from exporter.commands import terminal
 from exporter.commands.client import ShownTarget
 from exporter.commands.wait import JsonOutput, PlainOutput
+from exporter.exposition import api
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from exporter.history import HistoryStore
-from exporter.logs.markers import EventKind, LogEvent
-from exporter.tracker import (
+from exporter.history.store import HistoryStore
+from exporter.load.tracker import (
     LINE_STAMP_SKEW_SECONDS,
     FileView,
     LoadRecord,
@@ -24,6 +23,7 @@ from exporter.tracker import (
     TargetState,
     Tracker,
 )
+from exporter.logs.markers import EventKind, LogEvent
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6

@@ -28,7 +28,7 @@ from helpers.hostile import REPO, ExporterProcess, Listener, discovering_exporte
 from helpers.support import free_port, metrics_when, sample_value, wait_for
 from helpers.users import NOBODY
 
-from exporter.asprocess import Actor, Rights, own_rights
+from exporter.trust.asprocess import Actor, Rights, own_rights
 
 pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv")]
 
@@ -535,7 +535,7 @@ def test_other_threads_keep_roots_rights_while_a_worker_acts_as_nobody(root_dir:
 _UNPRIVILEGED_CHECK = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from exporter.asprocess import Actor, Rights
+from exporter.trust.asprocess import Actor, Rights
 path = sys.argv[2]
 direct = open(path).read()  # CAP_DAC_READ_SEARCH lets this uid read root's 0600 file
 try:
@@ -569,7 +569,7 @@ def test_a_file_opened_for_the_log_finder_is_opened_with_the_process_rights(
     root_dir: Path, user_dir: Path
 ) -> None:
     """open_as: what exporter code reading a process's log (or any file it names) calls."""
-    from exporter.asprocess import open_as
+    from exporter.trust.asprocess import open_as
 
     log = user_dir / "server.log"
     log.write_text("ready\n")
@@ -599,7 +599,7 @@ def test_a_file_opened_for_the_log_finder_is_opened_with_the_process_rights(
 def test_a_hung_file_access_is_given_up_and_its_worker_replaced() -> None:
     """A hung NFS or FUSE mount must not hold discovery: the call times out, a new worker takes
     the next call, and past MAX_STUCK hung workers calls are refused at once."""
-    from exporter.asprocess import MAX_STUCK
+    from exporter.trust.asprocess import MAX_STUCK
 
     actor = Actor(timeout=0.2)
     release = threading.Event()

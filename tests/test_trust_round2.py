@@ -33,8 +33,8 @@ from helpers.support import free_port, sample_value, wait_for
 from helpers.users import NOBODY, SETPRIV, as_nobody
 from test_trust import found, refused, targets
 
-from exporter.asprocess import Borrowed, rights_of
-from exporter.history import HistoryStore
+from exporter.history.store import HistoryStore
+from exporter.trust.asprocess import Borrowed, rights_of
 
 pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv")]
 
@@ -527,10 +527,10 @@ def test_row8_a_users_own_files_are_read_with_their_rights(user_dir: Path) -> No
 
 
 def test_row8_a_fifo_swapped_in_after_the_listing_hangs_nothing(user_dir: Path) -> None:
-    from exporter.cachectl import evict, prewarm_files
     from exporter.commands.prewarm import find_files
-    from exporter.ownedfiles import OwnedFiles
-    from exporter.safeio import Refused
+    from exporter.storage.cachectl import evict, prewarm_files
+    from exporter.storage.ownedfiles import OwnedFiles
+    from exporter.trust.safeio import Refused
 
     model = users_model(user_dir)
     files = find_files([str(model)], ["*.safetensors"])

@@ -21,7 +21,7 @@ import requests
 from helpers.support import free_port, metrics_when, sample_value
 from helpers.users import NOBODY, REPO, SETPRIV, as_nobody, nobody_python
 
-from exporter.config import ProcessConfig
+from exporter.config.schema import ProcessConfig
 from exporter.sources.process import ProcessFinder
 
 pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv", "nobody_python")]
@@ -32,7 +32,7 @@ SERVER = (
 )
 FINDER = (
     "import dataclasses, json, sys\n"
-    "from exporter.config import ProcessConfig\n"
+    "from exporter.config.schema import ProcessConfig\n"
     "from exporter.sources.process import ProcessFinder\n"
     "sample = ProcessFinder(ProcessConfig(pidfile=sys.argv[1])).sample()\n"
     "print(json.dumps(dataclasses.asdict(sample)))\n"

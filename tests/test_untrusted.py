@@ -21,9 +21,9 @@ from helpers.fakeservers import FakeServers, world_dir
 from helpers.hostile import REPO, ExporterProcess, discovering_exporter
 from helpers.support import free_port, wait_for
 
-from exporter import api
 from exporter.commands.client import ExporterClient
-from exporter.untrusted import clean
+from exporter.exposition import api
+from exporter.trust.untrusted import clean
 
 UNSEEN = ("Cc", "Cf", "Cs", "Zl", "Zp")  # control, format, surrogate, line and paragraph breaks
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from helpers.hostile import make_tls
 
-from exporter.config import ConfigError
-from exporter.http.webconfig import load_web_config
+from exporter.config.schema import ConfigError
+from exporter.exposition.http.webconfig import load_web_config
 
 GOOD_HASH = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
 

@@ -18,7 +18,7 @@ import pytest
 from helpers.require import require
 from helpers.users import as_nobody, nobody_python
 
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.process import ProcessSample
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 
@@ -326,7 +326,7 @@ def test_another_users_tree_is_not_visible_and_says_why(
     loaders.append(loader)
     loader.do(f"open {shards[0]}")
     code = (
-        "from exporter.config import WeightsConfig\n"
+        "from exporter.config.schema import WeightsConfig\n"
         "from exporter.sources.process import ProcessSample\n"
         "from exporter.sources.weightfiles import WeightFilesSource\n"
         f"tree = ProcessSample(True, ({loader.pid},), {loader.pid}, 1.0, 0, 0, None)\n"

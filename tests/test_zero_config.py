@@ -22,9 +22,9 @@ import requests
 from helpers.standins import install
 from helpers.support import free_port, wait_for
 
-from exporter.cachectl import evict, prewarm
 from exporter.sim.shards import generate_shards
 from exporter.sources.process import process_start_time
+from exporter.storage.cachectl import evict, prewarm
 
 pytestmark = pytest.mark.system
 

@@ -11,11 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_exposition import exposition, host_snapshot
 from test_netfs import FIXTURES, FakeHost
 
-from exporter.cachectl import prewarm
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.residency import ResidencySource
+from exporter.sources.storage import WeightStorage
 from exporter.sources.zfs import ZFS, ZfsSource, parse_kstat_io, parse_kstat_named, pool_of
-from exporter.storage.description import WeightStorage
+from exporter.storage.cachectl import prewarm
 from exporter.vocabulary import Cache, StorageKind
 
 HITS, MISSES = 7221032, 73300  # demand_data_hits, demand_data_misses in the arcstats fixture

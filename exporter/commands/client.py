@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
-from exporter import api
+from exporter.exposition import api
 
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
 PASSWORD_ENV = "MODEL_LOAD_EXPORTER_PASSWORD"

@@ -9,13 +9,13 @@ import logging
 import os
 from typing import Any
 
-from exporter import api
-from exporter.api import MAX_LOADS
-from exporter.api_build import loads_document
 from exporter.commands import terminal
 from exporter.commands.client import ClientError, add_exporter_arguments, client_from_args
 from exporter.commands.exits import Exit, UsageError
-from exporter.history import HistoryStore
+from exporter.exposition import api
+from exporter.exposition.api import MAX_LOADS
+from exporter.exposition.api_build import loads_document
+from exporter.history.store import HistoryStore
 
 DEFAULT_LIMIT = 20
 COLUMNS = ("STARTED", "TARGET", "DURATION", "OUTCOME", "CACHE", "PHASES")

@@ -19,12 +19,13 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from pydantic import BaseModel, Field, ValidationError
 
-from exporter import __version__, api
-from exporter.api import MAX_LOADS
+from exporter import __version__
 from exporter.commands import terminal, wait
 from exporter.commands.client import ClientError, ExporterClient, ShownTarget, find_target
 from exporter.commands.exits import UsageError
-from exporter.untrusted import clean
+from exporter.exposition import api
+from exporter.exposition.api import MAX_LOADS
+from exporter.trust.untrusted import clean
 
 DEFAULT_WAIT_SECONDS = 45.0  # well inside the 2 minutes agents usually give a tool call
 MAX_WAIT_SECONDS = 100.0  # plus one status request: still inside those 2 minutes

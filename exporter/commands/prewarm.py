@@ -28,17 +28,17 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from exporter import cachectl
 from exporter.commands import terminal
 from exporter.commands.exits import Exit, UsageError
-from exporter.config import DEFAULT_INCLUDE, WeightsConfig
-from exporter.ownedfiles import OwnedFiles
-from exporter.safeio import Refused
+from exporter.config.schema import DEFAULT_INCLUDE, WeightsConfig
 from exporter.sources.memory import read_meminfo
 from exporter.sources.residency import measure_planned
-from exporter.storage.description import StorageDescription, WeightStorage
+from exporter.sources.storage import StorageDescription, WeightStorage
+from exporter.storage import cachectl
+from exporter.storage.ownedfiles import OwnedFiles
 from exporter.storage.pagecache import PassResult
 from exporter.storage.weighttree import WeightFile, walk_weights
+from exporter.trust.safeio import Refused
 from exporter.vocabulary import StorageKind
 
 DEFAULT_JOBS = 4

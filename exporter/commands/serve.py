@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from exporter.commands.exits import UsageError
-from exporter.config import (
+from exporter.config.schema import (
     Config,
     ConfigError,
     format_duration,
@@ -25,10 +25,10 @@ from exporter.config import (
     parse_config,
     parse_duration,
 )
-from exporter.http.app import HttpServer, WebApp
-from exporter.http.webconfig import WebConfig, allowed_hosts, load_web_config
+from exporter.exposition.http.app import HttpServer, WebApp
+from exporter.exposition.http.webconfig import WebConfig, allowed_hosts, load_web_config
 from exporter.logsetup import LEVELS, setup_logging
-from exporter.runtime import Runtime
+from exporter.runtime.wiring import Runtime
 from exporter.vocabulary import ProbeKind
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from exporter import api
+from exporter.exposition import api
 from exporter.units import age
 
 if TYPE_CHECKING:  # only its attributes are read here; prewarm need not import requests

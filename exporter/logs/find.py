@@ -49,7 +49,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.vocabulary import LogEncoding
 
 SMALL_READ = 64 * 1024  # /proc/PID/cgroup and fdinfo are a few hundred bytes

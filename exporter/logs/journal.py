@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from exporter.logs.decode import Records, json_object
 
 if TYPE_CHECKING:
-    from exporter.asprocess import Rights
+    from exporter.trust.asprocess import Rights
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
-from exporter.logs.format import CAUSE, EventKind, LogFormat
 from exporter.servers import SERVERS
+from exporter.servers.logformat import CAUSE, EventKind, LogFormat
 from exporter.vocabulary import AUTO, Step
 
 MAX_SKEW = 120.0  # seconds a line's stamp may differ from its reference time and still be used

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from exporter.logs.format import (
+from exporter.servers.logformat import (
     CAUSE,
     CAUSE_RULES,
     EventKind,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from exporter.logs.format import LogFormat
+from exporter.servers.logformat import LogFormat
 from exporter.vocabulary import ProbeKind
 
 # The files weights are loaded from, unless a server loads others (`weights.include`).

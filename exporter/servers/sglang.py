@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from exporter.logs.format import (
+from exporter.servers.logformat import (
     CAUSE_RULES,
     TQDM,
     EventKind,

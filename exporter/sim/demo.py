@@ -19,14 +19,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from exporter.cachectl import evict
-from exporter.config import parse_config
-from exporter.http.app import HttpServer, WebApp
+from exporter.config.schema import parse_config
+from exporter.exposition.http.app import HttpServer, WebApp
+from exporter.load.tracker import TargetState
 from exporter.logsetup import setup_logging
-from exporter.runtime import Runtime
+from exporter.runtime.wiring import Runtime
 from exporter.sim.shards import generate_shards
+from exporter.storage.cachectl import evict
 from exporter.storage.weighttree import walk_weights
-from exporter.tracker import TargetState
 from exporter.units import parse_size
 from exporter.vocabulary import Cache
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from exporter.asprocess import OnBehalf
     from exporter.sources.endpoint import ProbeSample
     from exporter.sources.environment import EnvironmentSample
     from exporter.sources.gpu import GpuSample
@@ -35,8 +34,9 @@ if TYPE_CHECKING:
     from exporter.sources.memory import MemorySample
     from exporter.sources.process import ProcessSample
     from exporter.sources.residency import ResidencySample
+    from exporter.sources.storage import StorageDescription
     from exporter.sources.weightfiles import WeightFilesSample
-    from exporter.storage.description import StorageDescription
+    from exporter.trust.asprocess import OnBehalf
 
 T = TypeVar("T")
 

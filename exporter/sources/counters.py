@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Self
 
-from exporter.asprocess import OnBehalf
 from exporter.sources import Host
 from exporter.storage.watched import WatchedPaths
+from exporter.trust.asprocess import OnBehalf
 
 
 class CounterRates:

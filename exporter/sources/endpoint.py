@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from exporter import __version__
-from exporter.config import EndpointConfig
+from exporter.config.schema import EndpointConfig
 from exporter.servers import SERVERS
 from exporter.sources.sample import Sample
 from exporter.vocabulary import ProbeKind, ProbeResult, ServerKind

@@ -34,13 +34,13 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from exporter.asprocess import OnBehalf
-from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
-from exporter.safeio import PSEUDO_MAGIC, PSEUDO_PATHS, path_magic
+from exporter.config.schema import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
 from exporter.sources.process import ProcessSample
 from exporter.sources.sample import Health, Sample
 from exporter.storage.pagecache import measure
 from exporter.storage.weighttree import WeightFile
+from exporter.trust.asprocess import OnBehalf
+from exporter.trust.safeio import PSEUDO_MAGIC, PSEUDO_PATHS, path_magic
 
 REFRESH_SECONDS = 5.0  # a pass this often while the target is not serving: before a restart
 MAX_FILES = 20_000  # files learned per target at most (SGLang on CPU maps about 260)

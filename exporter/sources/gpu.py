@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
-from exporter.nvml_pids import NvmlPidCheck
+from exporter.sources.nvml_pids import NvmlPidCheck
 from exporter.sources.sample import Health, Sample
 
 log = logging.getLogger(__name__)

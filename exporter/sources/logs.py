@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from exporter.config import LogConfig
+from exporter.config.schema import LogConfig
 from exporter.logs.decode import MAX_LINE
 from exporter.logs.files import FileReader, file_reader
 from exporter.logs.journal import JOURNAL_RESTART_SECONDS, JournalEntry, JournalReader
@@ -39,7 +39,7 @@ from exporter.sources.sample import Health, Sample
 from exporter.vocabulary import LogEncoding, Step
 
 if TYPE_CHECKING:
-    from exporter.asprocess import Rights
+    from exporter.trust.asprocess import Rights
 
 log = logging.getLogger(__name__)
 

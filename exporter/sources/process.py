@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from exporter.config import ProcessConfig
+from exporter.config.schema import ProcessConfig
 from exporter.sources.sample import Health, Sample
 
 _UNIT_SUFFIXES = (".service", ".scope")

@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from exporter.asprocess import OnBehalf
-from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
-from exporter.safeio import Refused
+from exporter.config.schema import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
 from exporter.sources.sample import Health, Sample
-from exporter.storage.description import WeightStorage
+from exporter.sources.storage import WeightStorage
 from exporter.storage.pagecache import METHODS, FileResidency, PassResult, measure, sizes_only
 from exporter.storage.weighttree import WeightFile, WeightTree, walk_weights
+from exporter.trust.asprocess import OnBehalf
+from exporter.trust.safeio import Refused
 
 log = logging.getLogger(__name__)
 

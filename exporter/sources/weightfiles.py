@@ -45,11 +45,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from exporter.asprocess import OnBehalf
-from exporter.config import WeightsConfig
+from exporter.config.schema import WeightsConfig
 from exporter.sources.process import ProcessSample
 from exporter.sources.sample import Health, Sample
 from exporter.storage.weighttree import WeightFile, WeightTree, walk_weights
+from exporter.trust.asprocess import OnBehalf
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 WALK_TIMEOUT = 5.0  # seconds a walk of a discovered server's weights may take (a hung mount)

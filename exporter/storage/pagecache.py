@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from exporter.libc import LIBC
 from exporter.storage.weighttree import WeightFile
+from exporter.trust.libc import LIBC
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 METHODS: tuple[str, ...] = ("cachestat", "mincore")

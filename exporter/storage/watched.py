@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from exporter.asprocess import OnBehalf
 from exporter.storage.backing import Layer, describe
 from exporter.storage.mounts import Mounts, Placed
+from exporter.trust.asprocess import OnBehalf
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from exporter.config import WeightsConfig
-from exporter.safeio import PSEUDO_MAGIC, Refused, path_magic
+from exporter.config.schema import WeightsConfig
+from exporter.trust.safeio import PSEUDO_MAGIC, Refused, path_magic
 
 log = logging.getLogger(__name__)
 

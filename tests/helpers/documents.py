@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from exporter import api
+from exporter.exposition import api
 
 IN_PROGRESS = ("starting", "loading_weights", "initializing")
 

@@ -8,7 +8,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from exporter.cachectl import evict
+from exporter.storage.cachectl import evict
 from exporter.storage.pagecache import METHODS, FileMeasurement, measure_fd
 
 MIB = 1024 * 1024

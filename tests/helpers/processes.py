@@ -14,8 +14,8 @@ from typing import Any
 
 import requests
 
-from exporter.cachectl import evict
 from exporter.sim.shards import generate_shards
+from exporter.storage.cachectl import evict
 from helpers.support import free_port, wait_for
 
 CLI = (sys.executable, "-m", "exporter")

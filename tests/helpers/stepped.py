@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from exporter.sampler import Periodic
+from exporter.runtime.sampler import Periodic
 
 
 class SteppedLoop(Periodic):

@@ -14,10 +14,10 @@ from typing import Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config import Config
-from exporter.http.app import HttpServer, WebApp
-from exporter.http.webconfig import WebConfig
-from exporter.runtime import Runtime
+from exporter.config.schema import Config
+from exporter.exposition.http.app import HttpServer, WebApp
+from exporter.exposition.http.webconfig import WebConfig
+from exporter.runtime.wiring import Runtime
 
 COMPLETION = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "."}]}
 

@@ -34,6 +34,6 @@ def _pythonpath() -> str:
 def nobody_python() -> str | None:
     """A Python `nobody` can run the exporter with (a venv under /root is out of its reach)."""
     for python in (sys.executable, "/usr/bin/python3"):
-        if as_nobody(python, "-c", "import exporter.runtime").returncode == 0:
+        if as_nobody(python, "-c", "import exporter.runtime.wiring").returncode == 0:
             return python
     return None

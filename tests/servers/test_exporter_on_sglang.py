@@ -31,8 +31,8 @@ from helpers.hostile import ExporterProcess
 from helpers.support import free_port, wait_for
 from test_disk import lsblk_whole_disk
 
-from exporter.cachectl import evict
 from exporter.sources.process import process_start_time
+from exporter.storage.cachectl import evict
 from servers.sglang_server import LIBCUDA_ENV, START_TIMEOUT, SglangServer, describe
 from servers.vllm_server import SERVERS, set_cache
 

@@ -22,7 +22,7 @@ from helpers.hostile import ExporterProcess
 from helpers.processes import evict_dir
 from helpers.support import free_port, wait_for
 
-from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
+from exporter.runtime.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
 from servers.vllm_server import SERVERS, START_TIMEOUT, VllmServer
 
 REPORT = SERVERS / "reports" / "exporter-on-vllm.json"

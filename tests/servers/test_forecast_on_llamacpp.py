@@ -29,10 +29,10 @@ from helpers.forecasts import Restart, forecast_at, table
 from helpers.support import RunningExporter, free_port, wait_for
 from test_disk import lsblk_whole_disk
 
-from exporter.cachectl import evict, prewarm
-from exporter.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
+from exporter.runtime.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
 from exporter.sources import MEMORY
 from exporter.sources.process import process_start_time
+from exporter.storage.cachectl import evict, prewarm
 from servers.llamacpp_server import LlamaCppServer
 from servers.vllm_server import SERVERS
 

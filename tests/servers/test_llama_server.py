@@ -27,8 +27,8 @@ from helpers.hostile import ExporterProcess
 from helpers.require import require_all
 from test_disk import lsblk_whole_disk
 
-from exporter.cachectl import evict, prewarm
 from exporter.sources.process import process_start_time
+from exporter.storage.cachectl import evict, prewarm
 from servers import llama_server
 from servers.llama_server import LlamaServer
 from servers.watch import (

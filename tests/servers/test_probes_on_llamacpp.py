@@ -38,9 +38,9 @@ from helpers.kubelet import Prober
 from helpers.support import RunningExporter, free_port, wait_for
 from test_disk import lsblk_whole_disk
 
-from exporter.cachectl import evict, prewarm
+from exporter.history.startupwindow import MARGIN, PERIOD_SECONDS
 from exporter.sources.process import process_start_time
-from exporter.startupwindow import MARGIN, PERIOD_SECONDS
+from exporter.storage.cachectl import evict, prewarm
 from servers.llamacpp_server import LlamaCppServer
 from servers.vllm_server import SERVERS
 

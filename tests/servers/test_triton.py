@@ -24,8 +24,8 @@ from helpers.filesystems import scratch
 from helpers.require import require_all
 from test_disk import lsblk_whole_disk
 
-from exporter.cachectl import evict, prewarm
 from exporter.sources.process import process_start_time
+from exporter.storage.cachectl import evict, prewarm
 from servers import triton_server
 from servers.triton_server import TritonServer
 from servers.watch import (

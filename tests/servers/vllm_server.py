@@ -23,7 +23,7 @@ import requests
 from helpers.cgroups import joining
 from helpers.processes import evict_dir
 
-from exporter.cachectl import prewarm
+from exporter.storage.cachectl import prewarm
 from servers import launched
 
 REPO = Path(__file__).resolve().parents[2]
