@@ -6,11 +6,11 @@
 One process serves the /metrics of every host on one port, one path per host
 (`/host/N/metrics`); Prometheus (Debian's `prometheus`) finds them through a file_sd list that
 gives each its `__metrics_path__` and its `instance` label, so a thousand hosts cost one socket.
-Each exposition is the exporter's own collector (exporter/collector.py) rendering a snapshot of
-M targets that live through loads (cold and warm, stalled, failed, evicted, ready for hours),
-re-rendered every scrape interval. Rendering a thousand hosts every interval would take one of the
-machine's two cores, so the hosts share `VARIANTS` lives (host h shows life h % VARIANTS, its own
-targets, loads and histories, each in its own phase): every host is its own series to
+Each exposition is the exporter's own collector (exporter/exposition/collector.py) rendering a
+snapshot of M targets that live through loads (cold and warm, stalled, failed, evicted, ready for
+hours), re-rendered every scrape interval. Rendering a thousand hosts every interval would take one
+of the machine's two cores, so the hosts share `VARIANTS` lives (host h shows life h % VARIANTS, its
+own targets, loads and histories, each in its own phase): every host is its own series to
 Prometheus, and the mix of states across the fleet is what a fleet shows.
 
 By default Prometheus scrapes and evaluates the rules every 15 s, as shipped: what a rule group

@@ -22,7 +22,7 @@ Measured, one scenario after another:
 * peak RSS and thread count over the whole run.
 
 Measured on the 2-core VM this project runs on (see docs/costs.md for the numbers and
-exporter/http/server.py for why they chose the asyncio server).
+exporter/exposition/http/server.py for why they chose the asyncio server).
 """
 
 from __future__ import annotations

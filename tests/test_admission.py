@@ -1,5 +1,5 @@
-"""exporter/admission.py without the runtime's threads: which discovered servers become targets
-(one per server, one more per model of a repository server holding several), how a target
+"""exporter/runtime/admission.py without the runtime's threads: which discovered servers become
+targets (one per server, one more per model of a repository server holding several), how a target
 follows its server and when it is dropped, driven pass by pass with DiscoveredServer values as
 discovery makes them, a small wiring of real trackers, probers and process finders, and real
 processes where a configured target's process tree or a process's rights count. The same end to
@@ -127,7 +127,7 @@ def found(
     reachable: bool = True,
     weights: tuple[str, ...] = ("/models/m",),
 ) -> DiscoveredServer:
-    """A server as discovery describes one (exporter/discovery.py)."""
+    """A server as discovery describes one (exporter/discovery/scan.py)."""
     return DiscoveredServer(
         kind="vllm",
         name=name,

@@ -1,5 +1,5 @@
-"""The /api/v1 documents read back (exporter/api.py): what the exporter writes reads as it was
-written, a malformed answer is one line naming the key, and a newer exporter's extra keys are
+"""The /api/v1 documents read back (exporter/exposition/api.py): what the exporter writes reads as
+it was written, a malformed answer is one line naming the key, and a newer exporter's extra keys are
 no error."""
 
 from __future__ import annotations

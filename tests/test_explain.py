@@ -1,5 +1,5 @@
-"""A finished load's report against the loads before it (exporter/explain.py), with history a
-real SQLite file: phases against their medians, bytes by where they came from, the read rate
+"""A finished load's report against the loads before it (exporter/history/explain.py), with history
+a real SQLite file: phases against their medians, bytes by where they came from, the read rate
 against the best before, and the one-line reason only for a load slower than expected."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """History keeps domain records: a column per LoadRecord field, the report as the values
-exporter/explain.py made (exporter/loadreport.py), in the JSON shape files have always had."""
+exporter/history/explain.py made (exporter/load/report.py), in the JSON shape files have always
+had."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""exporter/http/server.py with its limits made small: real sockets on loopback, real TLS."""
+"""exporter/exposition/http/server.py with its limits made small: real sockets on loopback, real
+TLS."""
 
 from __future__ import annotations
 

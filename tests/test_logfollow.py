@@ -1,5 +1,5 @@
-"""exporter/logs/follow.py without the runtime's threads: which log a target follows and when that
-changes, decided from real process readings (ProcessFinder on real processes, named by pidfile
+"""exporter/runtime/logfollow.py without the runtime's threads: which log a target follows and when
+that changes, decided from real process readings (ProcessFinder on real processes, named by pidfile
 as a supervisor names them) and followed in real files. The exporter doing the same end to end:
 tests/test_logs_e2e.py, tests/test_zero_config.py, tests/test_trust_round2.py."""
 

@@ -1,5 +1,6 @@
-"""What one tick sees of a target (exporter/observation.py): the sources' readings of varied shapes
-turned into the tracker's Observation, and which readings are news, without threads or a runtime."""
+"""What one tick sees of a target (exporter/runtime/observe.py): the sources' readings of varied
+shapes turned into the tracker's Observation, and which readings are news, without threads or a
+runtime."""
 
 from __future__ import annotations
 

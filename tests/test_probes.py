@@ -1,5 +1,6 @@
-"""The kubelet's probes (exporter/liveness.py), the stall's reasons (exporter/activity.py) and the
-startupProbe advice (exporter/startupwindow.py), driven through the real tracker tick by tick."""
+"""The kubelet's probes (exporter/exposition/liveness.py), the stall's reasons
+(exporter/load/activity.py) and the startupProbe advice (exporter/history/startupwindow.py), driven
+through the real tracker tick by tick."""
 
 from __future__ import annotations
 

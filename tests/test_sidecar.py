@@ -175,8 +175,8 @@ def test_sys_ptrace_instead_reads_the_counters_but_not_the_servers_files(
     pod: Any, weights: Path
 ) -> None:
     """CAP_SYS_PTRACE opens /proc/PID/io, but the server's files are read with the server's own
-    capabilities (exporter/asprocess.py), which a more capable server's /proc/PID/root refuses:
-    the server without capabilities is the way, not this one."""
+    capabilities (exporter/trust/asprocess.py), which a more capable server's /proc/PID/root
+    refuses: the server without capabilities is the way, not this one."""
     url, server, _ = pod(["sys_ptrace"], RUNTIME_DEFAULT)
     entry = loaded(url, server.pid)
     assert entry["sources"]["process"]["note"] is None

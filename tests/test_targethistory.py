@@ -1,5 +1,5 @@
-"""One target's past loads as the snapshot shows them (exporter/targethistory.py), read from a
-real SQLite history holding loads of several targets and temperatures."""
+"""One target's past loads as the snapshot shows them (exporter/history/targethistory.py), read from
+a real SQLite history holding loads of several targets and temperatures."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def load(
     cache: Cache = Cache.COLD,
 ) -> LoadRecord:
     """A finished load filed as the runtime files it: with its report against the loads
-    before it (exporter/explain.py), which says why it was slower when it was."""
+    before it (exporter/history/explain.py), which says why it was slower when it was."""
     record = LoadRecord(
         target=target,
         started_at=at,

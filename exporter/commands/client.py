@@ -1,8 +1,8 @@
 """Talk to a running exporter from the command line: its JSON API in, typed views out.
 
 `wait`, `status` and `history` are clients of the same `/api/v1/*` contract that dashboards and
-scripts use (its documents are exporter/api.py's, read back with the classes the exporter wrote
-them with), so they work against a remote exporter, behind TLS and basic auth, exactly as they
+scripts use (its documents are exporter/exposition/api.py's, read back with the classes the exporter
+wrote them with), so they work against a remote exporter, behind TLS and basic auth, exactly as they
 do on the GPU host itself. Every failure becomes one `ClientError` line that names the exporter
 (never its password) and says what to check.
 """

@@ -11,11 +11,12 @@ Where the page cache is not what the next load reads from, prewarming would clai
 it cannot give, so it refuses with the reason (exit 1, whatever `--force`): reads that bypass the
 page cache (a FUSE mount in direct-I/O mode), a cache that is not the page cache (ZFS's ARC), a
 FUSE mount whose every open drops the cache. Through an overlay or a FUSE passthrough it reads
-and measures the real file below (exporter/storage/description.py).
+and measures the real file below (exporter/sources/storage.py).
 
 Every file is opened with the rights of the user who owns the names leading to it, never
 through a symlink swapped in after the listing, and only when it is the regular file listed
-(exporter/ownedfiles.py): root prewarming a user's directory reads nothing the user could not.
+(exporter/storage/ownedfiles.py): root prewarming a user's directory reads nothing the user could
+not.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def line(view: ShownTarget) -> str:
 
 def forecast_text(forecast: api.RestartForecast) -> str:
     """`a restart now: ~4m10s, 62 % of the weights cached`: what a restart would cost before
-    anyone begins one (exporter/forecast.py); without a forecast, why there is none."""
+    anyone begins one (exporter/history/forecast.py); without a forecast, why there is none."""
     share = forecast.resident_share
     cached = f", {percent(share)} of the weights cached" if share is not None else ""
     if forecast.seconds is None:

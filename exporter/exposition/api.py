@@ -10,8 +10,8 @@ the other, not a silent `None`.
 `DocumentError` of one line that says where) and ignores keys it does not know, so an older
 client reads a newer exporter. Words from the exporter's vocabulary (phase, cache, outcome,
 server, storage kind, step) are plain strings here for the same reason: a newer exporter may
-speak one more. Stdlib only, and nothing of the exporter's own but exporter/untrusted.py (itself
-stdlib only): the client commands import this without the exporter's sources.
+speak one more. Stdlib only, and nothing of the exporter's own but exporter/trust/untrusted.py
+(itself stdlib only): the client commands import this without the exporter's sources.
 
 `to_json` is one of the exporter's two exits for text (the metric labels are the other): every
 string of every document, keys too, passes `untrusted.clean` there, so a path, an argument or a
@@ -114,7 +114,7 @@ def _encode(value: object) -> object:
         return {clean(str(k), None): _encode(v) for k, v in value.items()}
     if isinstance(value, str):
         # A StrEnum member as its plain value; every string cleaned on its way out, whoever
-        # wrote it (exporter/untrusted.py says why here).
+        # wrote it (exporter/trust/untrusted.py says why here).
         return clean(str(value), None)
     return value
 
@@ -250,7 +250,7 @@ class ReadRate(Document):
 @dataclass(frozen=True)
 class LoadReport(Document):
     """Where a finished load's time went and why, against the loads before it
-    (exporter/explain.py); each part None where it has no basis."""
+    (exporter/history/explain.py); each part None where it has no basis."""
 
     expected_seconds: float | None  # median duration of the earlier loads of its temperature
     phases: tuple[PhaseTime, ...]
@@ -526,7 +526,7 @@ class Discovered(Document):
 
 @dataclass(frozen=True)
 class RestartForecast(Document):
-    """How long a restart begun now would take to be ready (exporter/forecast.py)."""
+    """How long a restart begun now would take to be ready (exporter/history/forecast.py)."""
 
     seconds: float | None  # None: no basis, and `reason` says why
     resident_share: float | None  # share of the weights in page cache now, 0..1
@@ -538,7 +538,8 @@ class RestartForecast(Document):
 
 @dataclass(frozen=True)
 class Probes(Document):
-    """What /probe/alive and /probe/ready answer for the target now (exporter/liveness.py)."""
+    """What /probe/alive and /probe/ready answer for the target now
+    (exporter/exposition/liveness.py)."""
 
     alive: bool
     alive_line: str
@@ -548,8 +549,9 @@ class Probes(Document):
 
 @dataclass(frozen=True)
 class StartupProbe(Document):
-    """The fixed startupProbe window this target's cold loads need (exporter/startupwindow.py);
-    the numbers None and `reason` said when history has no cold load."""
+    """The fixed startupProbe window this target's cold loads need
+    (exporter/history/startupwindow.py); the numbers None and `reason` said when history has no
+    cold load."""
 
     period_seconds: int | None
     failure_threshold: int | None

@@ -1,4 +1,5 @@
-"""The /api/v1 documents (exporter/api.py) built from a snapshot, and from history's records.
+"""The /api/v1 documents (exporter/exposition/api.py) built from a snapshot, and from history's
+records.
 
 The web side's half of the API: what each source's sample, the tracker's state, history's records
 and the runtime's marks become in /api/v1/status and /api/v1/loads. Only here do the domain's

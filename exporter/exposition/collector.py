@@ -323,8 +323,9 @@ def _native(counts: HistogramCounts) -> NativeHistogram:
 
 def _label(value: str) -> str:
     """A label value as it may leave: the exporter's second exit for text (the documents'
-    `to_json` is the first; exporter/untrusted.py says why), so a mount point, a file or a model
-    name with an escape, a bidi override or a byte that is not UTF-8 encodes and shows as text."""
+    `to_json` is the first; exporter/trust/untrusted.py says why), so a mount point, a file or a
+    model name with an escape, a bidi override or a byte that is not UTF-8 encodes and shows as
+    text."""
     return clean(value, limit=MAX_LABEL)
 
 

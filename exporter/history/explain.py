@@ -11,7 +11,7 @@ history with the load: later loads move the medians, not what this load was comp
   serves the reads) and from storage (the server tree's own storage reads), and what each
   device, network mount or ZFS pool under the weights read meanwhile;
 * the rate the weights came at (storage's for a cold load, the page cache's for a warm one,
-  as exporter/forecast.py measures it) against the best one of the loads before;
+  as exporter/history/forecast.py measures it) against the best one of the loads before;
 * the reason, only for a ready load that took more than SLOWER_THAN_EXPECTED times the median
   of its temperature: the phase with the most time over its median (the fine step, when one
   holds most of an initialization's excess), with the read rate when it is the weights.

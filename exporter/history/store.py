@@ -10,7 +10,7 @@ finished loads are being kept.
 A row is a `tracker.LoadRecord`, a column per field of the same name (`id` is the row's, stable
 for /api/v1/loads/ID): `_row` and `_record` derive both from the dataclass, so a field added to
 the record needs only its column's migration (a test holds the two together). A field that is a
-mapping or a dataclass (the phases, the report of exporter/loadreport.py) is a JSON column,
+mapping or a dataclass (the phases, the report of exporter/load/report.py) is a JSON column,
 written and read by `_plain` and `_typed` from the same fields; the report's JSON is the shape
 the /api/v1 document it becomes has always had (api_build.py alone turns one into the other), so
 files of earlier versions read the same.

@@ -1,5 +1,5 @@
-"""A finished load's report as values: what exporter/explain.py finds, what history keeps with
-the load, and what api_build.py shows as /api/v1's `report` (the only module meeting both)."""
+"""A finished load's report as values: what exporter/history/explain.py finds, what history keeps
+with the load, and what api_build.py shows as /api/v1's `report` (the only module meeting both)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ QUIET_INTERVALS = 5
 # RATE_MIN_INTERVALS intervals: smooth enough for an ETA, still following a change of pace.
 RATE_WINDOW_SECONDS = 10.0
 RATE_MIN_INTERVALS = 3
-# MOVE_BYTES (exporter/activity.py): a byte signal's change that counts as movement for stalls.
+# MOVE_BYTES (exporter/load/activity.py): a byte signal's change that counts as movement for stalls.
 # Phases whose length does not depend on the page cache: ETAs may take them from any load.
 FINE_STEPS = (Step.KV_CACHE, Step.COMPILE, Step.CUDA_GRAPH, Step.WARMUP)
 CACHE_INDEPENDENT: tuple[str, ...] = (Phase.INITIALIZING, *FINE_STEPS)
@@ -154,7 +154,7 @@ class Observation:
     log_followed: bool = False
     files: FileView | None = None  # None: the tree's weight files cannot be seen
     gpu_rx_bytes: int | None = None  # PCIe bytes received by the tree's GPUs (a counter)
-    # What the storage under the weights says of the label (storage/description.py): bypass (reads
+    # What the storage under the weights says of the label (sources/storage.py): bypass (reads
     # go around the page cache), unknown (the page cache is not what serves them), warm (in
     # memory by construction, tmpfs), or None: residency decides.
     storage_cache: Cache | None = None
@@ -188,7 +188,7 @@ class LoadRecord:
     environment_bytes: int | None = None
     environment_resident_bytes: int | None = None
     id: int | None = None  # history's row id, once stored and read back
-    report: LoadReport | None = None  # where its time went and why (exporter/explain.py)
+    report: LoadReport | None = None  # where its time went and why (exporter/history/explain.py)
 
     @property
     def duration_seconds(self) -> float:
@@ -228,7 +228,7 @@ class TargetState:
     # Models the running server unloaded since the exporter started; None until it showed it
     # loads models in place (a load or an unload inside it), so other servers carry no series.
     unloads: int | None = None
-    # Seconds since each measured signal last moved (exporter/activity.py): what a stall's
+    # Seconds since each measured signal last moved (exporter/load/activity.py): what a stall's
     # reason is made of. A signal not measured is absent.
     activity: Mapping[str, float] = field(default_factory=dict)
     cpu_share: float | None = None  # the tree's CPU over the last 10 s, share of one core
@@ -324,7 +324,7 @@ class _Load:
 
 
 class Scope(Enum):
-    """What of a server a target watches (exporter/admission.py: targets_of)."""
+    """What of a server a target watches (exporter/runtime/admission.py: targets_of)."""
 
     SERVER = "server"  # the whole server: its process's loads, and models loaded into it
     # A server whose models are targets of their own: its process's loads only.
@@ -496,7 +496,8 @@ class Tracker:
         )
 
     def reported(self, record: LoadRecord) -> None:
-        """The last finished load with its report (exporter/explain.py), for what shows it."""
+        """The last finished load with its report (exporter/history/explain.py), for what shows
+        it."""
         last = self._last_record
         # The same load, with what the runtime adds as it files it: its report and environment.
         added = (

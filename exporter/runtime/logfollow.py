@@ -145,7 +145,7 @@ class TargetLog:
     ) -> Switch | None:
         """Open the log `wanted` says, closing an older process's; None: nothing changed.
         `found`: the server as discovery last found it (None: configured); `model`: the one
-        model of a server serving several this target watches (exporter/admission.py)."""
+        model of a server serving several this target watches (exporter/runtime/admission.py)."""
         move = wanted(
             self.configured is not None,
             self.source is not None,

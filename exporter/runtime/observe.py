@@ -2,8 +2,8 @@
 `Observation`, and which readings are news that the tick must see at once.
 
 Pure functions of plain values, so what a tick sees is tested as the tracker is, without threads,
-a sampler or a runtime (tests/test_observation.py); exporter/runtime.py gathers the readings and
-acts on the answers.
+a sampler or a runtime (tests/test_observation.py); exporter/runtime/wiring.py gathers the readings
+and acts on the answers.
 """
 
 from __future__ import annotations

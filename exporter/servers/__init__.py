@@ -3,7 +3,7 @@
 
 A server module holds everything that server is (exporter/servers/server.py says what): how its
 command lines start it, its log format, what its HTTP answers give away. The engines read these
-rows and know no server by name: exporter/serverargs.py (argv, config file, environment),
+rows and know no server by name: exporter/discovery/serverargs.py (argv, config file, environment),
 exporter/logs/markers.py (log lines to events), exporter/sources/endpoint.py (answers to a kind);
 the config accepts every kind here for `log.format` and `discovery.servers`.
 

@@ -1,9 +1,9 @@
 """What one model server is, as the rows a server module fills in.
 
 A server module (exporter/servers/sglang.py ...) holds one `Server`: the command lines that
-start it and how each reads its arguments (`Command`, read by exporter/serverargs.py), its log
-format (`LogFormat`, read by exporter/logs/markers.py) and what its HTTP answers give away
-(`Answers`, read by exporter/sources/endpoint.py). The engines know no server by name.
+start it and how each reads its arguments (`Command`, read by exporter/discovery/serverargs.py),
+its log format (`LogFormat`, read by exporter/logs/markers.py) and what its HTTP answers give
+away (`Answers`, read by exporter/sources/endpoint.py). The engines know no server by name.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class Command:
     """One program that starts the server, and how it reads its arguments.
 
     Recognised only by what sits in the executable, console-script or `python -m` position of
-    argv (exporter/serverargs.py says how). Per role: its flag spellings, environment variables
-    and the program's default.
+    argv (exporter/discovery/serverargs.py says how). Per role: its flag spellings, environment
+    variables and the program's default.
     """
 
     label: str  # in evidence: "llama.cpp server started as `llama-server`"

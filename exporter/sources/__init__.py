@@ -5,17 +5,17 @@ A `SourceKey[T]` is how the runtime registers a source, how the sampler files it
 how the collector and the web side ask for them: `snapshot.host(DISK)` is a `DiskSample | None`,
 with no string keys to misspell and no `isinstance` to recover the type.
 
-A host-wide source sampled at the host pace (exporter/pacing.py) declares itself in its own module:
-its key, and `HOST_SOURCE = HostSource(KEY, start)`, where `start` builds the source over the `Host`
-(its /proc and /sys; `watching_weights` if it measures only what is under the targets' weights, as
-the disk, netfs and zfs sources do) and returns what its loop calls. The runtime starts every
-`HOST_SOURCE` that `host_sources()` finds in this package's modules, so such a source is its module,
-its families in exporter/collector.py and its row in docs/metrics.md, with its tests
-(docs/development.md, "Adding a source": 7 files, 14 before). Its key lives in its module because
-the keys here name their sample types: a module declaring itself with a key from here would import
-this module that imports it (scripts/module_graph.py counts type-only imports too). The sources that
-need more of the runtime (memory's eviction hook, NVML's library, every per-target source) keep
-their keys here and are started by exporter/runtime.py.
+A host-wide source sampled at the host pace (exporter/runtime/pacing.py) declares itself in its own
+module: its key, and `HOST_SOURCE = HostSource(KEY, start)`, where `start` builds the source over
+the `Host` (its /proc and /sys; `watching_weights` if it measures only what is under the targets'
+weights, as the disk, netfs and zfs sources do) and returns what its loop calls. The runtime starts
+every `HOST_SOURCE` that `host_sources()` finds in this package's modules, so such a source is its
+module, its families in exporter/exposition/collector.py and its row in docs/metrics.md, with its
+tests (docs/development.md, "Adding a source": 7 files, 14 before). Its key lives in its module
+because the keys here name their sample types: a module declaring itself with a key from here would
+import this module that imports it (scripts/module_graph.py counts type-only imports too). The
+sources that need more of the runtime (memory's eviction hook, NVML's library, every per-target
+source) keep their keys here and are started by exporter/runtime/wiring.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One target's page-cache residency as a source: the weight tree walked
 (exporter/storage/weighttree.py) and each file measured (exporter/storage/pagecache.py) where the
-storage under it says a measurement is true (exporter/storage/description.py), full passes spaced
+storage under it says a measurement is true (exporter/sources/storage.py), full passes spaced
 to stay within a CPU budget.
 """
 
@@ -35,7 +35,7 @@ READS_SHARE_FOR_PASS = 0.001  # ... or this share of the weights, whichever is m
 # weights out slowly (DAMON here: 100 MB a minute of 2 GB) pays a pass per twentieth, not per
 # hundredth (at 1 %, 11 ms of CPU a minute in quiet mode on bench/exporter_cpu.py).
 DEPARTED_SHARE_FOR_PASS = 0.05
-PASS_TIMEOUT = 120.0  # a pass run with a process's rights (exporter/asprocess.py)
+PASS_TIMEOUT = 120.0  # a pass run with a process's rights (exporter/trust/asprocess.py)
 
 
 def measure_planned(
@@ -97,7 +97,7 @@ class ResidencySource:
 
         A discovered target's passes run `on_behalf` of its process (with its rights), walk at
         most `max_entries` entries, and report a refused tree to `on_refused`; `storage` says
-        where each file may be measured (exporter/storage/description.py).
+        where each file may be measured (exporter/sources/storage.py).
         """
         if not 0 < cpu_budget <= 1:
             raise ValueError(f"cpu_budget must be in (0, 1], got {cpu_budget}")

@@ -1,7 +1,7 @@
 """ZFS under the weights: bytes its pools read from their disks, and how often the ARC served.
 
 ZFS caches file data in its ARC, not in the page cache, so page-cache residency says nothing of
-a warm ZFS restart (exporter/storage/description.py drops it) and /proc/diskstats counts the vdevs'
+a warm ZFS restart (exporter/sources/storage.py drops it) and /proc/diskstats counts the vdevs'
 reads without saying which pool asked. The SPL kstats do:
 
 * `/proc/spl/kstat/zfs/<pool>/io` (KSTAT_TYPE_IO): `nread`, bytes the pool read from its vdevs,

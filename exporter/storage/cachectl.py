@@ -21,7 +21,7 @@ SEGMENT_BYTES = 256 << 20  # unit of parallel work; sequential within it, so rea
 _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 Progress = Callable[[int], None]
-Opener = Callable[[str], int]  # a path -> an fd to read (`prewarm`: exporter/ownedfiles.py)
+Opener = Callable[[str], int]  # a path -> an fd to read (`prewarm`: exporter/storage/ownedfiles.py)
 
 
 def open_plain(path: str) -> int:

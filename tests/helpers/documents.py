@@ -1,6 +1,6 @@
 """/api/v1 documents for stand-in exporters and for the commands' views, built with the classes
-the exporter writes them with (exporter/api.py): a stand-in speaks the exporter's schema, so a
-key it lacked would fail the client here as it would against a real exporter."""
+the exporter writes them with (exporter/exposition/api.py): a stand-in speaks the exporter's schema,
+so a key it lacked would fail the client here as it would against a real exporter."""
 
 from __future__ import annotations
 

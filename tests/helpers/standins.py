@@ -4,7 +4,7 @@
 (`sglang/launch_server.py`, `vllm/entrypoints/openai/api_server.py`, a `vllm` script, ...), so a
 process started through them has exactly the command line the real server would have. Each one
 parses its server's flags the way that server does (deliberately apart from
-exporter/serverargs.py, so the two can disagree and a test catch it), then runs
+exporter/discovery/serverargs.py, so the two can disagree and a test catch it), then runs
 `python -m exporter simulate` as its child on that port and those weights, forwarding signals.
 
 `STANDIN_SIM_ARGS` adds simulator flags (speed); `STANDIN_FORK_WORKERS=N` forks N children that

@@ -1,8 +1,8 @@
 """HTTP side: /metrics, /api/v1/status, /api/v1/loads, landing page, health and reload.
 
 The exporter's routes in front of prometheus_client's WSGI app (which does the OpenMetrics content
-negotiation and gzip for us), served by exporter/http/server.py: an asyncio server with handshake,
-header and idle timeouts and a bound on connections, so no client can stall a scrape.
+negotiation and gzip for us), served by exporter/exposition/http/server.py: an asyncio server with
+handshake, header and idle timeouts and a bound on connections, so no client can stall a scrape.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ NO_STORE = ("Cache-Control", "no-store")
 class WebApp:
     """The WSGI application over whichever runtime is current (a reload swaps it).
 
-    TLS and basic auth are the server's (exporter/http/server.py), so they cover every path and a
-    bcrypt check never holds a worker; the app checks basic auth again (from the cache) for when
-    another WSGI server hosts it. GET paths also answer HEAD (the server drops the body); any
-    other method is 405 with an Allow header.
+    TLS and basic auth are the server's (exporter/exposition/http/server.py), so they cover every
+    path and a bcrypt check never holds a worker; the app checks basic auth again (from the cache)
+    for when another WSGI server hosts it. GET paths also answer HEAD (the server drops the body);
+    any other method is 405 with an Allow header.
     """
 
     def __init__(
@@ -133,8 +133,8 @@ class WebApp:
     def _probe(
         self, question: Question, environ: dict[str, Any], start_response: StartResponse
     ) -> Iterable[bytes]:
-        """/probe/alive and /probe/ready (exporter/liveness.py): a kubelet's httpGet probe; the
-        body is the one line `kubectl describe` shows."""
+        """/probe/alive and /probe/ready (exporter/exposition/liveness.py): a kubelet's httpGet
+        probe; the body is the one line `kubectl describe` shows."""
         query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
         name = query.get("target", [None])[0]
         runtime = self.runtime
@@ -245,7 +245,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
 
 
 class HttpServer:
-    """The exporter's listening socket and its server (exporter/http/server.py)."""
+    """The exporter's listening socket and its server (exporter/exposition/http/server.py)."""
 
     def __init__(self, app: WebApp, address: str, limits: Limits | None = None) -> None:
         host, port = parse_listen_address(address)
