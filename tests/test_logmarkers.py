@@ -12,16 +12,9 @@ import pytest
 from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
 from exporter.config.schema import parse_config
-from exporter.logs.markers import (
-    DETAIL_MAX,
-    DETECT_ANNOUNCE_LINES,
-    EventKind,
-    MarkerParser,
-    StepTimeline,
-    clean,
-    detect,
-    tighten,
-)
+from exporter.load.events import EventKind
+from exporter.load.steps import StepTimeline, tighten
+from exporter.logs.markers import DETAIL_MAX, DETECT_ANNOUNCE_LINES, MarkerParser, clean, detect
 from exporter.servers import SERVERS
 from exporter.sim.serverlog import LOG_WRITERS, LogContext
 from exporter.vocabulary import AUTO, ServerKind, Step

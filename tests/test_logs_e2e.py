@@ -28,7 +28,7 @@ from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config.schema import LogConfig
-from exporter.logs.markers import LogEvent
+from exporter.load.events import LogEvent
 from exporter.sim.serverlog import STEP_SHARES
 from exporter.sources.logs import LogSample, LogSource
 from exporter.vocabulary import Step

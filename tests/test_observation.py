@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from exporter.load.events import EventKind, LogEvent
 from exporter.load.tracker import FileView, TargetState, Tracker
-from exporter.logs.markers import LogEvent
 from exporter.runtime.observe import (
     Marked,
     TargetReadings,
@@ -26,7 +26,6 @@ from exporter.runtime.observe import (
     tree_rx,
 )
 from exporter.runtime.sampler import Reading
-from exporter.servers.logformat import EventKind
 from exporter.sources.disk import DeviceReads, DiskSample
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.gpu import GpuDevice, GpuProcess, GpuSample

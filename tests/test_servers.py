@@ -21,9 +21,10 @@ from helpers.support import free_port, metrics_when, sample_value, wait_for
 
 from exporter.config.schema import ConfigError, EndpointConfig, parse_config
 from exporter.discovery.serverargs import find_launch, recognise
+from exporter.load.events import EventKind
 from exporter.logs.markers import MarkerParser
 from exporter.servers import SERVERS
-from exporter.servers.logformat import CAUSE_RULES, EventKind, LogFormat, rule, stamp_utc
+from exporter.servers.logformat import CAUSE_RULES, LogFormat, rule, stamp_utc
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.sim.shards import generate_shards
 from exporter.sources.endpoint import EndpointProber

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from exporter.history.store import HistoryStore
+from exporter.load.events import EventKind, LogEvent
 from exporter.load.tracker import (
     LINE_STAMP_SKEW_SECONDS,
     FileView,
@@ -23,7 +24,6 @@ from exporter.load.tracker import (
     TargetState,
     Tracker,
 )
-from exporter.logs.markers import EventKind, LogEvent
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6

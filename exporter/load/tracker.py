@@ -45,8 +45,9 @@ from enum import Enum
 from typing import NamedTuple, Protocol, TypedDict
 
 from exporter.load.activity import MOVE_BYTES, ActivityWatch
+from exporter.load.events import EventKind, LogEvent
 from exporter.load.report import LoadReport
-from exporter.logs.markers import EventKind, LogEvent, StepTimeline, tighten
+from exporter.load.steps import StepTimeline, tighten
 from exporter.vocabulary import (
     IN_PROGRESS,
     Activity,

@@ -14,14 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from exporter.servers.logformat import (
-    CAUSE,
-    CAUSE_RULES,
-    EventKind,
-    LogFormat,
-    elapsed_since_start,
-    rule,
-)
+from exporter.load.events import EventKind
+from exporter.servers.logformat import CAUSE, CAUSE_RULES, LogFormat, elapsed_since_start, rule
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 

@@ -13,29 +13,8 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-
-class EventKind(StrEnum):
-    WEIGHTS_BEGIN = "weights_begin"
-    WEIGHTS_PROGRESS = "weights_progress"
-    WEIGHTS_END = "weights_end"
-    KV_CACHE = "kv_cache"
-    # The KV cache's allocation time in the server's own account, stated after the step began
-    # (SGLang's `Engine startup timings (s): ... kv_cache_allocation=N`): it dates the step.
-    KV_CACHE_TIMED = "kv_cache_timed"
-    COMPILE_BEGIN = "compile_begin"
-    COMPILE_END = "compile_end"
-    CUDA_GRAPH_BEGIN = "cuda_graph_begin"
-    CUDA_GRAPH_PROGRESS = "cuda_graph_progress"
-    CUDA_GRAPH_END = "cuda_graph_end"
-    WARMUP_BEGIN = "warmup_begin"
-    READY = "ready"
-    FATAL = "fatal"
-    # A running server loads (a model into Triton in explicit or poll mode) or unloads one.
-    LOAD_BEGIN = "load_begin"
-    UNLOADED = "unloaded"
-
+from exporter.load.events import EventKind
 
 CAUSE = "cause"  # a rule kind that records an error line for the next fatal instead of firing
 

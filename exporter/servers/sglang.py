@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import re
 
-from exporter.servers.logformat import (
-    CAUSE_RULES,
-    TQDM,
-    EventKind,
-    LogFormat,
-    rule,
-    stamp_local,
-)
+from exporter.load.events import EventKind
+from exporter.servers.logformat import CAUSE_RULES, TQDM, LogFormat, rule, stamp_local
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from exporter.servers.logformat import CAUSE_RULES, EventKind, LogFormat, rule, stamp_utc
+from exporter.load.events import EventKind
+from exporter.servers.logformat import CAUSE_RULES, LogFormat, rule, stamp_utc
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import re
 
-from exporter.servers.logformat import (
-    CAUSE_RULES,
-    EventKind,
-    LogFormat,
-    rule,
-    stamp_local_no_year,
-)
+from exporter.load.events import EventKind
+from exporter.servers.logformat import CAUSE_RULES, LogFormat, rule, stamp_local_no_year
 from exporter.servers.server import DEFAULT_INCLUDE, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import re
 
-from exporter.servers.logformat import (
-    CAUSE_RULES,
-    TQDM,
-    EventKind,
-    LogFormat,
-    rule,
-    stamp_local_no_year,
-)
+from exporter.load.events import EventKind
+from exporter.servers.logformat import CAUSE_RULES, TQDM, LogFormat, rule, stamp_local_no_year
 from exporter.servers.server import Answers, Command, Role, Server
 from exporter.vocabulary import ProbeKind, ServerKind
 

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from exporter.config.schema import LogConfig
+from exporter.load.events import LogEvent
+from exporter.load.steps import StepTimeline
 from exporter.logs.decode import MAX_LINE
 from exporter.logs.files import FileReader, file_reader
 from exporter.logs.journal import JOURNAL_RESTART_SECONDS, JournalEntry, JournalReader
-from exporter.logs.markers import LogEvent, MarkerParser, StepTimeline
+from exporter.logs.markers import MarkerParser
 from exporter.sources.sample import Health, Sample
 from exporter.vocabulary import LogEncoding, Step
 

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from exporter.load.events import LogEvent
+from exporter.load.steps import StepTimeline
 from exporter.logs.journal import parse_journal_json
-from exporter.logs.markers import LogEvent, MarkerParser, StepTimeline, clean
+from exporter.logs.markers import MarkerParser, clean
 from exporter.vocabulary import Step
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "logs"
