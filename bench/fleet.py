@@ -68,7 +68,7 @@ from exporter.exposition.http import protobuf
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
 from exporter.history.targethistory import TargetHistory
-from exporter.load.tracker import TargetState
+from exporter.load.records import TargetState
 from exporter.runtime.sampler import Reading
 from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.sources import (

@@ -11,8 +11,8 @@ import pytest
 
 from exporter.history.explain import NO_BASELINE, baseline, report, storage_reads
 from exporter.history.store import HistoryStore
+from exporter.load.records import LoadRecord
 from exporter.load.report import LoadReport, ReadRate, StorageRead
-from exporter.load.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 GB = 10**9

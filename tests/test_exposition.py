@@ -34,8 +34,8 @@ from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
 from exporter.history.startupwindow import StartupAdvice
 from exporter.history.targethistory import TargetHistory
+from exporter.load.records import LoadRecord, TargetState
 from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
-from exporter.load.tracker import LoadRecord, TargetState
 from exporter.logs.find import LogFinding
 from exporter.runtime.sampler import Reading
 from exporter.runtime.snapshot import Snapshot, TargetView

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from exporter.history.forecast import NO_RATES, Environment, forecast, rates
-from exporter.load.tracker import LoadRecord
+from exporter.load.records import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 GB = 10**9

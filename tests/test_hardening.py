@@ -568,7 +568,7 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
 
 def test_10_a_full_disk_keeps_history_readable_and_says_so(tiny_fs: Path) -> None:
     from exporter.history.store import HistoryStore
-    from exporter.load.tracker import LoadRecord
+    from exporter.load.records import LoadRecord
     from exporter.vocabulary import Cache, Outcome
 
     def record(at: float) -> LoadRecord:

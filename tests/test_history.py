@@ -13,8 +13,8 @@ import pytest
 
 from exporter.config.schema import HistoryRetention
 from exporter.history.store import SCHEMA_VERSION, HistoryStore
+from exporter.load.records import LoadRecord
 from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
-from exporter.load.tracker import LoadRecord
 from exporter.vocabulary import Cache
 
 T0 = 1_750_000_000.0

@@ -16,8 +16,8 @@ import pytest
 from exporter.exposition import api
 from exporter.exposition.api_build import load_document
 from exporter.history.store import SCHEMA_VERSION, HistoryStore
+from exporter.load.records import LoadRecord
 from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
-from exporter.load.tracker import LoadRecord
 from exporter.vocabulary import Cache, Outcome, Phase, Step
 
 T0 = 1_760_000_000.0

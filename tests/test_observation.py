@@ -10,7 +10,9 @@ from typing import Any, TypeVar
 import pytest
 
 from exporter.load.events import EventKind, LogEvent
-from exporter.load.tracker import FileView, TargetState, Tracker
+from exporter.load.observation import FileView
+from exporter.load.records import TargetState
+from exporter.load.tracker import Tracker
 from exporter.runtime.observe import (
     Marked,
     TargetReadings,

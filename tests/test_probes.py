@@ -15,7 +15,9 @@ from exporter.config.schema import EndpointConfig, ProcessConfig, TargetConfig
 from exporter.exposition.liveness import Question, alive, answer, ready
 from exporter.history.startupwindow import MARGIN, PERIOD_SECONDS, advise, percentile
 from exporter.load.activity import ActivityWatch
-from exporter.load.tracker import LoadRecord, Observation, Tracker
+from exporter.load.observation import Observation
+from exporter.load.records import LoadRecord
+from exporter.load.tracker import Tracker
 from exporter.runtime.snapshot import TargetView
 from exporter.vocabulary import Activity, Cache, Outcome, ProbeResult
 

@@ -40,7 +40,7 @@ from test_disk import lsblk_whole_disk
 from test_e2e import finished
 
 from exporter.config.schema import ProcessConfig, WeightsConfig
-from exporter.load.tracker import temperature
+from exporter.load.progress import temperature
 from exporter.sim.shards import generate_shards
 from exporter.sources.disk import DiskSample, DiskSource
 from exporter.sources.process import ProcessFinder

@@ -10,7 +10,7 @@ from exporter.history.explain import baseline, report
 from exporter.history.forecast import NO_RATES
 from exporter.history.store import HistoryStore
 from exporter.history.targethistory import TargetHistory, read_history
-from exporter.load.tracker import LoadRecord
+from exporter.load.records import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 T0 = 1_750_000_000.0

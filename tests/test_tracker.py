@@ -15,15 +15,9 @@ import pytest
 
 from exporter.history.store import HistoryStore
 from exporter.load.events import EventKind, LogEvent
-from exporter.load.tracker import (
-    LINE_STAMP_SKEW_SECONDS,
-    FileView,
-    LoadRecord,
-    Observation,
-    Scope,
-    TargetState,
-    Tracker,
-)
+from exporter.load.observation import FileView, Observation
+from exporter.load.records import LoadRecord, TargetState
+from exporter.load.tracker import LINE_STAMP_SKEW_SECONDS, Scope, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
 MB = 10**6

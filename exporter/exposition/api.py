@@ -270,7 +270,7 @@ class LoadReport(Document):
 
 @dataclass(frozen=True)
 class Load(Document):
-    """One finished load, as history keeps it (`tracker.LoadRecord`)."""
+    """One finished load, as history keeps it (`load.records.LoadRecord`)."""
 
     target: str
     started_at: float
@@ -326,7 +326,7 @@ class SourceReading(Document):
 
 @dataclass(frozen=True)
 class LoadState(Document):
-    """A target's load as the tracker sees it (`tracker.TargetState`)."""
+    """A target's load as the tracker sees it (`load.records.TargetState`)."""
 
     phase: str
     in_progress: bool

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from exporter.discovery.scan import DiscoveredServer
 from exporter.exposition import api, liveness
 from exporter.history.startupwindow import StartupAdvice
-from exporter.load.tracker import LoadRecord, TargetState
+from exporter.load.records import LoadRecord, TargetState
 from exporter.runtime.sampler import Reading, health
 from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.sources import LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES

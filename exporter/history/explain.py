@@ -1,7 +1,7 @@
 """The report of a finished load: where its time went against the loads before it, and, when it
 was slower than expected, why, in one line.
 
-Built once, as the load finishes (runtime._finish), against history *before* it, and kept in
+Built once, as the load finishes (runtime.wiring._finish), against history *before* it, and kept in
 history with the load: later loads move the medians, not what this load was compared with.
 
 * each phase and fine step against its median over the recent good loads of the same cache
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from exporter.history.forecast import NO_RATES, Rates, load_rate, rates
 from exporter.history.store import EXPECTATION_LOADS, HistoryStore
+from exporter.load.eta import CACHE_INDEPENDENT, FINE_STEPS, expected_phases
+from exporter.load.records import LoadRecord
 from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
-from exporter.load.tracker import CACHE_INDEPENDENT, FINE_STEPS, LoadRecord, expected_phases
 from exporter.vocabulary import Cache, Outcome, Phase, Step
 
 # As ModelLoadSlowerThanExpected (prometheus/rules/model-load.yml) judges a load in progress.

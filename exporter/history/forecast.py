@@ -43,7 +43,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from exporter.load.tracker import COLD_SHARE, WARM_SHARE, LoadRecord, temperature
+from exporter.load.progress import COLD_SHARE, WARM_SHARE, temperature
+from exporter.load.records import LoadRecord
 from exporter.vocabulary import Cache, Outcome, Phase
 
 NEGLIGIBLE_SHARE = 0.01

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exporter.load.tracker import LoadRecord
+from exporter.load.records import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
 PERIOD_SECONDS = 10  # the kubelet's default periodSeconds

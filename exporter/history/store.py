@@ -7,7 +7,7 @@ A failed write (a full disk) is different: what is stored stays readable, the re
 memory (a bounded few) and `retry()` writes it once the disk has room again; `up` says whether
 finished loads are being kept.
 
-A row is a `tracker.LoadRecord`, a column per field of the same name (`id` is the row's, stable
+A row is a `records.LoadRecord`, a column per field of the same name (`id` is the row's, stable
 for /api/v1/loads/ID): `_row` and `_record` derive both from the dataclass, so a field added to
 the record needs only its column's migration (a test holds the two together). A field that is a
 mapping or a dataclass (the phases, the report of exporter/load/report.py) is a JSON column,
@@ -37,7 +37,7 @@ from enum import StrEnum
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from exporter.config.schema import HistoryRetention
-from exporter.load.tracker import LoadRecord
+from exporter.load.records import LoadRecord
 from exporter.vocabulary import Cache
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from exporter.history.explain import Counters
-from exporter.load.tracker import FileView, Observation, TargetState
+from exporter.load.observation import FileView, Observation
+from exporter.load.records import TargetState
 from exporter.runtime.sampler import Reading
 from exporter.sources.disk import DiskSample
 from exporter.sources.endpoint import ProbeSample

@@ -15,7 +15,7 @@ from exporter.discovery.scan import DiscoveredServer
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import HistogramCounts
 from exporter.history.targethistory import TargetHistory
-from exporter.load.tracker import TargetState
+from exporter.load.records import TargetState
 from exporter.logs.find import LogFinding
 from exporter.runtime.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey

@@ -12,7 +12,8 @@ from exporter.config.schema import TargetConfig
 from exporter.discovery.scan import DiscoveredServer
 from exporter.history.explain import Counters
 from exporter.history.targethistory import TargetHistory
-from exporter.load.tracker import TargetState, Tracker
+from exporter.load.records import TargetState
+from exporter.load.tracker import Tracker
 from exporter.runtime.logfollow import TargetLog
 from exporter.runtime.observe import FilesNews, Marked
 from exporter.runtime.pacing import ProbeCadence

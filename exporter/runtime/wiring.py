@@ -33,7 +33,8 @@ from exporter.history.forecast import Environment, Forecast, forecast
 from exporter.history.histograms import Histograms
 from exporter.history.store import HistoryStore
 from exporter.history.targethistory import TargetHistory, read_history
-from exporter.load.tracker import LoadRecord, Scope, TargetState, Tracker
+from exporter.load.records import LoadRecord, TargetState
+from exporter.load.tracker import Scope, Tracker
 from exporter.runtime.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.runtime.exitwatch import ExitWatch
 from exporter.runtime.logfollow import TargetLog, read_every_interval

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from exporter.config.schema import parse_config
 from exporter.exposition.http.app import HttpServer, WebApp
-from exporter.load.tracker import TargetState
+from exporter.load.records import TargetState
 from exporter.logsetup import setup_logging
 from exporter.runtime.wiring import Runtime
 from exporter.sim.shards import generate_shards

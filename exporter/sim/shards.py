@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.load.tracker import temperature
+from exporter.load.progress import temperature
 from exporter.storage.pagecache import cachestat
 from exporter.units import MiB
 from exporter.vocabulary import Cache
