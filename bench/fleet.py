@@ -62,7 +62,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config.schema import TargetConfig, parse_config
+from exporter.config.reader import parse_config
+from exporter.config.schema import TargetConfig
 from exporter.exposition.collector import ExporterCollector
 from exporter.exposition.http import protobuf
 from exporter.history.forecast import Forecast

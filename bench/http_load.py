@@ -81,7 +81,7 @@ class _Stub(BaseHTTPRequestHandler):
 
 def _app() -> Any:
     sys.path.insert(0, str(REPO))
-    from exporter.config.schema import parse_config
+    from exporter.config.reader import parse_config
     from exporter.exposition.http.app import WebApp
     from exporter.runtime.wiring import Runtime
 

@@ -41,7 +41,7 @@ def child(config: str, port: int) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from helpers.fake_nvml import GIB, FakeNvml, FakeProcess, h200_node
 
-    from exporter.config.schema import load_config
+    from exporter.config.reader import load_config
     from exporter.exposition.http.app import HttpServer, WebApp
     from exporter.runtime.wiring import Runtime
 

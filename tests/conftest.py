@@ -9,7 +9,7 @@ import pytest
 from helpers.require import require_all
 from helpers.support import ModelServer, RunningExporter
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.exposition.http.webconfig import WebConfig
 from exporter.sources.nvml_pids import NvmlPidCheck
 

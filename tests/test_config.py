@@ -13,17 +13,9 @@ import yaml
 
 from exporter.cli import build_parser
 from exporter.commands.serve import config_from_args
-from exporter.config.schema import (
-    DISCOVERY_SERVERS,
-    ConfigError,
-    DiscoveryConfig,
-    HistoryRetention,
-    LogConfig,
-    format_duration,
-    load_config,
-    parse_config,
-    parse_duration,
-)
+from exporter.config.reader import load_config, parse_config
+from exporter.config.schema import DISCOVERY_SERVERS, DiscoveryConfig, HistoryRetention, LogConfig
+from exporter.config.values import ConfigError, format_duration, parse_duration
 from exporter.vocabulary import LogEncoding
 
 GOOD = {

@@ -12,19 +12,9 @@ from typing import Annotated
 import pytest
 import yaml
 
-from exporter.config.schema import (
-    NOT_IN_YAML,
-    Config,
-    ConfigError,
-    Count,
-    Duration,
-    Seconds,
-    TargetConfig,
-    load_config,
-    parse_config,
-    read_by,
-    read_section,
-)
+from exporter.config.reader import load_config, parse_config, read_section
+from exporter.config.schema import Config, TargetConfig
+from exporter.config.values import NOT_IN_YAML, ConfigError, Count, Duration, Seconds, read_by
 from exporter.vocabulary import LogEncoding, ProbeKind
 
 

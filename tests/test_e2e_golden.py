@@ -30,7 +30,7 @@ from helpers.stepped import SteppedLoops
 from helpers.support import ModelServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.exposition.http.app import HttpServer, WebApp
 from exporter.runtime.sampler import Sampler
 from exporter.runtime.wiring import TRACKER_LOOP, Runtime

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config.schema import LogConfig, MetricsConfig, parse_config
+from exporter.config.reader import parse_config
+from exporter.config.schema import LogConfig, MetricsConfig
 from exporter.discovery.refusals import REASONS
 from exporter.discovery.scan import DiscoveredServer
 from exporter.discovery.serverargs import Evidence

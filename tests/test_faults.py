@@ -35,7 +35,7 @@ from helpers.fake_nvml import FakeNvml, h200_node
 from helpers.hostile import CONNECTION_THREAD, IdleClients, Listener, fill, tiny_tmpfs
 from helpers.support import RunningExporter, sample_value, wait_for
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.sources import ENDPOINT, PROCESS
 
 pytestmark = pytest.mark.system

@@ -21,7 +21,7 @@ from helpers.fake_nvml import (
 )
 from helpers.support import RunningExporter, sample_value, wait_for
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.runtime.wiring import Runtime
 from exporter.sources import NVML
 from exporter.sources.nvml_pids import NvmlPidCheck

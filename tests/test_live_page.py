@@ -28,7 +28,7 @@ from helpers.processes import Simulator, evict_dir
 from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.exposition.http.app import WebApp
 from exporter.exposition.http.webconfig import WebConfig
 from exporter.sim.shards import generate_shards

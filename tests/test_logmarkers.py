@@ -11,7 +11,7 @@ from datetime import datetime
 import pytest
 from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_journal
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.load.events import EventKind
 from exporter.load.steps import StepTimeline, tighten
 from exporter.logs.markers import DETAIL_MAX, DETECT_ANNOUNCE_LINES, MarkerParser, clean, detect

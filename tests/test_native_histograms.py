@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_dashboard import RULES
 from test_exposition import exposition, golden_snapshot
 
-from exporter.config.schema import MetricsConfig, parse_config
+from exporter.config.reader import parse_config
+from exporter.config.schema import MetricsConfig
 from exporter.exposition.http import protobuf
 from exporter.exposition.http.app import HttpServer, WebApp
 from exporter.history.histograms import Histograms, native_index

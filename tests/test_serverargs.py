@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from helpers.require import require
 
-from exporter.config.schema import ConfigError, parse_config
+from exporter.config.reader import parse_config
+from exporter.config.values import ConfigError
 from exporter.discovery.scan import (
     _local_addresses,
     _probe_host,

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 from helpers.support import free_port, metrics_when, sample_value, wait_for
 
-from exporter.config.schema import ConfigError, EndpointConfig, parse_config
+from exporter.config.reader import parse_config
+from exporter.config.schema import EndpointConfig
+from exporter.config.values import ConfigError
 from exporter.discovery.serverargs import find_launch, recognise
 from exporter.load.events import EventKind
 from exporter.logs.markers import MarkerParser

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from helpers.hostile import make_tls
 
-from exporter.config.schema import ConfigError
+from exporter.config.values import ConfigError
 from exporter.exposition.http.webconfig import load_web_config
 
 GOOD_HASH = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()

@@ -31,7 +31,8 @@ from contextlib import contextmanager
 
 from exporter.commands import terminal
 from exporter.commands.exits import Exit, UsageError
-from exporter.config.schema import DEFAULT_INCLUDE, WeightsConfig
+from exporter.config.schema import WeightsConfig
+from exporter.servers.server import DEFAULT_INCLUDE
 from exporter.sources.memory import read_meminfo
 from exporter.sources.residency import measure_planned
 from exporter.sources.storage import StorageDescription, WeightStorage

@@ -17,14 +17,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from exporter.commands.exits import UsageError
-from exporter.config.schema import (
-    Config,
-    ConfigError,
-    format_duration,
-    load_config,
-    parse_config,
-    parse_duration,
-)
+from exporter.config.reader import load_config, parse_config
+from exporter.config.schema import Config
+from exporter.config.values import ConfigError, format_duration, parse_duration
 from exporter.exposition.http.app import HttpServer, WebApp
 from exporter.exposition.http.webconfig import WebConfig, allowed_hosts, load_web_config
 from exporter.logsetup import LEVELS, setup_logging

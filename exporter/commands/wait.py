@@ -33,7 +33,9 @@ from exporter.commands.client import (
     find_target,
 )
 from exporter.commands.exits import Exit, UsageError
-from exporter.config.schema import ConfigError, EndpointConfig, parse_config, parse_duration
+from exporter.config.reader import parse_config
+from exporter.config.schema import EndpointConfig
+from exporter.config.values import ConfigError, parse_duration
 from exporter.sources.endpoint import EndpointProber
 from exporter.vocabulary import ProbeKind, ProbeResult
 

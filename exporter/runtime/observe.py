@@ -3,7 +3,9 @@
 
 The Observation is the load model's (exporter/load/observation.py, defined in plain values beside
 the tracker that reads it); building one needs the sources' sample types, so it is built here, in
-the runtime that holds the readings. Pure functions of plain values, so what a tick sees is tested as the tracker is, without threads,
+the runtime that holds the readings.
+
+Pure functions of plain values, so what a tick sees is tested as the tracker is, without threads,
 a sampler or a runtime (tests/test_observation.py); exporter/runtime/wiring.py gathers the readings
 and acts on the answers.
 """

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from exporter.config.schema import parse_config
+from exporter.config.reader import parse_config
 from exporter.exposition.http.app import HttpServer, WebApp
 from exporter.load.records import TargetState
 from exporter.logsetup import setup_logging

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import psutil
 
-from exporter.config.schema import ConfigError, parse_duration
+from exporter.config.values import ConfigError, parse_duration
 from exporter.servers import SERVERS
 from exporter.sim import ranks
 from exporter.sim.events import Kind

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import bcrypt
 
-from exporter.config.schema import ConfigError, read_yaml
+from exporter.config.reader import read_yaml
+from exporter.config.values import ConfigError
 
 TLS_VERSIONS: Mapping[str, ssl.TLSVersion] = {
     "TLS12": ssl.TLSVersion.TLSv1_2,
