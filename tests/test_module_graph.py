@@ -1,5 +1,5 @@
-"""The package has no import circle, type-only or late imports counted (scripts/module_graph.py),
-and the check finds one where there is one."""
+"""The package has no import circle and no import up its layers, type-only or late imports counted
+(scripts/module_graph.py), and the check finds each where there is one."""
 
 from __future__ import annotations
 
@@ -55,3 +55,78 @@ def test_a_package_and_a_module_of_it_importing_each_other_is_a_circle(tmp_path:
     })  # fmt: skip
     edges = module_graph.graph(module_graph.modules(tmp_path))
     assert module_graph.circles(edges) == [["exporter.sources", "exporter.sources.disk"]]
+
+
+def test_an_import_of_a_higher_layer_fails_the_check(tmp_path: Path) -> None:
+    """The script run as `make test` runs it, over a tree where the load model imports the
+    runtime under TYPE_CHECKING only: still an upward import, and the check exits 1 naming it."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "module_graph.py").write_text(SCRIPT.read_text())
+    write(tmp_path, {
+        "exporter/__init__.py": "",
+        "exporter/vocabulary.py": "",
+        "exporter/load/__init__.py": "",
+        "exporter/load/tracker.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    "    from exporter.runtime.wiring import Runtime\n",
+        "exporter/runtime/__init__.py": "",
+        "exporter/runtime/wiring.py": "from exporter import vocabulary\n",
+    })  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "scripts" / "module_graph.py"), "--check"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    assert done.stderr == (
+        "layer broken: exporter.load.tracker imports exporter.runtime.wiring, a higher layer "
+        "(exporter.load < exporter.runtime)\n"
+    )
+
+
+def test_the_load_model_imports_only_the_shared_words(tmp_path: Path) -> None:
+    """The tracker's package sits just above vocabulary and units: trust, the lowest layer of
+    the rest, is already above it."""
+    write(tmp_path, {
+        "exporter/__init__.py": "",
+        "exporter/units.py": "",
+        "exporter/load/__init__.py": "",
+        "exporter/load/eta.py": "from exporter import units\n",
+        "exporter/load/tracker.py": "from exporter.load import eta\n"
+                                    "from exporter.trust.safeio import open_checked\n",
+        "exporter/trust/__init__.py": "",
+        "exporter/trust/safeio.py": "from exporter.load.eta import rate\n",
+    })  # fmt: skip
+    edges = module_graph.graph(module_graph.modules(tmp_path))
+    assert module_graph.upward(edges) == [
+        "exporter.load.tracker imports exporter.trust.safeio, a higher layer "
+        "(exporter.load < exporter.trust)"
+    ]
+
+
+def test_the_product_never_imports_the_tools_beside_it(tmp_path: Path) -> None:
+    """The simulator may import any layer; a late import of it from `serve` is still found."""
+    write(tmp_path, {
+        "exporter/__init__.py": "",
+        "exporter/commands/__init__.py": "",
+        "exporter/commands/serve.py": "def demo():\n    from exporter.sim.demo import run\n",
+        "exporter/sim/__init__.py": "",
+        "exporter/sim/demo.py": "from exporter.commands import serve\n",
+    })  # fmt: skip
+    edges = module_graph.graph(module_graph.modules(tmp_path))
+    assert module_graph.upward(edges) == [
+        "exporter.commands.serve imports exporter.sim.demo, a tool beside the product"
+    ]
+
+
+def test_a_package_in_no_layer_is_found(tmp_path: Path) -> None:
+    """A new package must be given its place in LAYERS before it passes."""
+    write(tmp_path, {
+        "exporter/__init__.py": "",
+        "exporter/vocabulary.py": "",
+        "exporter/gadgets/__init__.py": "",
+        "exporter/gadgets/widget.py": "from exporter import vocabulary\n",
+    })  # fmt: skip
+    edges = module_graph.graph(module_graph.modules(tmp_path))
+    assert module_graph.upward(edges) == [
+        "exporter.gadgets is in no layer (scripts/module_graph.py: LAYERS)",
+        "exporter.gadgets.widget is in no layer (scripts/module_graph.py: LAYERS)",
+    ]
