@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.history.explain import NO_BASELINE, baseline, report, storage_reads
+from exporter.history.explain import Baseline, baseline, report, storage_reads
+from exporter.history.forecast import NO_RATES
 from exporter.history.store import HistoryStore
 from exporter.load.records import LoadRecord
 from exporter.load.report import LoadReport, ReadRate, StorageRead
@@ -18,6 +19,8 @@ from exporter.vocabulary import Cache, Outcome
 GB = 10**9
 WEIGHTS = 100 * GB
 T0 = 1_750_000_000.0
+# A target with no loads before: no medians, no rates, no best reads.
+NO_BASELINE = Baseline(None, {}, NO_RATES, None, None)
 
 
 def load(

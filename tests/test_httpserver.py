@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import bcrypt
+import psutil
 import pytest
 import requests
 from helpers.hostile import make_tls
@@ -52,6 +53,17 @@ def url(server: Server, scheme: str = "http") -> str:
 
 def connect(server: Server) -> socket.socket:
     return socket.create_connection(server._sock.getsockname()[:2], timeout=5)
+
+
+def open_connections(server: Server) -> int:
+    """The connections the server holds open, as the kernel sees them: its accepted sockets
+    (the listening port's, established)."""
+    port = server._sock.getsockname()[1]
+    return sum(
+        1
+        for c in psutil.net_connections(kind="tcp4")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 def closed_within(sock: socket.socket, seconds: float) -> float | None:
@@ -146,7 +158,7 @@ def test_at_the_bound_the_longest_idle_connection_makes_room(serve: Any) -> None
     try:
         assert requests.get(url(server) + "/a", timeout=5).status_code == 200
         assert server.evicted >= 40 + 1 - 16
-        assert server.connections <= 16
+        assert open_connections(server) <= 16
         assert closed_within(idle[0], 1.0) is not None  # the oldest went first
     finally:
         for sock in idle:

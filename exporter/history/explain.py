@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exporter.history.forecast import NO_RATES, Rates, load_rate, rates
+from exporter.history.forecast import Rates, load_rate, rates
 from exporter.history.store import EXPECTATION_LOADS, HistoryStore
 from exporter.load.eta import CACHE_INDEPENDENT, FINE_STEPS, expected_phases
 from exporter.load.records import LoadRecord
@@ -60,9 +60,6 @@ class Baseline:
     rates: Rates  # the median rates, to take a load's minority part out of its time
     best_storage: float | None  # bytes per second, the best one load read from storage
     best_cache: float | None  # and from the page cache
-
-
-NO_BASELINE = Baseline(None, {}, NO_RATES, None, None)
 
 
 def baseline(history: HistoryStore, target: str, cache: Cache | None) -> Baseline:

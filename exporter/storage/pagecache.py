@@ -96,16 +96,6 @@ class FileResidency:
 
 
 @dataclass(frozen=True)
-class FileMeasurement:
-    """One open file's size and residency; resident_bytes None means not measurable truthfully."""
-
-    size_bytes: int
-    resident_bytes: int | None
-    method: str | None
-    reason: str | None
-
-
-@dataclass(frozen=True)
 class PassResult:
     files: int
     total_bytes: int
@@ -208,18 +198,6 @@ def _holds_cap_fowner() -> bool:
     except (OSError, ValueError):
         pass
     return False
-
-
-def measure_fd(
-    fd: int,
-    path: str,
-    st: os.stat_result,
-    methods: Sequence[str] = METHODS,
-    call: CachestatCall | None = None,
-) -> FileMeasurement:
-    """Residency of an open regular file, by the first method that answers truthfully."""
-    resident, method, reason = _measure_fd(fd, path, st, methods, call or CachestatCall())
-    return FileMeasurement(st.st_size, resident, method, reason)
 
 
 def _measure_fd(

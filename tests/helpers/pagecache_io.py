@@ -6,10 +6,12 @@ import errno
 import os
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.storage.cachectl import evict
-from exporter.storage.pagecache import METHODS, FileMeasurement, measure_fd
+from exporter.storage.pagecache import METHODS, measure
+from exporter.storage.weighttree import WeightFile
 
 MIB = 1024 * 1024
 _CHUNK = 4 * MIB
@@ -51,13 +53,24 @@ def diskstats_read_bytes(device: str, proc_root: str = "/proc") -> int:
     raise LookupError(device)
 
 
+@dataclass(frozen=True)
+class FileMeasurement:
+    """One file's size and residency; resident_bytes None means not measurable truthfully."""
+
+    size_bytes: int
+    resident_bytes: int | None
+    method: str | None
+    reason: str | None
+
+
 def file_residency(path: str, methods: Sequence[str] = METHODS) -> FileMeasurement:
-    """Residency of one file by path, by the methods the exporter uses (symlinks followed)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{path}: not a regular file")
-        return measure_fd(fd, path, st, methods)
-    finally:
-        os.close(fd)
+    """Residency of one file by path (symlinks followed), measured as the exporter's residency
+    pass measures a weight file, by the methods given."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"{path}: not a regular file")
+    directory, entry = os.path.split(real)
+    found = WeightFile(real, directory, entry, entry, st.st_dev, st.st_ino, st.st_size)
+    result = measure([found], methods=methods)
+    return FileMeasurement(result.total_bytes, result.resident_bytes, result.method, result.reason)

@@ -208,10 +208,6 @@ class Server:
     def headers(self, headers: Iterable[tuple[str, str]]) -> None:
         self._headers = _with_nosniff(headers)
 
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
-
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
