@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config.reader import parse_config
@@ -386,6 +386,13 @@ def test_every_family_of_the_catalog_has_samples_in_a_golden_file() -> None:
         if family.samples
     }
     assert not set(catalog) - pinned, f"no samples in either golden: {set(catalog) - pinned}"
+
+
+def test_every_counter_is_named_as_metrics_shows_it() -> None:
+    """One spelling: a counter's name in the catalog is the one users query, `_total` and all."""
+    counters = [spec.name for spec in CATALOG if spec.family is CounterMetricFamily]
+    assert "discovery_refused_total" in counters
+    assert [name for name in counters if not name.endswith("_total")] == []
 
 
 def catalog_names(markdown: str) -> set[str]:

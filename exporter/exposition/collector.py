@@ -85,6 +85,8 @@ def _gauge(name: str, doc: str, *labels: str) -> MetricSpec:
 
 
 def _counter(name: str, doc: str, *labels: str) -> MetricSpec:
+    """A counter, named as /metrics shows it and users query it: with its `_total` (the client
+    library writes the suffix on the samples whether the name has it or not)."""
     return _spec(CounterMetricFamily, name, doc, labels)
 
 
@@ -110,7 +112,7 @@ DISK_RATE = _gauge(
     "disk_read_bytes_per_second", "Read throughput over the last sample interval.", "device"
 )
 DISCOVERY_REFUSED = _counter(
-    "discovery_refused",
+    "discovery_refused_total",
     "Processes, files and addresses discovery declined, by reason.",
     "reason",
 )
