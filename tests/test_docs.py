@@ -122,3 +122,16 @@ def test_every_rule_constant_the_docs_cite_exists() -> None:
     ]
     assert len(cited) >= 10, f"how-it-decides.md cites only {len(cited)} constants"
     assert not missing, f"how-it-decides.md cites constants that do not exist: {missing}"
+
+
+def test_the_layout_names_every_package_and_top_level_module() -> None:
+    """docs/development.md's layout is where a newcomer finds which room a change belongs in: a
+    package or a top-level module it leaves out is one they cannot place."""
+    page = (DOCS / "development.md").read_text()
+    layout = page[page.index("## Layout") : page.index("\n## ", page.index("## Layout") + 1)]
+    package = REPO / "exporter"
+    names = [f"{p.parent.name}/" for p in sorted(package.glob("*/__init__.py"))]
+    names += [p.name for p in sorted(package.glob("*.py"))]
+    missing = [name for name in names if not re.search(rf"(?<![\w/]){re.escape(name)}", layout)]
+    assert len(names) >= 17, names
+    assert not missing, f"docs/development.md's layout leaves out {missing}"
