@@ -14,7 +14,7 @@ from helpers.logreplay import FIXTURES, Replay, replay, replay_fixture, replay_j
 from exporter.config.reader import parse_config
 from exporter.load.events import EventKind
 from exporter.load.steps import StepTimeline, tighten
-from exporter.logs.markers import DETAIL_MAX, DETECT_ANNOUNCE_LINES, MarkerParser, clean, detect
+from exporter.logs.markers import DETAIL_MAX, DETECT_ANNOUNCE_LINES, MarkerParser, as_lines, detect
 from exporter.servers import SERVERS
 from exporter.sim.serverlog import LOG_WRITERS, LogContext
 from exporter.vocabulary import AUTO, ServerKind, Step
@@ -232,9 +232,9 @@ def test_llamacpp_dots_while_open_and_when_done() -> None:
     assert [(e.done, e.total) for e in parser.feed("." * 57 + "\n", 4.0)] == [(100, 100)]
 
 
-def test_clean_strips_ansi_and_splits_carriage_returns() -> None:
+def test_as_lines_strips_ansi_and_splits_carriage_returns() -> None:
     raw = "\x1b[1;36m(VllmWorker rank=0 pid=5)\x1b[0;0m a\r\nb\rc\x1b]0;title\x07d\n"
-    assert clean(raw) == "(VllmWorker rank=0 pid=5) a\nb\ncd\n"
+    assert as_lines(raw) == "(VllmWorker rank=0 pid=5) a\nb\ncd\n"
 
 
 def test_detection_says_which_line_decided_and_replays_earlier_lines() -> None:
@@ -592,6 +592,6 @@ def test_a_log_no_format_knows_is_not_checked_line_by_line(
     vllm = "INFO 03-02 10:00:00 [loader.py:1] Loading weights took 3.21 seconds\n"
     events = parser.feed(make(0) + vllm, 2.0)
     assert parser.format == "vllm" and len(calls) == 1
-    before = clean(make(0)).count("\n")
+    before = as_lines(make(0)).count("\n")
     assert f"auto: line {lines + before + 1} matched vllm" in parser.format_reason
     assert [e.kind for e in events] == [EventKind.WEIGHTS_END]

@@ -105,7 +105,7 @@ _RANK_RES = (re.compile(r"TP(\d+)"), re.compile(r"rank=(\d+)"), re.compile(r"DP(
 _ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 
-def clean(text: str) -> str:
+def as_lines(text: str) -> str:
     """ANSI codes out, every `\\r`, `\\r\\n` and `\\n` one `\\n`: lines as the parser reads them."""
     if "\x1b" in text:
         text = _ANSI_RE.sub("", text)
@@ -258,7 +258,7 @@ class MarkerParser:
 
     def feed(self, text: str, ref: float) -> list[LogEvent]:
         """Events from a chunk of whole lines (raw or cleaned) read or stamped at `ref`."""
-        text = clean(text)
+        text = as_lines(text)
         if self._lines_of is not None:
             text = _lines_marked(text, self._lines_of)
         events: list[LogEvent] = []
@@ -275,7 +275,7 @@ class MarkerParser:
         spec = self._spec
         if spec is None or not tail:
             return []
-        tail = clean(tail)
+        tail = as_lines(tail)
         if self._lines_of is not None:
             tail = _lines_marked(tail, self._lines_of)
         line = tail[tail.rfind("\n") + 1 :]

@@ -18,7 +18,7 @@ from pathlib import Path
 from exporter.load.events import LogEvent
 from exporter.load.steps import StepTimeline
 from exporter.logs.journal import parse_journal_json
-from exporter.logs.markers import MarkerParser, clean
+from exporter.logs.markers import MarkerParser, as_lines
 from exporter.vocabulary import Step
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "logs"
@@ -51,7 +51,7 @@ def _fraction(digits: str | None) -> float:
 
 def segments(data: str) -> Iterator[str]:
     """The lines of `data` as a reader sees them: no ANSI codes, split on `\\n`, `\\r\\n`, `\\r`."""
-    yield from clean(data).split("\n")
+    yield from as_lines(data).split("\n")
 
 
 @dataclass
