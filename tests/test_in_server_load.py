@@ -107,7 +107,7 @@ def test_a_model_loaded_into_a_quiet_running_server_is_a_load_with_fresh_progres
                 ],
             }
         )
-        runtime = exporter.runtime.wiring
+        runtime = exporter.runtime
 
         def entry() -> dict[str, Any]:
             return dict(exporter.status()["targets"][0])

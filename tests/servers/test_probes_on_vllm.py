@@ -151,7 +151,7 @@ def test_alive_follows_the_real_vllm_through_its_life(
             assert len(served) >= 3 and all(p.code == 200 for p in served), report["warm"]
             assert dead.at - killed_at <= PERIOD + LAG, report["warm"]
             assert dead.body.startswith("process exited"), dead.body
-        loads = exporter.runtime.wiring.loads("vllm", 10)
+        loads = exporter.runtime.loads("vllm", 10)
         report["loads"] = [
             {"cache": str(r.cache), "outcome": str(r.outcome), "seconds": r.duration_seconds}
             for r in loads
