@@ -51,6 +51,7 @@ def privileged(uid: int | None, own_uid: int) -> bool:
 
 
 def who(uid: int | None) -> str:
+    """A user as log lines and evidence name one."""
     return "unknown user" if uid is None else f"uid {uid}"
 
 

@@ -416,6 +416,25 @@ def test_two_servers_of_one_user_with_one_name_keep_theirs_across_each_others_re
     assert setup.admission.targets["qwen"].discovered.pid == 111  # type: ignore[union-attr]
 
 
+def test_a_routers_model_servers_are_named_after_their_router_as_it_is_named() -> None:
+    """Two routers of one user with one name (`NAME`, `NAME-PID`): each router's model server
+    is `<its router's name>/<model>`, never the other router's."""
+    setup = discovering()
+    first, second = found("llamacpp-8080", 101, start_ticks=1000), found("llamacpp-8080", 102)
+    models = [
+        replace(found("llamacpp-8080/tiny", pid, start_ticks=6000 + pid), router_pid=router)
+        for pid, router in ((201, 101), (202, 102))
+    ]
+    setup.discover(first, second, *models)
+    watched = {name: rt.discovered.pid for name, rt in setup.admission.targets.items()}  # type: ignore[union-attr]
+    assert watched == {
+        "llamacpp-8080": 101,
+        "llamacpp-8080/tiny": 201,
+        "llamacpp-8080-102": 102,
+        "llamacpp-8080-102/tiny": 202,
+    }
+
+
 def test_after_an_exporter_restart_history_says_whose_a_name_was_for_keep_for() -> None:
     setup = discovering()
     setup.wiring.owners["qwen"] = 1000  # its last load was uid 1000's server's
