@@ -86,6 +86,7 @@ from exporter.sources.zfs import ZFS
 from exporter.storage.description import WeightStorage
 from exporter.target import TargetRuntime
 from exporter.targethistory import TargetHistory, read_history
+from exporter.targetnames import uid_of
 from exporter.tracker import LoadRecord, Scope, TargetState, Tracker
 from exporter.untrusted import clean
 from exporter.vocabulary import IN_PROGRESS, Cache, ProbeResult
@@ -211,6 +212,7 @@ class Runtime:
             ),
             discovered=found,
         )
+        self.history.own(config.name, uid_of(found) if found is not None else None)
         return runtime
 
     def wire(self, runtime: TargetRuntime) -> None:
@@ -353,11 +355,16 @@ class Runtime:
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
         runtime.log.close()
+        self.history.own(name, None)
 
     def pids_watched(self, name: str) -> Collection[int]:
         """The processes a target's tree holds now, as its last process sample found them."""
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
+
+    def past_owner(self, name: str) -> int | None:
+        """The user whose load history filed last under `name`."""
+        return self.history.owner(name)
 
     def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
         return Tracker(
@@ -685,6 +692,8 @@ class Runtime:
         """File a finished load with its report, built against history before it."""
         during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
         base = baseline(self.history, record.target, record.cache)
+        if runtime.discovered is not None:  # filed as its user's (exporter/targetnames.py)
+            record = replace(record, owner=uid_of(runtime.discovered))
         record, unknown = _environment_at_start(runtime.environment, record)
         record = replace(record, report=report(record, base, during, unknown))
         log.info(
