@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers.journal import journald  # noqa: F401  (a fixture: tests that read a journal)
 from helpers.require import require_all
 from helpers.support import ModelServer, RunningExporter
 

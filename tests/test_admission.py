@@ -84,6 +84,7 @@ class Wiring:
         self.wired: list[tuple[str, int | None]] = []  # (target, discovered pid) per wire()
         self.unwired: list[str] = []
         self.histories_read = 0
+        self.owners: dict[str, int] = {}  # what history says of who loaded last under a name
 
     def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
         runtime = TargetRuntime(
@@ -115,6 +116,9 @@ class Wiring:
 
     def read_histories(self) -> None:
         self.histories_read += 1
+
+    def past_owner(self, name: str) -> int | None:
+        return self.owners.get(name)
 
 
 def found(
@@ -210,7 +214,9 @@ def test_a_discovered_server_becomes_a_target_wired_with_its_process_and_its_his
     setup = discovering()
     setup.discover(found("qwen", 101))
     runtime = setup.admission.targets["qwen"]
-    assert runtime.discovered == found("qwen", 101)
+    mine = "an ordinary user: no other user's server takes this name"
+    owner = Evidence("owner", "uid 1000", mine)
+    assert runtime.discovered == replace(found("qwen", 101), evidence=(owner,))
     assert runtime.config == targets_of(found("qwen", 101))[0]
     assert runtime.config.process == ProcessConfig(pid=101, start_ticks=5000)
     assert runtime.config.weights == WeightsConfig(paths=("/models/m",), include=("*.safetensors",))
@@ -330,6 +336,139 @@ def test_a_failed_pass_is_counted_and_the_next_is_due_on_time() -> None:
     assert setup.admission.targets["qwen"].gone_since is None
     setup.admission.look_now()  # a target's process went away: look now, once
     assert setup.admission.wait() == 0
+
+
+# -- whose a name is (exporter/runtime/targetnames.py) ----------------------------------------
+
+ROOT = 0
+
+
+def test_another_users_server_in_the_restart_gap_is_refused_the_name() -> None:
+    """Root's server restarts; a look-alike of nobody's with its name comes in the gap: refused
+    (said once), root's target stays gone until root's own next process, which it follows."""
+    setup = discovering()
+    setup.discover(found("qwen", 101, uid=ROOT))
+    runtime = setup.admission.targets["qwen"]
+    setup.discover()  # root's server went: the gap
+    fake = found("qwen", 202, uid=NOBODY, start_ticks=7000)
+    for _ in range(3):
+        setup.discover(fake)
+    assert setup.admission.targets["qwen"] is runtime and runtime.discovered is not None
+    assert runtime.discovered.pid == 101 and runtime.gone_since is not None
+    assert setup.refused("name_owned") == 1 and setup.wiring.wired == [("qwen", 101)]
+    setup.discover(fake, found("qwen", 111, uid=ROOT, start_ticks=9000))
+    assert setup.admission.targets["qwen"] is runtime and runtime.gone_since is None
+    assert setup.wiring.wired == [("qwen", 101), ("qwen", 111)]
+    why = {e.what: e for e in runtime.discovered.evidence}
+    assert why["owner"].value == "uid 0"
+    assert why["name refused"].value == "pid 202 of uid 65534"
+
+
+def test_roots_server_takes_its_name_from_a_look_alike_that_came_first() -> None:
+    """The name of root's server does not depend on who started first: the look-alike's target
+    ends (its state, tracker and history's owner with it), root's starts afresh under the name,
+    and the look-alike is refused from then on, never renamed."""
+    setup = discovering()
+    fake = found("qwen", 202, uid=NOBODY, start_ticks=4000)
+    setup.discover(fake)
+    lookalike = setup.admission.targets["qwen"]
+    server = found("qwen", 101, uid=ROOT, start_ticks=5000)
+    setup.discover(fake, server)
+    runtime = setup.admission.targets["qwen"]
+    assert runtime is not lookalike and runtime.tracker is not lookalike.tracker
+    assert runtime.discovered is not None and runtime.discovered.pid == 101
+    assert setup.wiring.unwired == ["qwen"] and setup.names == {"qwen"}
+    for _ in range(3):
+        setup.discover(fake, server)
+    assert setup.names == {"qwen"} and setup.refused("name_owned") == 1
+    setup.discover(fake)  # root's server restarts: the look-alike waits, refused
+    setup.discover(fake, after=KEEP_FOR / 2)
+    assert setup.admission.targets["qwen"] is runtime and runtime.discovered.pid == 101
+
+
+def test_between_ordinary_users_a_name_is_its_first_holders_until_keep_for_after() -> None:
+    setup = discovering()
+    theirs = found("qwen", 202, uid=1001, start_ticks=7000)
+    setup.discover(found("qwen", 101, uid=1000), theirs)
+    assert setup.admission.targets["qwen"].discovered.pid == 101  # type: ignore[union-attr]
+    assert setup.refused("name_owned") == 1
+    setup.discover(theirs)  # the holder went: its gap
+    setup.discover(theirs, after=KEEP_FOR - INTERVAL)
+    assert setup.admission.targets["qwen"].discovered.pid == 101  # type: ignore[union-attr]
+    setup.discover(theirs)  # keep_for after it went: the name is free
+    setup.discover(theirs)
+    assert setup.admission.targets["qwen"].discovered.pid == 202  # type: ignore[union-attr]
+
+
+def test_two_servers_of_one_user_with_one_name_keep_theirs_across_each_others_restarts() -> None:
+    """The elder keeps the name, the younger is NAME-PID while it runs; the elder's restart gap
+    renames neither, and its next process takes the name back."""
+    setup = discovering()
+    elder, younger = found("qwen", 101, start_ticks=1000), found("qwen", 102, start_ticks=2000)
+    setup.discover(younger, elder)
+    assert setup.names == {"qwen", "qwen-102"}
+    setup.discover(younger)  # the elder restarts
+    setup.discover(younger)
+    assert setup.admission.targets["qwen-102"].gone_since is None
+    assert setup.admission.targets["qwen"].gone_since is not None
+    setup.discover(younger, found("qwen", 111, start_ticks=3000))
+    assert setup.names == {"qwen", "qwen-102"} and setup.refused("name_owned") == 0
+    assert setup.admission.targets["qwen"].discovered.pid == 111  # type: ignore[union-attr]
+
+
+def test_a_routers_model_servers_are_named_after_their_router_as_it_is_named() -> None:
+    """Two routers of one user with one name (`NAME`, `NAME-PID`): each router's model server
+    is `<its router's name>/<model>`, never the other router's."""
+    setup = discovering()
+    first, second = found("llamacpp-8080", 101, start_ticks=1000), found("llamacpp-8080", 102)
+    models = [
+        replace(found("llamacpp-8080/tiny", pid, start_ticks=6000 + pid), router_pid=router)
+        for pid, router in ((201, 101), (202, 102))
+    ]
+    setup.discover(first, second, *models)
+    watched = {name: rt.discovered.pid for name, rt in setup.admission.targets.items()}  # type: ignore[union-attr]
+    assert watched == {
+        "llamacpp-8080": 101,
+        "llamacpp-8080/tiny": 201,
+        "llamacpp-8080-102": 102,
+        "llamacpp-8080-102/tiny": 202,
+    }
+
+
+def test_after_an_exporter_restart_history_says_whose_a_name_was_for_keep_for() -> None:
+    setup = discovering()
+    setup.wiring.owners["qwen"] = 1000  # its last load was uid 1000's server's
+    theirs = found("qwen", 202, uid=1001)
+    setup.discover(theirs)
+    setup.discover(theirs, after=KEEP_FOR - INTERVAL - PASS)
+    assert setup.names == set() and setup.refused("name_owned") == 1
+    setup.discover(theirs, after=PASS + INTERVAL)  # keep_for since the start: free
+    assert setup.names == {"qwen"}
+    later = discovering()
+    later.wiring.owners["qwen"] = 1000
+    later.discover(found("qwen", 303, uid=1000))  # its owner's own server: its name
+    assert later.names == {"qwen"} and later.refused("name_owned") == 0
+
+
+def test_roots_server_is_never_crowded_out_by_other_users_targets() -> None:
+    """max_targets full of two users' servers: root's is admitted, the newest target of the
+    user holding most gives way (said), and no ordinary user's newcomer takes the place of
+    root's gone server in its restart gap."""
+    setup = discovering(max_targets=5, per_user=3)
+    many = [found(f"a{i}", 10 + i, uid=1000, start_ticks=100 + i, port=8000 + i) for i in range(3)]
+    few = [found(f"b{i}", 20 + i, uid=1001, start_ticks=200 + i, port=8100 + i) for i in range(2)]
+    setup.discover(*many, *few)
+    assert len(setup.names) == 5
+    server = found("root-model", 1, uid=ROOT, start_ticks=50, port=9000)
+    setup.discover(*many, *few, server)
+    assert setup.names == {"a0", "a1", "b0", "b1", "root-model"}  # a2, the newest of uid 1000's
+    assert setup.refused("max_targets") == 1
+    setup.discover(*many, *few)  # root's server restarts
+    newcomer = found("c0", 30, uid=1002, start_ticks=300, port=8200)
+    setup.discover(*many, *few, newcomer)
+    assert "root-model" in setup.names and "c0" not in setup.names
+    setup.discover(*many, *few, newcomer, replace(server, pid=2, start_ticks=60))
+    assert setup.admission.targets["root-model"].discovered.pid == 2  # type: ignore[union-attr]
 
 
 # -- which targets a server is watched as ---------------------------------------------------

@@ -196,9 +196,32 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: Path) -> None:
                       environment_resident_bytes=9_500_000_000))  # fmt: skip
     newest = store.loads()[0]
     assert (newest.environment_bytes, newest.environment_resident_bytes) == (9.8e9, 9.5e9)
+    assert old.owner is None  # nor whose server loaded by one before version 8
+    store.add(replace(record(60.0), owner=0))
+    assert store.loads()[0].owner == 0 and store.owner("kimi") == 0
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
     assert store.loads()[-1].report is None  # no report was made of it
+
+
+def test_a_names_loads_count_for_its_owner_only(store: HistoryStore) -> None:
+    """A discovered name's past is its user's: loads another user's server filed under it (it
+    held the name first) shape none of its expectations, listings or startup advice; loads of
+    versions that filed no owner count for whoever owns it; unowned, every load counts."""
+    store.add(replace(record(900.0, at=T0, gpu=99), owner=65534))  # the look-alike's, first
+    store.add(replace(record(40.0, at=T0 + 100, gpu=10), owner=0))
+    store.add(record(50.0, at=T0 + 200))  # an older version's: no owner filed
+    assert store.expected_duration("kimi", "cold") == 50.0  # every load: the median of three
+    store.own("kimi", 0)
+    assert [r.duration_seconds for r in store.loads("kimi")] == [50.0, 40.0]
+    assert store.expected_duration("kimi", "cold") == 45.0
+    assert store.expected_weights_gpu_bytes("kimi") == 10
+    store.add(replace(record(700.0, at=T0 + 300), owner=65534))
+    assert store.last_duration("kimi") == 50.0  # not the other user's load filed since
+    assert store.owner("kimi") == 65534  # but who filed last is said as it is
+    assert len(store.loads()) == 4  # all of it kept, for `history` and /api/v1/loads
+    store.own("kimi", None)
+    assert store.last_duration("kimi") == 700.0
 
 
 def test_partial_and_failed_loads_stay_out_of_expectations(store: HistoryStore) -> None:

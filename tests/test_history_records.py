@@ -74,7 +74,7 @@ def test_the_report_is_stored_as_the_json_the_api_document_has(
     tmp_path: Path, report: LoadReport
 ) -> None:
     """What an earlier version wrote (the document's JSON) is what this one writes: files read
-    the same either way (version 7 only added the environment's two columns)."""
+    the same either way (version 8 only added the owner's column)."""
     path = tmp_path / "history.sqlite"
     store = HistoryStore(str(path))
     store.add(load(T0, report))
@@ -82,7 +82,7 @@ def test_the_report_is_stored_as_the_json_the_api_document_has(
         [(stored,)] = db.execute("SELECT report FROM loads").fetchall()
     assert stored == json.dumps(load_document(load(T0, report))["report"])
     assert api.LoadReport.from_json(json.loads(stored)).to_json() == json.loads(stored)
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
 
 
 def _old_file(path: Path, version: int, rows: list[dict[str, object]]) -> None:

@@ -9,9 +9,7 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +22,6 @@ import pytest
 import requests
 from helpers import containerlog, loglines
 from helpers.cgroups import cgroups, hierarchies, joining
-from helpers.require import require
 from helpers.support import RunningExporter, free_port, wait_for
 
 from exporter.config.schema import LogConfig
@@ -39,9 +36,6 @@ INTERVAL = 0.25
 SLACK = 0.35  # scheduling on a busy 2-core machine
 JOURNAL_SLACK = 0.75
 INIT_SECONDS = 2.0
-JOURNALD = "/lib/systemd/systemd-journald"
-JOURNAL_SOCKET = Path("/run/systemd/journal/socket")  # datagrams: journal fields
-JOURNAL_STDOUT = Path("/run/systemd/journal/stdout")  # streams: systemd-cat, a unit's stdout
 SIM_FLAGS = (
     "--generate", "4", "--shard-size", "1MB", "--read-rate", "4MB/s", "--cached-read-rate",
     "4MB/s", "--startup-seconds", "0.3", "--init-seconds", str(INIT_SECONDS), "--port", "0",
@@ -186,42 +180,6 @@ def test_a_crash_is_fatal_within_one_sample(tmp_path: Path) -> None:
 
 
 # --- a real journal ---------------------------------------------------------------------------
-
-
-def _journald_listening() -> bool:
-    """Both of journald's sockets answer: a stale socket file left by a journald another test
-    run stopped refuses connections, and systemd-cat writes to the stream one."""
-    for path, kind in ((JOURNAL_SOCKET, socket.SOCK_DGRAM), (JOURNAL_STDOUT, socket.SOCK_STREAM)):
-        with socket.socket(socket.AF_UNIX, kind) as s:
-            try:
-                s.connect(str(path))
-            except OSError:
-                return False
-    return True
-
-
-@pytest.fixture(scope="module")
-def journald() -> Iterator[None]:
-    """The host's journald, or one started here (no systemd as PID 1 in this sandbox)."""
-    require(os.geteuid() == 0, "needs root: journald and a unit's cgroup")
-    require(
-        bool(shutil.which("systemd-cat") and shutil.which("journalctl")),
-        "systemd-cat or journalctl missing",
-    )
-    started = None
-    if not _journald_listening():
-        require(os.access(JOURNALD, os.X_OK), f"no journald running and no {JOURNALD}")
-        JOURNAL_SOCKET.parent.mkdir(parents=True, exist_ok=True)
-        started = subprocess.Popen([JOURNALD], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 10
-        while not _journald_listening():
-            assert started.poll() is None, started.stderr.read() if started.stderr else b""
-            assert time.monotonic() < deadline, "journald did not open its socket"
-            time.sleep(0.05)
-    yield
-    if started is not None:
-        started.terminate()
-        started.wait(10)
 
 
 @pytest.fixture

@@ -372,6 +372,7 @@ def test_row3_a_unit_made_below_the_users_own_manager_is_no_unit(
             wait_for(lambda m=m: _rmdir(m), timeout=10)
 
 
+@pytest.mark.usefixtures("journald")  # a journal whose files exist, as on any systemd host
 def test_row3_a_system_units_journal_is_read_with_its_processs_rights(
     exporter: ExporterProcess,
 ) -> None:

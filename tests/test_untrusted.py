@@ -25,14 +25,28 @@ from exporter.commands.client import ExporterClient
 from exporter.exposition import api
 from exporter.trust.untrusted import clean
 
-UNSEEN = ("Cc", "Cf", "Cs", "Zl", "Zp")  # control, format, surrogate, line and paragraph breaks
+# Control, format, private use, unassigned (noncharacters too), surrogate, line and paragraph
+# breaks; and, of Unicode's Default_Ignorable_Code_Point, what lies in no such category.
+UNSEEN = ("Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp")
+IGNORABLE = {
+    *range(0x034F, 0x0350),
+    *range(0x115F, 0x1161),
+    *range(0x17B4, 0x17B6),
+    *range(0x180B, 0x1810),
+    0x3164,
+    *range(0xFE00, 0xFE10),
+    0xFFA0,
+    *range(0xE0100, 0xE01F0),
+}
+
+
+def invisible(c: str) -> bool:
+    return unicodedata.category(c) in UNSEEN or ord(c) in IGNORABLE
 
 
 def unseen(text: str, allowed: str = "") -> list[str]:
     """The characters of `text` no output may carry (but those `allowed`), as their names."""
-    return [
-        f"U+{ord(c):04X}" for c in text if c not in allowed and unicodedata.category(c) in UNSEEN
-    ]
+    return [f"U+{ord(c):04X}" for c in text if c not in allowed and invisible(c)]
 
 
 def strings(value: object) -> Iterator[str]:
@@ -59,14 +73,17 @@ def assert_clean_json(raw: bytes) -> Any:
 # --- clean ------------------------------------------------------------------------------------
 
 
-def test_every_control_and_format_character_of_this_pythons_unicode_goes() -> None:
-    """The table in untrusted.py against the running Python's unicodedata, all 1.1M points."""
-    missed = [
-        f"U+{cp:04X}"
-        for cp in range(sys.maxunicode + 1)
-        if unicodedata.category(chr(cp)) in UNSEEN and unseen(clean(chr(cp), None))
-    ]
-    assert missed == []
+def test_every_character_a_person_cannot_see_goes_and_the_others_stay() -> None:
+    """All 1.1M code points of the running Python's Unicode, one by one."""
+    missed, lost = [], []
+    for cp in range(sys.maxunicode + 1):
+        char = chr(cp)
+        shown = clean(char, None)
+        if invisible(char) and unseen(shown):
+            missed.append(f"U+{cp:04X}")
+        elif not invisible(char) and shown != char:
+            lost.append(f"U+{cp:04X}")
+    assert missed == [] and lost == []
 
 
 @pytest.mark.parametrize(
@@ -81,6 +98,12 @@ def test_every_control_and_format_character_of_this_pythons_unicode_goes() -> No
         ("model\u202egguf.exe", "modelgguf.exe"),  # right-to-left override
         ("a\u2066b\u2069c\u200bd\ufeffe", "abcde"),  # isolates, zero width, BOM
         ("hi\U000e0041\U000e0042", "hi"),  # tags: text an agent reads and a person does not
+        ("A\U000e0100\U000e01efB", "AB"),  # supplementary variation selectors: another such code
+        ("\ue000private\U000f0000\U0010fffd", "private"),  # private use
+        ("non\ufdd0char\uffff\U0010fffe", "nonchar"),  # noncharacters
+        ("un\u0378assigned", "unassigned"),  # unassigned
+        ("heart \u2764\ufe0f", "heart \u2764"),  # a variation selector after a symbol
+        ("fill\u3164er\u115f", "filler"),  # Hangul fillers: letters drawn as nothing
         ("lone \ud800 high", "lone \ufffd high"),  # a surrogate no byte escapes to
         ("line one\nline two\r\n\tend", "line one line two end"),
         ("plain ASCII stays", "plain ASCII stays"),
@@ -164,6 +187,13 @@ CASES = {
     "path-latin1-and-c1": ("path", b"caf\xe9\xc2\x9b31m", "\x1b]0;owned\x07\x08\x08"),
     "path-esc-and-bidi": ("path", b"x\x1bc\xe2\x80\xaeexe.txt", "\u202egpj.exe \x9b2J"),
     "hub-home-invalid-utf8": ("hub", b"\xff\xfe\x1b[2J", "\U000e0041\U000e0049 \xff"),
+    # Variation selectors (the supplementary ones spell text of their own), private use,
+    # noncharacters and an unassigned code point: all drawn as nothing.
+    "path-invisible-marks": (
+        "path",
+        "m\ufe0f\ue000\U000e0100".encode(),
+        "\U000e0100\U000e0151\U000f0041\ufdd0\uffff\u0378\u3164",
+    ),
 }
 
 
@@ -243,6 +273,9 @@ def test_a_servers_dirty_paths_and_log_leave_clean(exporter: ExporterProcess, ca
             metrics = exporter.get("/metrics")
             assert metrics.status_code == 200
             assert unseen(metrics.content.decode("utf-8"), allowed="\n") == []
+            alive = exporter.get("/probe/alive", params={"target": name})
+            assert alive.status_code == 503 and "note to the AI agent" in alive.text, alive.text
+            assert unseen(alive.content.decode("utf-8"), allowed="\n") == []
         finally:
             fakes.stop()
         # Gone: its record in history, the target kept for keep_for.

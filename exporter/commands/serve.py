@@ -22,7 +22,7 @@ from exporter.config.schema import Config
 from exporter.config.values import ConfigError, format_duration, parse_duration
 from exporter.exposition.http.app import HttpServer, WebApp
 from exporter.exposition.http.webconfig import WebConfig, allowed_hosts, load_web_config
-from exporter.logsetup import LEVELS, setup_logging
+from exporter.logsetup import LEVELS, UNFOLDED, setup_logging
 from exporter.runtime.wiring import Runtime
 from exporter.vocabulary import ProbeKind
 
@@ -347,11 +347,11 @@ def reload(app: WebApp, server: HttpServer, args: argparse.Namespace) -> str | N
         if fresh is not None:
             fresh.stop()
         error = f"config reload failed, keeping the running config: {exc}"
-        log.error("%s", error)
+        log.error("%s", error, extra=UNFOLDED)
         app.runtime.reload_successful = False
         return error
     fresh.start()
     old, app.runtime, app.web = app.runtime, fresh, web
     old.stop()
-    log.info("config reloaded: %d target(s)", len(config.targets))
+    log.info("config reloaded: %d target(s)", len(config.targets), extra=UNFOLDED)
     return None

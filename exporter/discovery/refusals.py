@@ -20,6 +20,7 @@ MAX_REMEMBERED = 4096
 REASONS = (
     "max_targets",  # discovery.max_targets discovered targets already, none of them gone
     "user_share",  # the process's user has discovery.max_targets_per_user already
+    "name_owned",  # its target name is another user's server's (exporter/runtime/targetnames.py)
     "user",  # its user is not in discovery.users
     "borrowed_rights",  # a setuid/setgid program, or a process that is not dumpable
     "unreadable",  # a file its own rights do not let it read (or its credentials not takeable)

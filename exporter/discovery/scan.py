@@ -195,7 +195,9 @@ class Discoverer:
         self._users = frozenset(users) if users is not None else None
 
     def scan(self) -> tuple[DiscoveredServer, ...]:
-        """The servers running now, sorted by name."""
+        """The servers running now, sorted by name, each named by its own command line: two may
+        share a name (same model and port in two containers, or another user's look-alike);
+        which one holds it is admission's (exporter/runtime/targetnames.py)."""
         try:
             names = os.listdir(self._proc_root)
         except OSError:
@@ -236,7 +238,6 @@ class Discoverer:
             and (server := self._server(pid, start_ticks, candidates[pid], routers[parent]))
             is not None
         ]
-        found = _unique_names(found)
         self._known = {server.key: server for server in found}
         return tuple(sorted(found, key=lambda s: s.name))
 
@@ -502,18 +503,6 @@ def _routed_name(
     if environ.get(variable) != port:
         return None
     return model_target_name(router.name, model)
-
-
-def _unique_names(servers: list[DiscoveredServer]) -> list[DiscoveredServer]:
-    """Two servers with one name (same model and port in two containers): the elder keeps it."""
-    taken: set[str] = set()
-    result = []
-    for server in sorted(servers, key=lambda s: (s.start_ticks, s.pid)):
-        if server.name in taken:
-            server = replace(server, name=f"{server.name}-{server.pid}")
-        taken.add(server.name)
-        result.append(server)
-    return result
 
 
 @dataclass(frozen=True)

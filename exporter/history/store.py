@@ -18,6 +18,12 @@ files of earlier versions read the same.
 Retention: discovered targets are whatever any local user starts, so the store keeps at most
 `max_rows` loads, none that ended more than `max_age` before the newest (config
 `history_retention`); each write prunes.
+
+Ownership: a discovered target's name is its user's (runtime/targetnames.py), and so is what
+its past says. Each load is filed with the user whose server loaded (`owner`); for a name
+`own()` gave an owner, every question about that name counts only that user's loads (and those
+of versions that filed none), so a server of another user that held the name before
+(started first) shapes none of its ETAs, forecasts or startupProbe advice.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from exporter.vocabulary import Cache
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 EXPECTATION_LOADS = 10  # medians over this many recent good loads
 BUSY_TIMEOUT_SECONDS = 0.5  # a sampler tick must not wait long on someone else's lock
 MAX_PENDING = 100  # finished loads held in memory while writes fail
@@ -83,6 +89,7 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE loads ADD COLUMN environment_bytes INTEGER",
         "ALTER TABLE loads ADD COLUMN environment_resident_bytes INTEGER",
     ),
+    ("ALTER TABLE loads ADD COLUMN owner INTEGER",),
 )
 # The record's fields but `id` (the row's own), each a column of the same name.
 _FIELDS = tuple(f for f in dataclasses.fields(LoadRecord) if f.name != "id")
@@ -116,6 +123,7 @@ class HistoryStore:
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._pending: deque[LoadRecord] = deque(maxlen=MAX_PENDING)
+        self._owners: dict[str, int] = {}  # a discovered target's name -> its user
         if not path:
             return
         problem = make_private(path) if private else None
@@ -198,9 +206,23 @@ class HistoryStore:
         except sqlite3.Error as exc:
             log.debug("load history: pruning failed: %s", exc)
 
+    def own(self, target: str, owner: int | None) -> None:
+        """The loads of `target` that count are `owner`'s from now on (None: anyone's)."""
+        with self._lock:
+            if owner is None:
+                self._owners.pop(target, None)
+            else:
+                self._owners[target] = owner
+
+    def owner(self, target: str) -> int | None:
+        """The user whose load was filed last under `target` (None: none, or not known)."""
+        sql = f"SELECT owner FROM loads WHERE target = ? {_NEWEST_FIRST} LIMIT 1"
+        row = self._run(lambda db: db.execute(sql, (target,)).fetchone(), None)
+        return int(row[0]) if row is not None and row[0] is not None else None
+
     def loads(self, target: str | None = None, limit: int = 100) -> list[LoadRecord]:
-        """Finished loads, newest first."""
-        where, args = ("WHERE target = ?", (target,)) if target is not None else ("", ())
+        """Finished loads, newest first (of `target`: its owner's)."""
+        where, args = self._of(target) if target is not None else ("", ())
         sql = f"SELECT {_SELECT} FROM loads {where} {_NEWEST_FIRST} LIMIT ?"
         rows: list[_Row] = self._run(
             lambda db: db.execute(sql, (*args, max(0, limit))).fetchall(), []
@@ -237,17 +259,19 @@ class HistoryStore:
 
     def expected_weights_gpu_bytes(self, target: str) -> int | None:
         """GPU memory at the end of the weights of the last successful load that measured it."""
+        where, args = self._of(target)
         sql = (
-            "SELECT gpu_bytes_at_weights_end FROM loads WHERE target = ? AND outcome = 'ready' "
+            f"SELECT gpu_bytes_at_weights_end FROM loads {where} AND outcome = 'ready' "
             f"AND partial = 0 AND gpu_bytes_at_weights_end IS NOT NULL {_NEWEST_FIRST} LIMIT 1"
         )
-        row = self._run(lambda db: db.execute(sql, (target,)).fetchone(), None)
+        row = self._run(lambda db: db.execute(sql, args).fetchone(), None)
         return int(row[0]) if row else None
 
     def last_duration(self, target: str) -> float | None:
         """Duration of the last finished load of any outcome."""
-        sql = f"SELECT started_at, ended_at FROM loads WHERE target = ? {_NEWEST_FIRST} LIMIT 1"
-        row = self._run(lambda db: db.execute(sql, (target,)).fetchone(), None)
+        where, args = self._of(target)
+        sql = f"SELECT started_at, ended_at FROM loads {where} {_NEWEST_FIRST} LIMIT 1"
+        row = self._run(lambda db: db.execute(sql, args).fetchone(), None)
         return float(row[1] - row[0]) if row else None
 
     def close(self) -> None:
@@ -259,17 +283,26 @@ class HistoryStore:
 
     def _good_loads(self, target: str, cache: Cache | None) -> list[LoadRecord]:
         """Recent successful, non-partial loads; of one cache temperature, or any (None)."""
-        where, args = "", list[str | None]([target])
+        where, owned = self._of(target)
+        args: list[object] = list(owned)
         if cache is not None:
             # Unknown temperature is stored as NULL.
-            where = "AND cache IS ?"
+            where += " AND cache IS ?"
             args.append(None if cache == Cache.UNKNOWN else str(cache))
         sql = (
-            f"SELECT {_SELECT} FROM loads WHERE target = ? {where} AND outcome = 'ready' "
+            f"SELECT {_SELECT} FROM loads {where} AND outcome = 'ready' "
             f"AND partial = 0 {_NEWEST_FIRST} LIMIT {EXPECTATION_LOADS}"
         )
         rows: list[_Row] = self._run(lambda db: db.execute(sql, args).fetchall(), [])
         return [_record(row) for row in rows]
+
+    def _of(self, target: str) -> tuple[str, tuple[object, ...]]:
+        """The WHERE clause of one target's loads: its owner's, where it has one (`own`)."""
+        with self._lock:
+            owner = self._owners.get(target)
+        if owner is None:
+            return "WHERE target = ?", (target,)
+        return "WHERE target = ? AND (owner = ? OR owner IS NULL)", (target, owner)
 
     def _run(self, query: Callable[[sqlite3.Connection], _T], default: _T) -> _T:
         with self._lock:

@@ -40,6 +40,9 @@ class LoadRecord:
     # its start; None where none was made.
     environment_bytes: int | None = None
     environment_resident_bytes: int | None = None
+    # The user whose discovered server loaded (exporter/runtime/targetnames.py: a name's loads
+    # count for its owner only); None for a configured target's.
+    owner: int | None = None
     id: int | None = None  # history's row id, once stored and read back
     report: LoadReport | None = None  # where its time went and why (exporter/history/explain.py)
 

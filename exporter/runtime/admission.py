@@ -6,9 +6,12 @@ a discovered target is added when its server first appears, follows it across re
 name, same tracker and history, a new process is a new load) and is dropped `keep_for` after
 its process went away. Discovery scans every `discovery.interval`, and every sample interval
 while a discovered server is gone, so its restart is seen at once. Any local user can start a
-process that looks like a server, so discovered targets are bounded (`Admission._admit`: at most
-`max_targets`, `max_targets_per_user` of one user, gone targets make room first) and their
-files are only ever touched with their process's rights (`on_behalf`).
+process that looks like a server, so a target's name is its user's (targetnames.py: a
+target follows only its own user's processes; root's and the system's servers take their name
+from any other user's), discovered targets are bounded (`Admission._admit`: at most
+`max_targets`, `max_targets_per_user` of one user, an ordinary user's gone targets make room
+first, and for root's or the system's server the most-represented ordinary user's newest), and
+their files are only ever touched with their process's rights (`on_behalf`).
 
 A discovered server is watched as the targets `targets_of` names: one, and one more per model of
 a repository server holding several (Triton's). Admission counts, follows and drops targets by
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -34,7 +38,9 @@ from exporter.discovery.scan import (
     model_target_name,
     weights_config,
 )
+from exporter.discovery.serverargs import Evidence
 from exporter.runtime.target import TargetRuntime
+from exporter.runtime.targetnames import TargetNames, uid_of, who
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.process import read_stat
 from exporter.trust.asprocess import Actor, OnBehalf, rights_of
@@ -65,6 +71,10 @@ class Wiring(Protocol):
         """Read what history says of every target afresh (one was added)."""
         ...
 
+    def past_owner(self, name: str) -> int | None:
+        """The user whose server's load history filed last under `name` (None: none known)."""
+        ...
+
 
 @dataclass(frozen=True)
 class _Claim:
@@ -87,8 +97,10 @@ class Admission:
         refusals: Refusals,
         clock: Callable[[], float],
         lock: threading.Lock,
+        own_uid: int | None = None,
     ) -> None:
-        """`lock` guards `targets` against the snapshot reading them."""
+        """`lock` guards `targets` against the snapshot reading them; `own_uid`: the user the
+        exporter runs as (its servers rank with root's), by default this process's."""
         self.config = config
         self.targets: dict[str, TargetRuntime] = {}
         self.discoverer = discoverer
@@ -96,6 +108,13 @@ class Admission:
         self._refusals = refusals
         self._clock = clock
         self._lock = lock
+        self._names = TargetNames(
+            config.discovery.keep_for,
+            config.discovery.max_targets,
+            clock=clock,
+            own_uid=os.geteuid() if own_uid is None else own_uid,
+            past_owner=wiring.past_owner,
+        )
         # With configured targets, discovery waits a tick: their process trees say which
         # servers they already watch.
         self._due = clock() + config.sample_interval if config.targets else 0.0
@@ -135,41 +154,112 @@ class Admission:
             return
         self._due = now + self.config.discovery.interval
         try:
-            found = self._claimable(self.discoverer.scan())
+            servers = self._claimable(self.discoverer.scan())
         except Exception as exc:
             self._refusals.note("error", "pass", "a discovery pass failed: %s", exc)
             log.debug("discovery pass failed", exc_info=True)
             return
-        for name, claim in found.items():
-            server = claim.server
-            runtime = self.targets.get(name)
-            if runtime is None:
-                if not self._admit(server):
-                    continue
-                log.info("target %s: discovered %s server, pid %d", name, server.kind, server.pid)
-                self.add(claim.config, server)
-                self._wiring.read_histories()
-            elif runtime.discovered is not None:
-                runtime.gone_since = None
-                if runtime.discovered != server:
-                    self._follow(runtime, claim)
+        self._names.present({server.key for server in servers}, now)
         for runtime in list(self.targets.values()):
-            if runtime.discovered is None or runtime.config.name in found:
-                continue
-            if runtime.gone_since is None:
-                runtime.gone_since = now
-            elif now - runtime.gone_since >= self.config.discovery.keep_for:
+            gone = runtime.gone_since
+            if gone is not None and now - gone >= self.config.discovery.keep_for:
                 self.drop(runtime.config.name)
+        self._names.expire(now, kept=self.targets.keys())  # what the gaps over held is free
+        found: set[str] = set()
+        routers: dict[int, tuple[str, str]] = {}  # pid: the name its command line gives, its own
+        for server in sorted(servers, key=self._precedence):
+            router = routers.get(server.router_pid or 0)
+            if router is not None and server.name.startswith(router[0] + "/"):
+                # A router's model server is named after its router as the router is named.
+                server = replace(server, name=router[1] + server.name[len(router[0]) :])
+            named = self._named(server)
+            if named is None:
+                continue
+            routers[server.pid] = (server.name, named.name)
+            claims = [_Claim(named, config) for config in targets_of(named)]
+            found.update(claim.config.name for claim in claims)
+            if self._watch(claims, now):
+                self._names.hold(named.name, server)
+        for runtime in self.targets.values():
+            gone = runtime.discovered is not None and runtime.config.name not in found
+            if gone and runtime.gone_since is None:
+                runtime.gone_since = now
         waiting = any(rt.gone_since is not None for rt in self.targets.values())
         interval = self.config.sample_interval if waiting else self.config.discovery.interval
         self._due = now + interval
 
-    def _admit(self, server: DiscoveredServer) -> bool:
-        """Room for one more discovered target: under `max_targets` and the user's share, a
-        gone target (the longest gone first) making room when needed; else refused."""
+    def _precedence(self, server: DiscoveredServer) -> tuple[bool, int, int]:
+        """Root's and the system's servers first, then the elder: who claims a name first."""
+        return (not self._names.privileged(uid_of(server)), server.start_ticks, server.pid)
+
+    def _named(self, server: DiscoveredServer) -> DiscoveredServer | None:
+        """`server` under the name it may have (targetnames.py), the name's owner in
+        its evidence; None when another user's server owns the name (refused and said)."""
+        claim = self._names.claim(server)
+        uid = uid_of(server)
+        if claim.name is None:
+            self._refusals.note("name_owned", server.key, "%s (pid %d, %s): the name is %s's "
+                                "server's; not watched", server.name, server.pid, who(uid),
+                                who(claim.owner))  # fmt: skip
+            return None
+        rank = "root or a system user" if self._names.privileged(uid) else "an ordinary user"
+        evidence = [Evidence("owner", who(uid), f"{rank}: no other user's server takes this name")]
+        count, last = self._names.refusals(claim.name)
+        if last is not None:
+            asked = f"{count} process(es) of other users asked for it"
+            evidence.append(Evidence("name refused", f"pid {last[0]} of {who(last[1])}", asked))
+        return replace(server, name=claim.name, evidence=(*server.evidence, *evidence))
+
+    def _watch(self, claims: list[_Claim], now: float) -> bool:
+        """Add or follow the targets of a named server; whether its own target is watched."""
+        watched = False
+        for claim in claims:
+            server = claim.server
+            runtime = self.targets.get(claim.config.name)
+            if runtime is not None and runtime.discovered is None:
+                continue  # a configured target of that name
+            if runtime is None or _owner(runtime) != uid_of(server):
+                if not self._admit(server, now, leaving=runtime):
+                    continue
+                if runtime is not None:
+                    self._give_way(runtime, server)
+                log.info("target %s: discovered %s server, pid %d", claim.config.name,
+                         server.kind, server.pid)  # fmt: skip
+                self.add(claim.config, server)
+                self._wiring.read_histories()
+            else:
+                runtime.gone_since = None
+                if runtime.discovered != server:
+                    self._follow(runtime, claim)
+            watched = watched or claim.config.name == server.name
+        return watched
+
+    def _give_way(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
+        """A server of root's or the system's takes the name from another user's server: that
+        one's targets end, its loads stay its own in history, it is watched no more."""
+        lost = runtime.discovered
+        assert lost is not None
+        self._refusals.note("name_owned", lost.key, "%s (pid %d, %s) gives the name up to pid %d "
+                            "of %s; not watched", lost.name, lost.pid, who(uid_of(lost)),
+                            server.pid, who(uid_of(server)))  # fmt: skip
+        for other in list(self.targets.values()):
+            if other.discovered is not None and other.discovered.key == lost.key:
+                self.drop(other.config.name, f"its name is {who(uid_of(server))}'s server's")
+
+    def _admit(
+        self, server: DiscoveredServer, now: float, leaving: TargetRuntime | None = None
+    ) -> bool:
+        """Room for one more discovered target: under `max_targets` and the user's share, another
+        target giving way when needed (`_room`); else refused. `leaving`: a target whose
+        server gives its name up to this one (its room is this one's)."""
         limits = self.config.discovery
-        owner = server.rights.uid if server.rights is not None else None
-        discovered = [rt for rt in self.targets.values() if rt.discovered is not None]
+        owner = uid_of(server)
+        going = leaving.discovered.key if leaving is not None and leaving.discovered else None
+        discovered = [
+            rt
+            for rt in self.targets.values()
+            if rt.discovered is not None and rt.discovered.key != going
+        ]
         same_user = [rt for rt in discovered if _owner(rt) == owner]
         for pool, limit, reason in (
             (same_user, limits.max_targets_per_user, "user_share"),
@@ -178,25 +268,47 @@ class Admission:
             live = [rt for rt in pool if rt.config.name in self.targets]
             if len(live) < limit:
                 continue
-            gone = sorted(
-                (rt for rt in live if rt.gone_since is not None), key=lambda rt: rt.gone_since or 0
-            )
-            if not gone:
-                self._refusals.note(reason, server.key, "%s (pid %d, uid %s): %d targets already",
-                                    server.name, server.pid, owner, limit)  # fmt: skip
+            room = self._room(live, self._names.privileged(owner))
+            if room is None:
+                self._refusals.note(reason, server.key, "%s (pid %d, %s): %d targets already",
+                                    server.name, server.pid, who(owner), limit)  # fmt: skip
                 return False
-            self.drop(gone[0].config.name, f"gone, making room for {server.name}")
+            name = room.config.name
+            if room.gone_since is None:  # another user's server, still running
+                lost = room.discovered
+                assert lost is not None
+                self._refusals.note(reason, lost.key, "%s (pid %d, %s): gives way to %s's server",
+                                    name, lost.pid, who(_owner(room)), who(owner))  # fmt: skip
+                self._names.release(name, now)
+            self.drop(name, f"making room for {server.name}")
         return True
 
-    def _claimable(self, servers: tuple[DiscoveredServer, ...]) -> dict[str, _Claim]:
-        """The discovered servers no configured target watches, by target name; configured
-        ones win."""
+    def _room(self, pool: list[TargetRuntime], privileged: bool) -> TargetRuntime | None:
+        """Which target gives way to a newcomer: an ordinary user's gone one, the longest gone
+        first; for root's or the system's server then the newest of the ordinary user holding
+        most targets, then a gone one of root's or the system's. Never the other way: root's
+        and the system's servers, and their restart gaps, are never crowded out."""
+        ordinary = [rt for rt in pool if not self._names.privileged(_owner(rt))]
+        gone = sorted((rt for rt in ordinary if rt.gone_since is not None),
+                      key=lambda rt: rt.gone_since or 0.0)  # fmt: skip
+        if gone or not privileged:
+            return gone[0] if gone else None
+        if ordinary:
+            held = Counter(_owner(rt) for rt in ordinary)
+            return max(ordinary, key=lambda rt: (held[_owner(rt)], _started(rt)))
+        ours = sorted((rt for rt in pool if rt.gone_since is not None),
+                      key=lambda rt: rt.gone_since or 0.0)  # fmt: skip
+        return ours[0] if ours else None
+
+    def _claimable(self, servers: tuple[DiscoveredServer, ...]) -> list[DiscoveredServer]:
+        """The discovered servers no configured target watches (configured ones win) and that
+        can be probed."""
         configured = [rt for rt in self.targets.values() if rt.discovered is None]
         pids: set[int] = set()
         for runtime in configured:
             pids.update(self._wiring.pids_watched(runtime.config.name))
         urls = {rt.config.endpoint.url.rstrip("/") for rt in configured}
-        claimable = {}
+        claimable = []
         for server in servers:
             if server.pid in pids or server.url in urls:
                 continue
@@ -205,13 +317,15 @@ class Admission:
                 self._refusals.note("unreachable", server.key, "%s at pid %d is not probed (%s); "
                                     "not watched", server.name, server.pid, why)  # fmt: skip
                 continue
-            for config in targets_of(server):
-                claimable[config.name] = _Claim(server, config)
+            claimable.append(server)
         return claimable
 
     def _follow(self, runtime: TargetRuntime, claim: _Claim) -> None:
-        """The same server, changed: restarted (a new process, so a new load) or new weights."""
-        runtime.discovered = claim.server
+        """The same server, changed: restarted (a new process, so a new load) or new weights;
+        only its evidence changed (a name refused to another user): nothing to wire."""
+        before, runtime.discovered = runtime.discovered, claim.server
+        if before is not None and _but_evidence(before) == _but_evidence(claim.server):
+            return
         fresh = claim.config
         if fresh.endpoint != runtime.config.endpoint:
             runtime.prober.close()
@@ -301,5 +415,13 @@ def _same_process(proc_root: str, pid: int, start_ticks: int) -> Callable[[], bo
 
 
 def _owner(runtime: TargetRuntime) -> int | None:
+    return uid_of(runtime.discovered) if runtime.discovered is not None else None
+
+
+def _but_evidence(server: DiscoveredServer) -> DiscoveredServer:
+    return replace(server, evidence=())
+
+
+def _started(runtime: TargetRuntime) -> tuple[int, int]:
     found = runtime.discovered
-    return found.rights.uid if found is not None and found.rights is not None else None
+    return (found.start_ticks, found.pid) if found is not None else (0, 0)

@@ -53,6 +53,7 @@ from exporter.runtime.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.runtime.sampler import Reading, Sampler
 from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.runtime.target import TargetRuntime
+from exporter.runtime.targetnames import uid_of
 from exporter.sources import (
     ENDPOINT,
     ENVIRONMENT,
@@ -212,6 +213,7 @@ class Runtime:
             ),
             discovered=found,
         )
+        self.history.own(config.name, uid_of(found) if found is not None else None)
         return runtime
 
     def wire(self, runtime: TargetRuntime) -> None:
@@ -354,11 +356,16 @@ class Runtime:
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
         runtime.log.close()
+        self.history.own(name, None)
 
     def pids_watched(self, name: str) -> Collection[int]:
         """The processes a target's tree holds now, as its last process sample found them."""
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
+
+    def past_owner(self, name: str) -> int | None:
+        """The user whose load history filed last under `name`."""
+        return self.history.owner(name)
 
     def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
         return Tracker(
@@ -686,6 +693,8 @@ class Runtime:
         """File a finished load with its report, built against history before it."""
         during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
         base = baseline(self.history, record.target, record.cache)
+        if runtime.discovered is not None:  # filed as its user's (exporter/runtime/targetnames.py)
+            record = replace(record, owner=uid_of(runtime.discovered))
         record, unknown = _environment_at_start(runtime.environment, record)
         record = replace(record, report=report(record, base, during, unknown))
         log.info(

@@ -13,34 +13,51 @@ environ, readlink, mountinfo, log lines, HTTP answers, SQLite), and a place forg
 would leak; the exits are two.
 
 What `clean` does: invalid UTF-8 and lone surrogates become U+FFFD; tab, line and page breaks
-become a space (words stay apart); every other character of Unicode's categories Cc and Cf, and
-the line and paragraph separators, is dropped; the length is bounded when asked.
+become a space (words stay apart); every character a person cannot see is dropped: Unicode's
+categories Cc and Cf (controls, bidi overrides, zero widths, tags), Co (private use: a font may
+draw anything there, or nothing), Cn (unassigned code points and the noncharacters), and the rest
+of Unicode's Default_Ignorable_Code_Point (variation selectors, which the supplementary ones
+U+E0100-E01EF make a second invisible alphabet of, fillers, the grapheme joiner). The categories
+come from the running Python's unicodedata, so a newer Unicode's assignments follow it. The length
+is bounded when asked.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 
 MAX_TEXT = 256
-# Unicode 14's categories Cc (C0, DEL, C1) and Cf (soft hyphen, Arabic and Syriac marks, zero
-# widths, bidi embeddings, overrides and isolates, invisible operators, BOM, interlinear
-# annotations, tags) and U+2028/U+2029; tests/test_untrusted.py checks it against the running
-# Python's unicodedata, so a newer Unicode's additions are caught.
-_CONTROL_AND_FORMAT = (
-    "\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
-    "\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb"
-    "\U000110bd\U000110cd\U00013430-\U00013438\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
-    "\U000e0001\U000e0020-\U000e007f"
+UNSEEN_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"})
+# Default_Ignorable_Code_Point (Unicode's DerivedCoreProperties.txt) outside Cf and Cn: marks and
+# letters that render as nothing.
+_IGNORABLE_RANGES = (
+    (0x034F, 0x034F),  # combining grapheme joiner
+    (0x115F, 0x1160),  # Hangul choseong and jungseong fillers
+    (0x17B4, 0x17B5),  # Khmer inherent vowels
+    (0x180B, 0x180F),  # Mongolian free variation selectors (and the vowel separator, Cf)
+    (0x3164, 0x3164),  # Hangul filler
+    (0xFE00, 0xFE0F),  # variation selectors
+    (0xFFA0, 0xFFA0),  # halfwidth Hangul filler
+    (0xE0100, 0xE01EF),  # variation selectors supplement
 )
-_DROPPED = re.compile(f"[{_CONTROL_AND_FORMAT}]")
+_IGNORABLE = frozenset(chr(c) for first, last in _IGNORABLE_RANGES for c in range(first, last + 1))
+_ASCII_CONTROL = re.compile("[\x00-\x1f\x7f]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SPACES = re.compile("[\t\n\v\f\r\x85\u2028\u2029]+")
 
 
+def _seen(char: str) -> bool:
+    """Whether a person sees `char` (one character) where it is shown."""
+    if char.isascii():
+        return " " <= char < "\x7f"
+    return char not in _IGNORABLE and unicodedata.category(char) not in UNSEEN_CATEGORIES
+
+
 def clean(text: str, limit: int | None = MAX_TEXT) -> str:
-    """Valid UTF-8 without control or format characters, at most `limit` characters (an
-    ellipsis marks a cut; None: no bound)."""
-    if not text.isascii() or _DROPPED.search(text):
+    """Valid UTF-8 of characters a person sees, at most `limit` characters (an ellipsis marks a
+    cut; None: no bound)."""
+    if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates: os.fsdecode's escapes, or JSON's \ud800
@@ -48,5 +65,7 @@ def clean(text: str, limit: int | None = MAX_TEXT) -> str:
                 text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
             except UnicodeEncodeError:  # a surrogate that no byte escapes to
                 text = _SURROGATE.sub("\ufffd", text)
-        text = _DROPPED.sub("", _SPACES.sub(" ", text))
+        text = "".join(filter(_seen, _SPACES.sub(" ", text)))
+    elif _ASCII_CONTROL.search(text):
+        text = _ASCII_CONTROL.sub("", _SPACES.sub(" ", text))
     return text if limit is None or len(text) <= limit else text[: limit - 1] + "\u2026"
