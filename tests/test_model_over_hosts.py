@@ -13,7 +13,7 @@ The scenario runs once (module fixture); the tests then read what Prometheus rec
 rule evaluation, against what each host's exporter said at that moment:
 
 1. both hosts load cold, the second at half the read rate: the model is ready only when both are;
-2. both load cold again, the second stalls for 4 s: its stall is the model's;
+2. both load cold again, the second stalls 60 % in for 4 s: its stall is the model's;
 3. the first host restarts warm while the second is down: the model has no ETA; then both
    servers stop, the second host's weights evicted: the placement view ranks the host holding
    the weights first, each with its own forecast.
@@ -21,9 +21,12 @@ rule evaluation, against what each host's exporter said at that moment:
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -33,15 +36,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
-from helpers.processes import CLI, evict_dir
+from helpers.mcp_agent import Agent
+from helpers.processes import CLI, Answering, cli, evict_dir
 from helpers.support import free_port, wait_for
-from test_dashboard import committed, panel_queries
+from test_dashboard import REPO, committed, panel_queries
 from test_dashboard_prometheus import SCRAPE, Prometheus
 
+from exporter.commands.terminal import duration
 from exporter.sim.shards import generate_shards
 
-pytestmark = [pytest.mark.system, pytest.mark.requires("root", "unshare")]
+# The scenario runs in the first test's setup: about a minute, three on a machine busy with
+# other work (the suite's limit is two).
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.requires("root", "unshare"),
+    pytest.mark.timeout(300),
+]
 
 MODEL, TARGET = "Kimi-K2", "kimi"
 SHARDS, SHARD_SIZE = 4, 4 << 20
@@ -59,7 +69,7 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-class NamespaceHost:
+class NamespaceHost(Answering):
     """One "host": a PID namespace whose first process is the exporter, and the simulator's
     runs inside it, one at a time, on this host's own weights."""
 
@@ -92,17 +102,7 @@ class NamespaceHost:
 
     def _answers(self) -> bool:
         assert self.proc.poll() is None, (self.dir / "exporter.log").read_text()
-        try:
-            return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    def target(self) -> dict[str, Any]:
-        status = requests.get(f"{self.url}/api/v1/status", timeout=5).json()
-        return dict(status["targets"][0])
-
-    def phase(self) -> str:
-        return str(self.target().get("phase"))
+        return self._ready()
 
     def start(self, *extra: str) -> None:
         """The simulator in this host's namespace (its pidfile holds its pid there)."""
@@ -124,7 +124,7 @@ class NamespaceHost:
             signal_quietly(pid, signal.SIGTERM)
         self.server.wait(timeout=15)
         self.server = None
-        wait_for(lambda: self.phase() == "down", 15)
+        wait_for(lambda: self.target().get("phase") == "down", 15)
 
     def close(self) -> None:
         if self.server is not None:
@@ -154,33 +154,40 @@ class Scenario:
     ended: float = 0.0
     moments: dict[str, float] = field(default_factory=dict)
 
-    def settle(self, name: str, condition: Callable[[], bool], timeout: float = 30) -> None:
-        """Note the moment `name` once `condition` has held for SETTLE seconds."""
+    def settle(self, name: str, condition: Both, timeout: float = 30) -> None:
+        """Note the moment `name` once `condition` of both hosts' targets has held for SETTLE
+        seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if condition():
+            if condition(self.a.target(), self.b.target()):
                 time.sleep(SETTLE)
-                if condition():
+                if condition(self.a.target(), self.b.target()):
                     self.moments[name] = time.time()
                     return
             time.sleep(0.05)
-        raise AssertionError(f"never {name}: {self.a.target()} / {self.b.target()}")
+        said = [{k: t.get(k) for k in SHOWN} for t in (self.a.target(), self.b.target())]
+        raise AssertionError(f"never {name}: {said}")
 
 
-def loading(host: NamespaceHost) -> bool:
-    return host.phase() in IN_PROGRESS
+Target = dict[str, Any]
+Both = Callable[[Target, Target], bool]
+SHOWN = ("phase", "stalled", "eta_seconds", "progress_ratio")  # of a target, in a failure
 
 
-def ready(host: NamespaceHost) -> bool:
-    return host.phase() == "ready"
+def loading(target: Target) -> bool:
+    return target.get("phase") in IN_PROGRESS
 
 
-def stalled(host: NamespaceHost) -> bool:
-    return bool(host.target().get("stalled"))
+def ready(target: Target) -> bool:
+    return target.get("phase") == "ready"
 
 
-def has_eta(host: NamespaceHost) -> bool:
-    return host.target().get("eta_seconds") is not None
+def eta(target: Target) -> bool:
+    return target.get("eta_seconds") is not None
+
+
+def stalled(target: Target) -> bool:
+    return bool(target.get("stalled"))
 
 
 @pytest.fixture(scope="module")
@@ -204,20 +211,21 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         evict_dir(b.weights)
         a.start("--read-rate", "8MB/s")
         b.start("--read-rate", "4MB/s")
-        run.settle("one host ready", lambda: ready(a) and loading(b))
-        run.settle("both ready", lambda: ready(a) and ready(b))
+        run.settle("one host ready", lambda ta, tb: ready(ta) and loading(tb))
+        run.settle("both ready", lambda ta, tb: ready(ta) and ready(tb))
         a.stop()
         b.stop()
 
-        # 2. Both cold again, with history now (ETAs); the second stalls a quarter in for 4 s.
+        # 2. Both cold again, with history now (ETAs); the second stalls 60 % in for 4 s.
         evict_dir(a.weights)
         evict_dir(b.weights)
-        a.start("--read-rate", "4MB/s")
-        b.start("--read-rate", "4MB/s", "--stall-at", "0.25", "--stall-for", "4s")
-        run.settle("both loading with an ETA", lambda: has_eta(a) and has_eta(b), timeout=20)
+        a.start("--read-rate", "2.5MB/s")
+        b.start("--read-rate", "3MB/s", "--stall-at", "0.6", "--stall-for", "4s")
+        run.settle("both loading with an ETA",
+                   lambda ta, tb: eta(ta) and eta(tb) and not stalled(tb), timeout=20)  # fmt: skip
         run.settle("one host stalled, the other loading",
-                   lambda: stalled(b) and loading(a) and has_eta(a))  # fmt: skip
-        run.settle("both ready again", lambda: ready(a) and ready(b))
+                   lambda ta, tb: stalled(tb) and loading(ta) and eta(ta))  # fmt: skip
+        run.settle("both ready again", lambda ta, tb: ready(ta) and ready(tb))
         a.stop()
         b.stop()
 
@@ -226,8 +234,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         # stay in its page cache.
         a.start("--read-rate", "4MB/s")
         run.settle("one host loading, the other down",
-                   lambda: loading(a) and has_eta(a) and b.phase() == "down")  # fmt: skip
-        wait_for(lambda: ready(a), 30)
+                   lambda ta, tb: loading(ta) and eta(ta) and tb["phase"] == "down")  # fmt: skip
+        wait_for(lambda: ready(a.target()), 30)
         a.stop()
         evict_dir(b.weights)
         run.ended = time.time()
@@ -369,23 +377,18 @@ def of_model(answer: list[tuple[dict[str, str], float]]) -> float | None:
 
 
 @pytest.mark.parametrize(
-    ("moment", "ready_", "stalled_", "loading", "not_ready"),
+    ("moment", "ready_", "loading", "not_ready"),
     [
-        ("one host ready", 0, 0, 1, {"b": "loading"}),
-        ("both ready", 1, 0, 0, {}),
-        ("both loading with an ETA", 0, 0, 2, {"a": "loading", "b": "loading"}),
-        ("one host stalled, the other loading", 0, 1, 2, {"a": "loading", "b": "loading"}),
-        ("both ready again", 1, 0, 0, {}),
-        ("one host loading, the other down", 0, 0, 1, {"a": "loading", "b": "down"}),
+        ("one host ready", 0, 1, {"b": "loading"}),
+        ("both ready", 1, 0, {}),
+        ("both loading with an ETA", 0, 2, {"a": "loading", "b": "loading"}),
+        ("one host stalled, the other loading", 0, 2, {"a": "loading", "b": "loading"}),
+        ("both ready again", 1, 0, {}),
+        ("one host loading, the other down", 0, 1, {"a": "loading", "b": "down"}),
     ],
 )
 def test_the_fleet_row_shows_the_model_at_each_moment(
-    scenario: Scenario,
-    moment: str,
-    ready_: int,
-    stalled_: int,
-    loading: int,
-    not_ready: dict[str, str],
+    scenario: Scenario, moment: str, ready_: int, loading: int, not_ready: dict[str, str]
 ) -> None:
     prometheus, at = scenario.prometheus, scenario.moments[moment]
     row = fleet_row(prometheus, at)
@@ -394,20 +397,185 @@ def test_the_fleet_row_shows_the_model_at_each_moment(
         "Slowest ETA per model/A", "Targets not ready/A", "Models stalled on a host/A",
     }  # fmt: skip
     assert of_model(row["Models ready on every host/A"]) == ready_
-    assert of_model(row["Models stalled on a host/A"]) == stalled_
     assert [v for _, v in row["Loads in progress/A"]] == [loading]
     assert [v for _, v in row["Loads in progress/B"]] == ([loading] if loading else [])
     hosts = {"a": scenario.a.address, "b": scenario.b.address}
     listed = {labels["instance"]: labels["phase"] for labels, _ in row["Targets not ready/A"]}
     shown = {h: "loading" if p in IN_PROGRESS else p for h, p in listed.items()}
     assert shown == {hosts[h]: phase for h, phase in not_ready.items()}
-    # The model's ETA: the slowest host's, none while one has none (one scrape's leeway).
+    # Stall and ETA as the hosts had them then (a host slow to start on this busy machine may
+    # stall too, at stall_after 1 s), with a scrape's leeway.
     evaluated = max(t for t in recorded(prometheus, "model:model_load_hosts:count",
                                         at - 5, at) if t <= at)  # fmt: skip
+    stalled_ = of_model(row["Models stalled on a host/A"])
     eta = of_model(row["Slowest ETA per model/A"])
-    rule = "model:model_load_eta_seconds:max"
-    assert eta in possible(prometheus, evaluated, rule, list(hosts.values()))
+    for value, rule in ((stalled_, "model:model_load_stalled:max"),
+                        (eta, "model:model_load_eta_seconds:max")):  # fmt: skip
+        assert value in possible(prometheus, evaluated, rule, list(hosts.values())), rule
+    if moment == "one host stalled, the other loading":
+        assert stalled_ == 1
     if moment == "one host loading, the other down":
         assert eta is None
     if moment == "both loading with an ETA":
         assert eta is not None
+
+
+# -- where the model would start warm ----------------------------------------------------------
+
+
+PLACEMENT = (
+    "model_instance:model_load_weights_cached:ratio",
+    "model_instance:model_load_restart_forecast_seconds:min",
+    "model_instance:model_load_placement:score",
+)
+
+
+def by_instance(prometheus: Prometheus, query: str, at: float) -> dict[str, float]:
+    result = prometheus.api("query", query=query, time=at)["result"]
+    return {s["metric"]["instance"]: float(s["value"][1]) for s in result}
+
+
+@pytest.fixture(scope="module")
+def placed(scenario: Scenario) -> dict[str, dict[str, float]]:
+    """Once both servers are down and each exporter's forecast and residency say so in
+    Prometheus: each placement record by instance, with each host's own forecast (its exporter's
+    series) and its status's, all read at one moment."""
+    prometheus, hosts = scenario.prometheus, (scenario.a, scenario.b)
+
+    def settled() -> dict[str, dict[str, float]] | None:
+        at = time.time()
+        now = {
+            name: by_instance(prometheus, f'{name}{{model="{MODEL}"}}', at) for name in PLACEMENT
+        }
+        now["own"] = by_instance(prometheus, "model_load_restart_forecast_seconds", at)
+        now["status"] = {
+            h.address: h.target()["restart_forecast"]["seconds"]
+            for h in hosts
+            if h.target().get("restart_forecast", {}).get("seconds") is not None
+        }
+        cached = now["model_instance:model_load_weights_cached:ratio"]
+        complete = all(len(values) == 2 for values in now.values())
+        moved = cached.get(scenario.a.address) != 1.0 or cached.get(scenario.b.address) != 0.0
+        forecasts = now["model_instance:model_load_restart_forecast_seconds:min"]
+        return None if not complete or moved or forecasts != now["own"] else now
+
+    return dict(wait_for(settled, timeout=60, interval=0.5))
+
+
+def test_the_placement_rule_ranks_the_host_holding_the_weights_first(
+    scenario: Scenario, placed: dict[str, dict[str, float]]
+) -> None:
+    """Neither host runs the model now: a configured target keeps its weights' residency and its
+    forecast measured while its server is down, and that is what the placement reads."""
+    a, b = scenario.a.address, scenario.b.address
+    score = placed["model_instance:model_load_placement:score"]
+    assert score[a] > score[b]
+    # Each host's forecast is its own: its exporter's series, and its status document's.
+    forecast = placed["model_instance:model_load_restart_forecast_seconds:min"]
+    assert forecast == placed["own"] == placed["status"]
+    # The dashboard's placement panels, as committed, at the same time.
+    at = time.time()
+    queries = {
+        f"{title}/{ref}": expr
+        for title, ref, expr, _ in panel_queries(committed())
+        if "warm" in title
+    }
+    assert set(queries) == {
+        "Hosts that would start each model warm/A",
+        "Where each model would start warm/A",
+        "Where each model would start warm/B",
+    }
+    warm = prometheus_answer(
+        scenario.prometheus, queries["Hosts that would start each model warm/A"], at
+    )
+    assert warm == [({"__name__": "model:model_load_hosts_warm:count", "model": MODEL}, 1.0)]
+    table = by_instance(scenario.prometheus, queries["Where each model would start warm/A"], at)
+    assert table == {a: 1.0, b: 0.0}
+    table = by_instance(scenario.prometheus, queries["Where each model would start warm/B"], at)
+    assert table == forecast
+
+
+def prometheus_answer(
+    prometheus: Prometheus, query: str, at: float
+) -> list[tuple[dict[str, str], float]]:
+    result = prometheus.api("query", query=query, time=at)["result"]
+    return [(s["metric"], float(s["value"][1])) for s in result]
+
+
+def test_status_and_the_agents_tool_give_the_same_ranking(
+    scenario: Scenario, placed: dict[str, dict[str, float]], tmp_path: Path
+) -> None:
+    a, b = scenario.a.address, scenario.b.address
+    forecast = placed["model_instance:model_load_restart_forecast_seconds:min"]
+    fleet = scenario.prometheus.url
+    asked = cli("status", "--placement", "--prometheus", fleet, "--model", MODEL, "--json")
+    assert asked.returncode == 0, asked.stderr
+    answer = json.loads(asked.stdout)
+    assert (answer["scope"], answer["source"]) == ("fleet", fleet)
+    assert answer["hosts"] == [
+        {"model": MODEL, "host": a, "cached_share": 1.0, "forecast_seconds": forecast[a],
+         "warm": True},
+        {"model": MODEL, "host": b, "cached_share": 0.0, "forecast_seconds": forecast[b],
+         "warm": False},
+    ]  # fmt: skip
+    shown = cli("status", "--placement", "--prometheus", fleet)
+    assert shown.returncode == 0, shown.stderr
+    header, *table = shown.stdout.splitlines()
+    assert header == (
+        f"where each model would start warm: every host, as Prometheus at {fleet} records them"
+    )
+    assert [re.split(r"\s{2,}", row.strip()) for row in table] == [
+        ["MODEL", "HOST", "WEIGHTS CACHED", "RESTART FORECAST"],
+        [MODEL, a, "100 %", duration(forecast[a])],
+        [MODEL, b, "0 %", duration(forecast[b])],
+    ]
+    # Without a Prometheus: the asked exporter's host alone, said to be that.
+    own = json.loads(cli("status", "--placement", "--exporter", scenario.b.url, "--json").stdout)
+    assert (own["scope"], own["source"]) == ("host", scenario.b.url)
+    assert [(h["host"], h["cached_share"], h["forecast_seconds"]) for h in own["hosts"]] == [
+        (b, 0.0, forecast[b])
+    ]
+
+    agent = Agent(tmp_path / "mcp.stderr", "--exporter", scenario.b.url, "--prometheus", fleet)
+    try:
+        told = agent.answer("where_to_start", {"model": MODEL})
+        alone = Agent(tmp_path / "mcp-host.stderr", "--exporter", scenario.b.url)
+        try:
+            host_only = alone.answer("where_to_start", {})
+        finally:
+            alone.close()
+    finally:
+        agent.close()
+    assert (told["scope"], told["hosts"]) == ("fleet", answer["hosts"])
+    assert told["summary"] == (
+        f"{MODEL}: warm on 1 of 2 hosts, best {a} (100 % cached, a restart there ready in about "
+        f"{duration(forecast[a])}) [the fleet: {fleet}]"
+    )
+    assert (host_only["scope"], host_only["hosts"]) == ("host", own["hosts"])
+    assert host_only["summary"].endswith(f"[this host only: {scenario.b.url}]")
+
+
+def test_the_placement_docs_queries_and_script_answer_as_documented(
+    scenario: Scenario, placed: dict[str, dict[str, float]], tmp_path: Path
+) -> None:
+    """docs/placement.md's copy-paste PromQL and its script, run as written (they name this
+    test's model) against the Prometheus of the two hosts."""
+    a, b = scenario.a.address, scenario.b.address
+    forecast = placed["model_instance:model_load_restart_forecast_seconds:min"]
+    page = (REPO / "docs" / "placement.md").read_text()
+    queries = re.findall(r"```promql\n(.*?)```", page, re.DOTALL)
+    at = time.time()
+    answers = [prometheus_answer(scenario.prometheus, query, at) for query in queries]
+    best, warm, moved, scores = ([(s["instance"], v) for s, v in found] for found in answers)
+    assert [host for host, _ in best] == [a, b]  # topk: the best first
+    assert warm == moved == [(a, forecast[a])]  # warm on a only; neither serves it now
+    assert sorted(scores) == sorted([(a, 100.0), (b, 0.0)])
+    (script,) = re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+    path = tmp_path / "placement.py"
+    path.write_text(script.replace("http://prometheus:9090", scenario.prometheus.url))
+    ran = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == [
+        f"{a}: 100% cached, restart in {forecast[a]:.0f} s",
+        f"{b}: 0% cached, restart in {forecast[b]:.0f} s",
+    ]
