@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -148,10 +148,8 @@ def chosen(placement: Placement, model: str | None) -> Placement:
 class PrometheusClient(JsonClient):
     """Instant queries to a Prometheus's HTTP API."""
 
-    def __init__(
-        self, url: str, ca_file: str | None = None, env: Mapping[str, str] | None = None
-    ) -> None:
-        super().__init__(url, ca_file, env, service=PROMETHEUS)
+    def __init__(self, url: str, ca_file: str | None = None) -> None:
+        super().__init__(url, ca_file, service=PROMETHEUS)
 
     def vector(self, query: str) -> list[tuple[Mapping[str, str], float]]:
         """The instant vector `query` gives now: (labels, value) per series."""
@@ -220,7 +218,8 @@ def _share(target: api.Target) -> float | None:
     return min(1.0, residency.resident_bytes / residency.total_bytes)
 
 
-def _pick(choose: Any, a: float | None, b: float | None) -> float | None:
+def _pick(choose: Callable[[list[float]], float], a: float | None, b: float | None) -> float | None:
+    """`choose` (max or min) of the two where known."""
     known = [v for v in (a, b) if v is not None]
     return choose(known) if known else None
 
