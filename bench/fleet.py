@@ -7,11 +7,11 @@ One process serves the /metrics of every host on one port, one path per host
 (`/host/N/metrics`); Prometheus (Debian's `prometheus`) finds them through a file_sd list that
 gives each its `__metrics_path__` and its `instance` label, so a thousand hosts cost one socket.
 Each exposition is the exporter's own collector (exporter/exposition/collector.py) rendering a
-snapshot of M targets that live through loads (cold and warm, stalled, failed, evicted, ready for
-hours), re-rendered every scrape interval. Rendering a thousand hosts every interval would take one
-of the machine's two cores, so the hosts share `VARIANTS` lives (host h shows life h % VARIANTS, its
-own targets, loads and histories, each in its own phase): every host is its own series to
-Prometheus, and the mix of states across the fleet is what a fleet shows.
+snapshot of M targets that live through loads (cold and warm, stalled, failed, evicted, ready
+for hours), re-rendered every scrape interval. Rendering a thousand hosts every interval would
+take one of the machine's two cores, so the hosts share `VARIANTS` lives (host h shows life
+h % VARIANTS, its own targets, loads and histories, each in its own phase): every host is its
+own series to Prometheus, and the mix of states across the fleet is what a fleet shows.
 
 By default Prometheus scrapes and evaluates the rules every 15 s, as shipped: what a rule group
 costs is only comparable with its interval when Prometheus ingests what a real fleet sends in that
@@ -28,12 +28,17 @@ The harness shares the machine with the Prometheus it measures: its renderer and
 threads run at `HARNESS_NICE`, so that Prometheus wins the cores when both want them, and its own
 CPU share is reported beside Prometheus's (`harness_cpu_share`).
 
+A tenth of the lives keep their last target as a standby (its server stopped, its weights all
+in the page cache on every other one, none on the rest): what the placement rules rank.
+
 Measured: series per target (by state, and by metric family) and per host, Prometheus's head
 series and resident memory (peak), bytes per sample (a head snapshot's block: chunk bytes over its
 samples), each rule group's evaluation time (median and worst after its first evaluations) and
 each rule's, and every dashboard panel's queries as Grafana sends them (instant at now, range at
 the default range and step, `$instance` and `$target` as the dashboard opens), the median of
-`--repeats`, in seconds. bench/README.md says more; docs/costs.md has the numbers.
+`--repeats`, in seconds; and the placement against the standbys (every host holding a model's
+weights ranks above every host holding none, each standby's forecast its own host's).
+bench/README.md says more; docs/costs.md has the numbers.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -69,6 +74,7 @@ from exporter.exposition.http import protobuf
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
 from exporter.history.targethistory import TargetHistory
+from exporter.load.progress import temperature
 from exporter.load.records import TargetState
 from exporter.runtime.sampler import Reading
 from exporter.runtime.snapshot import Snapshot, TargetView
@@ -101,10 +107,15 @@ from test_dashboard import RULES, committed  # noqa: E402
 from test_dashboard_prometheus import fast_rules, grafana_queries, grafana_regex  # noqa: E402
 
 GIB = 1 << 30
+SIZE = 140 * GIB  # every target's weights
 SHIPPED_SCRAPE = 15.0  # seconds: prometheus/prometheus.yml's scrape and evaluation interval
 GRAFANA_STEPS = 240  # the default range (now-1h) at Grafana's step, the 15-s scrape interval
 VARIANTS = 50  # distinct host lives rendered each interval (host h shows life h % VARIANTS)
 MODELS = 24  # models served across the fleet (the recording rules group by model)
+# Host lives h % VARIANTS with h % STANDBY_EVERY == 0 keep their last target configured with its
+# server stopped: a standby for its model, weights fully cached on every other such life and
+# evicted on the rest. They are what the placement rules must rank (docs/placement.md).
+STANDBY_EVERY = 10
 GPUS = 8  # H200s per host
 STALL_AFTER = 300.0  # seconds, the default stall_after
 WARMUP_EVALUATIONS = 3  # rule evaluations left out of the worst (the first ones compile)
@@ -166,6 +177,7 @@ class TargetLife:
     rng: random.Random
     logs: bool  # its log is read: fine steps, and their phase durations
     load: Load
+    standby: float | None = None  # a standby's share of its weights cached; None: it lives
     loads: Histograms = field(default_factory=Histograms)
     phases: Histograms = field(default_factory=Histograms)
     medians: dict[Cache, float] = field(default_factory=dict)
@@ -178,6 +190,16 @@ class TargetLife:
         life = cls(config, rng, rng.random() < 0.5, next_load(rng, now - rng.uniform(0, 7200)))
         for _ in range(0 if rng.random() < 0.33 else rng.randint(1, 12)):
             life.finish(next_load(rng, 0.0))
+        return life
+
+    @classmethod
+    def stopped(cls, config: TargetConfig, seed: int, cached: float) -> TargetLife:
+        """A standby: its server stopped after a cold and a warm load (a forecast either way),
+        `cached` of its weights in the page cache."""
+        rng = random.Random(seed)
+        life = cls(config, rng, False, next_load(rng, 0.0), standby=cached)
+        for cache in (Cache.COLD, Cache.WARM):
+            life.finish(replace(next_load(rng, 0.0), cache=cache, fails=False))
         return life
 
     def finish(self, load: Load) -> None:
@@ -205,9 +227,11 @@ class TargetLife:
             self.load = next_load(self.rng, self.load.end)
 
     def view(self, now: float, gpu: int) -> TargetView:
+        if self.standby is not None:
+            return self.standing(now)
         self.advance(now)
         load, since = self.load, now - self.load.start
-        size = 140 * GIB
+        size = SIZE
         state: dict[str, Any] = {
             "started_at": load.start,
             "elapsed_seconds": 0.0,
@@ -254,22 +278,47 @@ class TargetLife:
             state=target_state(self.name, phase, step if self.logs else None, **state),
             readings=self.readings(now, ready, size, resident, load.start),
             gpu_memory={gpu: 120 * GIB} if holds_gpu else {},
-            forecast=Forecast(self.medians.get(Cache.COLD), resident / size, None)
-            if self.medians
-            else None,
+            forecast=self.forecast(resident / size),
             past=TargetHistory(expected=dict(self.medians), last=self.last or None),
         )
 
+    def forecast(self, share: float) -> Forecast | None:
+        """A restart now: the median load of the temperature this residency makes it."""
+        if not self.medians:
+            return None
+        return Forecast(self.medians.get(temperature(share)), share, None)
+
+    def standing(self, now: float) -> TargetView:
+        """A standby's view: down, its weights measured, its forecast from its history."""
+        assert self.standby is not None
+        size = SIZE
+        resident = size * self.standby
+        return TargetView(
+            config=self.config,
+            state=target_state(self.name, Phase.DOWN, None, started_at=None,
+                               elapsed_seconds=None, cache=None, stalled=False),
+            readings=self.readings(now, False, size, resident, None),
+            gpu_memory={},
+            forecast=self.forecast(self.standby),
+            past=TargetHistory(expected=dict(self.medians), last=self.last or None),
+        )  # fmt: skip
+
     def readings(
-        self, now: float, ready: bool, size: int, resident: float, started: float
+        self, now: float, ready: bool, size: int, resident: float, started: float | None
     ) -> dict[str, Reading[Any]]:
+        """`started`: the running server's start; None: no server process."""
         name = self.name
         probes = {ProbeResult.READY: 4000, ProbeResult.REFUSED: 300, ProbeResult.TIMEOUT: 3}
         result = ProbeResult.READY if ready else ProbeResult.REFUSED
+        process = (
+            ProcessSample(True, (4242,), 4242, started, int(resident), None, "vllm")
+            if started is not None
+            else ProcessSample(False, (), None, None, None, None, None)
+        )
         values: dict[SourceKey[Any], Any] = {
             ENDPOINT: ProbeSample(result, 0.004, 200 if ready else None, "", ServerKind.VLLM,
                                   probes),
-            PROCESS: ProcessSample(True, (4242,), 4242, started, int(resident), None, "vllm"),
+            PROCESS: process,
             PAGECACHE: ResidencySample(16, size, int(resident), (), "cachestat", now, 0.0, now,
                                        None),
             STORAGE: None,
@@ -322,6 +371,10 @@ class HostLife:
         self.targets = [
             TargetLife.new(c, variant * 1000 + j, now) for j, c in enumerate(config.targets)
         ]
+        if variant % STANDBY_EVERY == 0:
+            cached = 1.0 if variant // STANDBY_EVERY % 2 == 0 else 0.0
+            last = config.targets[-1]
+            self.targets[-1] = TargetLife.stopped(last, variant * 1000 + targets, cached)
         self.read = 0.0
 
     def snapshot(self, now: float) -> Snapshot:
@@ -680,6 +733,44 @@ class Watch:
         }
 
 
+def placement(prometheus: Prometheus, fleet: Fleet) -> dict[str, Any]:
+    """The placement rules against the standbys the harness knows: per model, every host holding
+    all of its weights must rank (score) above every host holding none, and each standby's
+    recorded forecast must be its own host's, as the harness rendered it."""
+    at = time.time()
+
+    def recorded(name: str) -> dict[tuple[str, str], float]:
+        result = prometheus.api("query", query=name, time=at)["result"]
+        return {(s["metric"]["model"], s["metric"]["instance"]): float(s["value"][1])
+                for s in result}  # fmt: skip
+
+    score = recorded("model_instance:model_load_placement:score")
+    forecast = recorded("model_instance:model_load_restart_forecast_seconds:min")
+    full: dict[str, list[float]] = defaultdict(list)
+    empty: dict[str, list[float]] = defaultdict(list)
+    own = wrong = 0
+    for host in range(fleet.hosts):
+        life = fleet.lives[host % len(fleet.lives)].targets[-1]
+        if life.standby is None:
+            continue
+        model = life.config.endpoint.model or life.name
+        place = (model, f"gpu-{host:04d}:9847")
+        (full if life.standby == 1.0 else empty)[model].append(score[place])
+        expected = life.forecast(life.standby)
+        assert expected is not None and expected.seconds is not None
+        own, wrong = (
+            (own + 1, wrong) if forecast.get(place) == expected.seconds else (own, wrong + 1)
+        )
+    models = sorted(full.keys() & empty.keys())
+    return {
+        "models_with_both": models,
+        "full_ranks_above_none": all(min(full[m]) > max(empty[m]) for m in models),
+        "standbys": {"full": sum(map(len, full.values())), "none": sum(map(len, empty.values()))},
+        "forecast_is_the_hosts_own": {"matched": own, "differed": wrong},
+        "places": len(score),
+    }
+
+
 def variable_defaults(prometheus: Prometheus, all_hosts: bool) -> dict[str, str]:
     """$instance and $target as Grafana sets them when the dashboard opens: a variable whose
     `current` is All gets its allValue, one without a `current` its first value (natural sort,
@@ -779,6 +870,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         variables = variable_defaults(prometheus, args.all_hosts)
         panels, errors = panel_latencies(prometheus, args.scrape, filled, variables, args.repeats)
+        placed = placement(prometheus, fleet)
         watch.look(prometheus)
         stored = prometheus.bytes_per_sample()
     finally:
@@ -799,6 +891,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **cpu,
         "panels": panels,
         "panel_errors": errors,
+        "placement": placed,
         "variables": variables,
         "scrape_seconds": args.scrape,
         "filled_seconds": round(filled),

@@ -34,6 +34,7 @@ from grafana_foundation_sdk.builders import (
 from grafana_foundation_sdk.builders.common import (
     HideSeriesConfig,
     ReduceDataOptions,
+    TableSortByFieldState,
     VizLegendOptions,
 )
 from grafana_foundation_sdk.builders.dashboard import (
@@ -92,6 +93,7 @@ class Moment(StrEnum):
     FINISHED = "finished"  # a load has finished
     GPU = "gpu"  # NVML sees the host's GPUs
     SERVING = "serving"  # a ready server holds GPU memory
+    FORECAST = "forecast"  # history holds a cold and a warm load: a restart has a forecast
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ def graph(unit: str, **right_axis: str) -> timeseries.Panel:
         panel = panel.override_by_query(
             ref_id,
             [
-                model.DynamicConfigValue(id_val="unit", value=axis_unit),
+                field_unit(axis_unit),
                 model.DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
             ],
         )
@@ -380,6 +382,44 @@ def fleet(b: Board) -> None:
         "Targets not ready", rows(("Time", "Value", "__name__", "job")), 6, 6,
         now("target:model_load_phase:not_ready", "", Moment.LOADING, TABLE),
     )  # fmt: skip
+    b.add(
+        "Models stalled on a host",
+        big().mappings(mapping(STALL_COLORS)).color_mode(common.BigValueColorMode.BACKGROUND),
+        5, 6,
+        now("model:model_load_stalled:max", "{{model}}", Moment.WATCHING),
+    )  # fmt: skip
+    placement(b)
+
+
+def placement(b: Board) -> None:
+    """Where each model would start warm (docs/placement.md): per model, its best hosts by the
+    share of its weights in their page cache, then by their own restart forecast."""
+    b.add(
+        "Hosts that would start each model warm",
+        bars("none").min(0).thresholds(steps((None, "orange"), (1, "green"))),
+        6, 8,
+        now("model:model_load_hosts_warm:count", "{{model}}", Moment.WATCHING),
+    )  # fmt: skip
+    renamed = {"instance": "host", "Value #A": "weights cached", "Value #B": "restart forecast"}
+    # Each model's five best hosts, recorded: every host of every model would be 8,000 rows at
+    # 1,000 hosts, and choosing the five at each refresh took seconds there.
+    cached = "model_instance:model_load_weights_cached:ratio_top5"
+    forecast = "model_instance:model_load_restart_forecast_seconds:min_top5"
+    b.add(
+        "Where each model would start warm",
+        rows(("Time", "__name__", "job"), renamed)
+        .sort_by([TableSortByFieldState().display_name("weights cached").desc(True)])
+        .override_by_name("weights cached", [field_unit("percentunit")])
+        .override_by_name("restart forecast", [field_unit(S)]),
+        13, 8,
+        now(cached, "", Moment.WATCHING, TABLE),
+        now(forecast, "", Moment.FORECAST, TABLE),
+    )  # fmt: skip
+
+
+def field_unit(name: str) -> model.DynamicConfigValue:
+    """A field override's unit."""
+    return model.DynamicConfigValue(id_val="unit", value=name)
 
 
 def over_time(b: Board) -> None:

@@ -118,7 +118,7 @@ def test_every_query_is_tagged_with_a_moment_and_honours_the_variables() -> None
             assert '=~"$instance"' in query.expr and '=~"$target"' in query.expr, where
             continue
         assert "$" not in query.expr, where
-        read = set(re.findall(r"[a-z_]*:[a-z_:]+", query.expr))
+        read = set(re.findall(r"[a-z_]*:[a-z0-9_:]+", query.expr))
         assert read <= recorded, where
         assert read or " by " not in query.expr, f"{where}: aggregate it in a recording rule"
 

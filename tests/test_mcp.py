@@ -27,7 +27,7 @@ pytestmark = pytest.mark.system
 
 AGENTS_DOC = Path(__file__).parent.parent / "docs" / "agents.md"
 SHARDS, SHARD_SIZE = 4, 16 << 20  # 64 MiB at 40 MB/s: under two seconds of weights
-TOOLS = {"list_targets", "wait_for_target", "restart_forecast", "recent_loads"}
+TOOLS = {"list_targets", "wait_for_target", "restart_forecast", "recent_loads", "where_to_start"}
 
 
 def assert_spoke_only_the_protocol(agent: Agent) -> None:
@@ -273,9 +273,22 @@ def test_exporter_down_is_a_tool_error(agent_for: Any) -> None:
         ("wait_for_target", {"target": "sim"}),
         ("restart_forecast", {"target": "sim"}),
         ("recent_loads", {}),
+        ("where_to_start", {}),
     ]:
         assert agent.error(tool, arguments).endswith(refused)
     assert {tool.name for tool in agent.tools()} == TOOLS  # the server itself is fine
+
+
+def test_where_to_start_with_prometheus_down_is_a_tool_error(agent: Agent, agent_for: Any) -> None:
+    """The fleet's answer is Prometheus's: with it down, no host's answer stands in for it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    fleet = agent_for("--exporter", "http://127.0.0.1:9", "--prometheus", url)
+    message = fleet.error("where_to_start", {"model": "sim"})
+    assert message.endswith(f"cannot reach Prometheus at {url}: connection refused")
+    # Without --prometheus: this host's own answer, said to be that.
+    own = agent.answer("where_to_start", {"model": "sim"})
+    assert own["scope"] == "host" and [h["model"] for h in own["hosts"]] == ["sim"]
+    assert own["summary"].endswith("[this host only: " + own["source"] + "]")
 
 
 def test_bad_auth_is_a_tool_error(

@@ -53,38 +53,85 @@ def client_from_args(args: argparse.Namespace) -> ExporterClient:
     return ExporterClient(args.exporter or DEFAULT_EXPORTER, ca_file=args.exporter_ca_file)
 
 
-class ExporterClient:
-    """GET /api/v1/status and /api/v1/loads of one exporter."""
+@dataclass(frozen=True)
+class Service:
+    """Whom a client asks, as its messages name it: the flag that gives its URL, the variable
+    that holds its password, and what it is."""
+
+    flag: str
+    password_env: str
+    what: str
+
+
+EXPORTER = Service("--exporter", PASSWORD_ENV, "the exporter")
+
+
+class JsonClient:
+    """GET JSON objects from one HTTP API (an exporter's, or Prometheus's): TLS with an optional
+    CA file, basic auth with the password from the environment, every failure one ClientError
+    line that names the service by its URL (never its password)."""
 
     def __init__(
         self,
         url: str,
         ca_file: str | None = None,
         env: Mapping[str, str] | None = None,
+        service: Service = EXPORTER,
     ) -> None:
         env = os.environ if env is None else env
+        self.service = service
+        flag, secret = service.flag, service.password_env
         parts = urlsplit(url)
         try:
             port = parts.port
         except ValueError:
-            raise ClientError(f"--exporter: invalid port in {url!r}") from None
+            raise ClientError(f"{flag}: invalid port in {url!r}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ClientError(f"--exporter: expected an http or https URL, got {url!r}")
+            raise ClientError(f"{flag}: expected an http or https URL, got {url!r}")
         host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
         netloc = host if port is None else f"{host}:{port}"
         # Shown in every message and used for requests: without user and password.
         self.url = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        self.address = netloc  # host:port, as Prometheus names a target it scrapes there
         self._auth: tuple[str, str] | None = None
         if parts.username is not None:
-            password = parts.password if parts.password is not None else env.get(PASSWORD_ENV)
+            password = parts.password if parts.password is not None else env.get(secret)
             if password is None:
-                raise ClientError(f"--exporter names user {parts.username!r}: set ${PASSWORD_ENV}")
+                raise ClientError(f"{flag} names user {parts.username!r}: set ${secret}")
             self._auth = (parts.username, password)
         if ca_file is not None and not os.path.isfile(ca_file):
-            raise ClientError(f"--exporter.ca-file: {ca_file} does not exist")
+            raise ClientError(f"{flag}.ca-file: {ca_file} does not exist")
         self._verify: bool | str = ca_file or True
         self._session = requests.Session()
         self._session.trust_env = False  # no proxies or ~/.netrc picked up from the environment
+
+    def _get(self, path: str, params: dict[str, str], timeout: float) -> dict[str, Any]:
+        url = self.url + path
+        what, flag = self.service.what, self.service.flag
+        try:
+            response = self._session.get(
+                url, params=params, auth=self._auth, verify=self._verify, timeout=timeout
+            )
+        except requests.RequestException as exc:
+            raise ClientError(f"cannot reach {what} at {self.url}: {_why(exc, flag)}") from None
+        if response.status_code == 401:
+            raise ClientError(
+                f"{url}: 401 Unauthorized: pass {flag} https://USER@host:port "
+                f"with the password in ${self.service.password_env}"
+            )
+        if response.status_code != 200:
+            raise ClientError(f"{url}: HTTP {response.status_code}")
+        try:
+            document = response.json()
+        except ValueError:
+            document = None
+        if not isinstance(document, dict):
+            raise ClientError(f"{url}: the answer is not a JSON object (is this {what}?)")
+        return document
+
+
+class ExporterClient(JsonClient):
+    """GET /api/v1/status and /api/v1/loads of one exporter."""
 
     def status(self, timeout: float = REQUEST_TIMEOUT_SECONDS) -> api.Status:
         return self._document("/api/v1/status", {}, timeout, api.Status)[1]
@@ -121,31 +168,8 @@ class ExporterClient:
                 f"{self.url}{path}: not the document this client reads ({exc})"
             ) from None
 
-    def _get(self, path: str, params: dict[str, str], timeout: float) -> dict[str, Any]:
-        url = self.url + path
-        try:
-            response = self._session.get(
-                url, params=params, auth=self._auth, verify=self._verify, timeout=timeout
-            )
-        except requests.RequestException as exc:
-            raise ClientError(f"cannot reach the exporter at {self.url}: {_why(exc)}") from None
-        if response.status_code == 401:
-            raise ClientError(
-                f"{url}: 401 Unauthorized: pass --exporter https://USER@host:port "
-                f"with the password in ${PASSWORD_ENV}"
-            )
-        if response.status_code != 200:
-            raise ClientError(f"{url}: HTTP {response.status_code}")
-        try:
-            document = response.json()
-        except ValueError:
-            document = None
-        if not isinstance(document, dict):
-            raise ClientError(f"{url}: the answer is not a JSON object (is this the exporter?)")
-        return document
 
-
-def _why(exc: BaseException) -> str:
+def _why(exc: BaseException, flag: str) -> str:
     """The root cause of a requests failure in a few words."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
@@ -159,7 +183,7 @@ def _why(exc: BaseException) -> str:
         if isinstance(cause, socket.gaierror):
             return "host name lookup failed"
         if isinstance(cause, ssl.SSLCertVerificationError):
-            return f"TLS certificate not trusted ({cause.verify_message}); see --exporter.ca-file"
+            return f"TLS certificate not trusted ({cause.verify_message}); see {flag}.ca-file"
         nested = [cause.__cause__, cause.__context__, *cause.args]
         stack.extend(n for n in nested if isinstance(n, BaseException))
     if isinstance(exc, requests.Timeout):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from exporter.commands import terminal
+from exporter.commands import placement, terminal
 from exporter.commands.client import ClientError, add_exporter_arguments, client_from_args
 from exporter.commands.exits import Exit
 from exporter.logsetup import LEVELS, setup_logging
@@ -20,6 +20,7 @@ INSTALL_HINT = "pip install 'model-load-exporter[mcp]'"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_exporter_arguments(parser)
+    placement.add_arguments(parser)
     parser.add_argument(
         "--log.level", dest="log_level", choices=LEVELS, default="warn", help="on stderr"
     )
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     # A bad URL, CA file or missing password: said before the SDK's seconds of imports.
     try:
         client_from_args(args)
+        placement.prometheus_from_args(args)
     except ClientError as exc:
         terminal.fail("mcp", str(exc))
         return Exit.USAGE
@@ -42,5 +44,8 @@ def run(args: argparse.Namespace) -> int:
         return Exit.FAILED
     setup_logging(args.log_level)
     # A client per tool call: calls run on worker threads, and a requests session is not shared.
-    mcp_server.build(functools.partial(client_from_args, args)).run("stdio")
+    mcp_server.build(
+        functools.partial(client_from_args, args),
+        functools.partial(placement.prometheus_from_args, args),
+    ).run("stdio")
     return Exit.OK

@@ -20,11 +20,13 @@ from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from pydantic import BaseModel, Field, ValidationError
 
 from exporter import __version__
-from exporter.commands import terminal, wait
+from exporter.commands import placement, terminal, wait
 from exporter.commands.client import ClientError, ExporterClient, ShownTarget, find_target
 from exporter.commands.exits import UsageError
+from exporter.commands.placement import PrometheusClient
 from exporter.exposition import api
 from exporter.exposition.api import MAX_LOADS
+from exporter.load.progress import WARM_SHARE
 from exporter.trust.untrusted import clean
 
 DEFAULT_WAIT_SECONDS = 45.0  # well inside the 2 minutes agents usually give a tool call
@@ -37,7 +39,8 @@ INSTRUCTIONS = (
     "Watches model servers (vLLM, SGLang, llama.cpp, TGI, Triton) load, through a running "
     "model-load-exporter. After restarting a model server, call wait_for_target until its "
     "result is ready or failed instead of polling the server; list_targets shows every target "
-    "now, restart_forecast what a restart would cost, recent_loads how past loads went."
+    "now, restart_forecast what a restart would cost, recent_loads how past loads went, "
+    "where_to_start on which hosts a model would start warm."
 )
 Answer = Literal["ready", "failed", "loading"]
 # wait.follow's results as the wait tool's answers; its timeout is "loading: call again".
@@ -134,6 +137,35 @@ class Loads(BaseModel):
     )
 
 
+class HostPlace(BaseModel):
+    """One host as a place to start one model."""
+
+    model: str
+    host: str = Field(description="the host as Prometheus's instance label names it (host:port)")
+    cached_share: float | None = Field(
+        description="share of the model's weights in the host's page cache now, 0..1"
+    )
+    forecast_seconds: float | None = Field(
+        description="the host's own forecast of a restart of the model there begun now; null: "
+        "no basis there (no load of it in that host's history)"
+    )
+    warm: bool = Field(
+        description=f"at least {WARM_SHARE:.0%} of the weights cached: the load would be warm"
+    )
+
+
+class Placement(BaseModel):
+    scope: Literal["fleet", "host"] = Field(
+        description="fleet: every host the Prometheus records; host: only the host of the "
+        "exporter asked (this MCP server has no --prometheus): no ranking of other hosts"
+    )
+    source: str = Field(description="the Prometheus or exporter asked")
+    hosts: list[HostPlace] = Field(
+        description="per model, best first: the larger cached share, then the shorter forecast"
+    )
+    summary: str
+
+
 class _Kept:
     """wait.follow's output, kept for the tool's answer instead of printed."""
 
@@ -222,6 +254,21 @@ def forecast(connect: Callable[[], ExporterClient], name: str) -> Forecast:
     )
 
 
+def where_to_start(
+    connect: Callable[[], ExporterClient],
+    prometheus: Callable[[], PrometheusClient | None],
+    model: str | None,
+) -> Placement:
+    with _one_line_errors():
+        found = placement.ask(prometheus(), connect(), model)
+    return Placement(
+        scope=found.scope,
+        source=found.source,
+        hosts=[HostPlace(**p.to_json()) for p in found.places],
+        summary=clean(found.summary(), None),
+    )
+
+
 def recent_loads(connect: Callable[[], ExporterClient], name: str | None, limit: int) -> Loads:
     with _one_line_errors():
         loads = connect().loads(name, limit)
@@ -279,8 +326,12 @@ def _tool(server: MCPServer[Any], name: str) -> Callable[[Callable[..., Any]], A
 TargetName = Annotated[str, Field(description="the target's name, as list_targets shows it")]
 
 
-def build(connect: Callable[[], ExporterClient]) -> MCPServer[Any]:
-    """The server with the four tools, each asking a fresh client from `connect`."""
+def build(
+    connect: Callable[[], ExporterClient],
+    prometheus: Callable[[], PrometheusClient | None],
+) -> MCPServer[Any]:
+    """The server with the five tools, each asking a fresh client from `connect` (and from
+    `prometheus`, where the fleet's placement is asked)."""
     server = _Server(
         "model-load-exporter", version=__version__, instructions=INSTRUCTIONS, log_level="WARNING"
     )
@@ -328,5 +379,19 @@ def build(connect: Callable[[], ExporterClient]) -> MCPServer[Any]:
         """Finished loads, newest first: duration, outcome (ready or failed), cache temperature,
         time per phase and whatever else the exporter records of each, with a summary line."""
         return recent_loads(connect, target, limit)
+
+    @_tool(server, "where_to_start")
+    def placement_tool(
+        model: Annotated[
+            str | None,
+            Field(description="only this model (default: every model); as the exporters name it"),
+        ] = None,
+    ) -> Placement:
+        """On which hosts a model would start warm, and how long a restart would take on each:
+        per model, the hosts ranked by the share of its weights in their page cache, then by
+        their own restart forecast. Every host when the MCP server was given a Prometheus (scope
+        fleet), else only the exporter's own host (scope host). Hosts without a target of the
+        model are not listed: nothing is measured there."""
+        return where_to_start(connect, prometheus, model)
 
     return server

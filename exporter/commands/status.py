@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from exporter.commands import terminal
+from exporter.commands import placement, terminal
 from exporter.commands.client import (
     ClientError,
     ShownTarget,
@@ -18,9 +18,22 @@ from exporter.commands.exits import Exit
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_exporter_arguments(parser)
     parser.add_argument("--json", action="store_true", help="the exporter's /api/v1/status JSON")
+    parser.add_argument(
+        "--placement",
+        action="store_true",
+        help="where each model would start warm: hosts by cached share, then restart forecast "
+        "(this host's, or every host's with --prometheus)",
+    )
+    parser.add_argument("--model", metavar="NAME", help="with --placement: only this model")
+    placement.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.placement:
+        return placement.show(args)
+    if args.model is not None or args.prometheus is not None:
+        terminal.fail("status", "--model and --prometheus go with --placement")
+        return Exit.USAGE
     try:
         client = client_from_args(args)
         if args.json:

@@ -572,6 +572,9 @@ class Target(Document):
     endpoint: str
     server: str
     sources: Mapping[str, SourceReading]
+    # The model it serves, as configured (endpoint.model) or discovered; None: the one it is
+    # named after (as the recording rules group it: docs/placement.md).
+    model: str | None = field(default=None, metadata=OPTIONAL)
     state: LoadState | None = field(
         default=None, metadata=MERGED
     )  # None until the tracker's first tick

@@ -241,6 +241,7 @@ def _target(
             source: _source_reading(view.readings[source], snap.time)
             for source in sorted(view.readings)
         },
+        model=view.config.endpoint.model,
         state=_state(view.state) if view.state is not None else None,
         residency=(
             _residency(pagecache.value, snap.time)

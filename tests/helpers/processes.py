@@ -93,7 +93,23 @@ class Simulator:
         self.proc.wait(timeout=10)
 
 
-class Exporter:
+class Answering:
+    """An exporter started as a process at `url`, asked over HTTP for its one target."""
+
+    url: str
+
+    def _ready(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    def target(self) -> dict[str, Any]:
+        status = requests.get(f"{self.url}/api/v1/status", timeout=5).json()
+        return dict(status["targets"][0])
+
+
+class Exporter(Answering):
     """`model-load-exporter serve` watching one simulated target named `sim`."""
 
     def __init__(self, tmp_path: Path, weights: Path, sim_port: int, *extra: str) -> None:
@@ -110,16 +126,6 @@ class Exporter:
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_for(self._ready, 20)
-
-    def _ready(self) -> bool:
-        try:
-            return requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    def target(self) -> dict[str, Any]:
-        status = requests.get(f"{self.url}/api/v1/status", timeout=5).json()
-        return dict(status["targets"][0])
 
     def until(self, *phases: str, timeout: float = 30) -> dict[str, Any]:
         """Poll until the target is in one of `phases`; its status entry then."""
