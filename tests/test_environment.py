@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from helpers.filesystems import fincore_bytes
 
+from exporter.admission import on_behalf_of
+from exporter.asprocess import Actor
 from exporter.cachectl import evict, prewarm
 from exporter.config import WeightsConfig
 from exporter.sources.environment import NOT_LEARNED, EnvironmentSource
@@ -108,13 +110,19 @@ def shm_file() -> Iterator[Path]:
         yield Path(f.name)
 
 
+ACTOR = Actor()
+
+
 def source(tree: list[ProcessSample], weights: Path) -> EnvironmentSource:
-    """A source that measures at every sample (no refresh wait, all the CPU it wants)."""
+    """A source that measures at every sample (no refresh wait, all the CPU it wants), acting
+    with its process's rights as the exporter does."""
     return EnvironmentSource(
         WeightsConfig(paths=(str(weights),)),
         lambda: tree[0],
+        lambda pid: on_behalf_of(ACTOR, "/proc", pid),
         cpu_budget=1.0,
         refresh_after=lambda: 0.0,
+        learn_share=1.0,
     )
 
 
