@@ -18,8 +18,13 @@ from helpers.filesystems import fincore_bytes
 from exporter.admission import on_behalf_of
 from exporter.asprocess import Actor
 from exporter.cachectl import evict, prewarm
-from exporter.config import WeightsConfig
-from exporter.sources.environment import NOT_LEARNED, EnvironmentSource
+from exporter.config import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
+from exporter.sources.environment import (
+    LEARN_SHARE,
+    LEARN_SLICE,
+    NOT_LEARNED,
+    EnvironmentSource,
+)
 from exporter.sources.process import NOT_FOUND, ProcessSample, process_start_time
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -245,3 +250,61 @@ def test_what_a_start_found_is_the_last_pass_before_it_and_the_set_outlives_the_
     assert down.measured_at <= start < (during.measured_at or 0)
     assert measured.before(start) == down  # not the pass made after it began
     assert measured.before(0.0) is None
+
+
+HOLDER = r"""
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+directory, per_file = sys.argv[1], int(sys.argv[2])
+names = sorted(os.listdir(directory))
+held = [os.open(os.path.join(directory, n), os.O_RDONLY) for n in names for _ in range(per_file)]
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_learning_a_tree_of_many_descriptors_takes_its_cpu_share_a_slice_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Issue 37 row 5: 18,000 descriptors of 1,800 files. Each sample's learning takes at most
+    LEARN_SLICE of CPU (the rest waits), on average LEARN_SHARE of a core, and in the end every
+    file is learned. The CPU is the whole process's (the opening runs on the rights' thread)."""
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    for i in range(1800):
+        (libs / f"lib{i:04d}.so").write_bytes(b"\1" * 4096)
+    weights = tmp_path / "model"
+    weights.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(libs), "10"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        started = process_start_time(holder.pid)
+        tree = ProcessSample(True, (holder.pid,), holder.pid, started, None, None, None)
+        clock = [1000.0]
+        measured = EnvironmentSource(
+            WeightsConfig(paths=(str(weights),)),
+            lambda: tree,
+            lambda pid: on_behalf_of(ACTOR, "/proc", pid),
+            clock=lambda: clock[0],
+            refresh_after=lambda: 0.0,
+        )
+        costs: list[float] = []
+        while not costs or (sample.files < 1800 and clock[0] < 1000.0 + 600):
+            clock[0] += 1.0
+            before = time.process_time()
+            sample = measured.sample()
+            costs.append(time.process_time() - before)
+        seconds = clock[0] - 1000.0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sample.files >= 1800, (sample, seconds)
+    # A slice, the one listing of 18,000 names and a pass: well under a tenth of a second.
+    assert max(costs) < 0.1 + LEARN_SLICE, max(costs)
+    # Learning's share and the passes' budget (1 %), with room for the pass that ends it.
+    assert sum(costs) / seconds < 2 * (LEARN_SHARE + DEFAULT_RESIDENCY_CPU_BUDGET), (
+        sum(costs), seconds
+    )

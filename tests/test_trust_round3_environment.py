@@ -33,6 +33,7 @@ from exporter.runtime import TRACKER_LOOP, Runtime
 from exporter.sampler import Sampler
 from exporter.sources import ENVIRONMENT
 from exporter.sources.environment import EnvironmentSample
+from exporter.sources.process import process_start_time
 
 pytestmark = [pytest.mark.system, pytest.mark.requires("root", "setpriv", "unshare")]
 
@@ -169,7 +170,7 @@ def root_dir() -> Iterator[Path]:
     """Root's: a directory anyone may enter holding a file only root may read, of a size no
     other file here has; and a world-readable file no server holds."""
     path = world_dir("round3-root-")
-    secret = path / "secret.bin"
+    secret = path / "secret.dat"
     secret.write_bytes(secrets.token_bytes(3_000_017))
     secret.chmod(0o600)
     other = path / "other.so"
@@ -209,7 +210,7 @@ def test_row3_row4_a_name_planted_where_a_deleted_file_was_is_never_learned(
     is not the file the process holds, and a missing and an unreadable path look the same."""
     plants = {
         "control": None,
-        "root-only": root_dir / "secret.bin",
+        "root-only": root_dir / "secret.dat",
         "missing": root_dir / "no-such-file",
         "readable": root_dir / "other.so",
     }
@@ -260,7 +261,7 @@ def test_row3_a_path_in_a_users_mount_namespace_is_not_opened_on_the_host(
             os.chown(inside, NOBODY, NOBODY)
             lib = inside / "lib.so"
             if planted:
-                lib.symlink_to(root_dir / "secret.bin")
+                lib.symlink_to(root_dir / "secret.dat")
                 os.lchown(lib, NOBODY, NOBODY)
             mount = ["unshare", "-Urm", "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"']
             markers[name] = f"mle-round3-ns-{name}-{secrets.token_hex(4)}"
@@ -418,3 +419,46 @@ def test_row5_descriptors_are_identified_once_not_at_every_look(
     finally:
         watching.stop()
         server.stop()
+
+
+# -- row 3: learned files are not carried to another user's process ----------------------------
+
+
+def test_row3_what_roots_server_taught_is_not_carried_to_another_users_process(
+    user_dir: Path, root_dir: Path, weights: Path
+) -> None:
+    """Root's server maps a file only root may read, and exits; then a process of `nobody`
+    takes the target's match (its command line). The learned set was kept across processes
+    and users: root's file measured for nobody's server, and its passes handed to nobody's load
+    as what its start found. Now nobody's process starts afresh (its own file learned) and its
+    load's start finds nothing of root's; a restart by the same user keeps its files (the
+    control: tests/test_environment.py)."""
+    marker = f"mle-round3-owner-{secrets.token_hex(4)}"
+    secret = root_dir / "secret.dat"
+    mine = own_library(user_dir, "mine.so", 1_200_007)
+    watching = Watching({"taken": marker}, weights)
+    environment = watching.runtime.targets["taken"].environment
+    assert environment is not None
+
+    def sizes() -> set[int]:
+        return {f.size for f in environment._files.values()}
+
+    try:
+        roots = Server({"maps": [str(secret)]}, marker, user=False)
+        try:
+            watching.until(lambda: 3_000_017 in sizes())
+        finally:
+            roots.stop()
+        time.sleep(1.0)
+        watching.until(lambda: len(environment._passes) > 0 and environment._root is None)
+        users = Server({"maps": [str(mine)]}, marker)
+        try:
+            watching.until(lambda: 1_200_007 in sizes())
+            assert 3_000_017 not in sizes()
+            start = process_start_time(users.proc.pid)
+            assert start is not None
+            assert environment.before(start) is None  # root's passes say nothing of its start
+        finally:
+            users.stop()
+    finally:
+        watching.stop()
