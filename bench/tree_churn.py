@@ -8,7 +8,7 @@ Issue 37 rows 5 and 2, as its author ran them: the exporter as root with no conf
 on, 1-s sampling), and a process of an unprivileged user whose command line says `vllm serve MODEL
 --port P` (a Python script named `vllm`; nothing listens on the port, so the target never settles
 and every source keeps the 1-s pace, the worst case). The user is one of the tree's own (uid
-64999, `discovery.users`), so other fakes on a shared host are never targets here.
+61733, `discovery.users`), so other fakes on a shared host are never targets here.
 
 * `fds`: the tree holds --fds descriptors of 64 library-like files and opens one more or
   closes it every 0.2 s, so the count moves between any two looks. Prints each exporter's CPU
@@ -47,7 +47,7 @@ from helpers.support import free_port  # noqa: E402
 
 # The tree's user: one of its own, named in `discovery.users`, so that nothing else a shared host
 # runs that looks like a server (other tests' fakes) becomes a target of the exporters measured.
-TREE_UID = 64_999
+TREE_UID = 61_733
 SETPRIV = ["setpriv", f"--reuid={TREE_UID}", f"--regid={TREE_UID}", "--clear-groups"]
 CHURN_EVERY = 0.2  # seconds: the issue's pace, for a descriptor and for a child
 

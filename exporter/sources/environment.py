@@ -50,12 +50,13 @@ descriptors costs its share of a core, not a core (row 5).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -80,6 +81,9 @@ MIN_DEPARTED_BYTES = 1 << 20
 PASSES_KEPT = 8  # passes kept for `before`: those made while the server was down, newest last
 PASS_TIMEOUT = 60.0  # a pass run with a process's rights (exporter/asprocess.py)
 LEARN_TIMEOUT = 10.0  # opening what was found, with the process's rights
+# A load starting this close to the first process of a new owner is that process's: its start
+# and the owner's were read from clocks at different moments (boot time is wall - boottime).
+EPOCH_SLACK = 1.0
 # Memory file systems: always resident, never read from storage.
 MEMORY_MAGIC = frozenset({0x01021994, 0x858458F6})  # tmpfs, ramfs
 NOT_LEARNED = "not learned yet: the files are read from the server's own mappings while it runs"
@@ -227,7 +231,7 @@ class EnvironmentSource:
         with self._lock:
             kept = [*self._passes, *([self._last] if self._last is not None else [])]
             epoch = self._epoch
-        if epoch is not None and at >= epoch:
+        if epoch is not None and at >= epoch - EPOCH_SLACK:
             kept = [p for p in kept if p.measured_at is not None and p.measured_at >= epoch]
         made = [p for p in kept if p.measured_at is not None and p.measured_at <= at]
         return max(made, key=lambda p: p.measured_at or 0.0) if made else None
@@ -519,22 +523,23 @@ def _key(path: str, ino: int) -> int:
     return hash((path, ino))
 
 
-def _mapped(base: str) -> list[_Found]:
-    """The files a process maps (its /proc/PID/maps), each once; none when it is gone or may
-    not be read. Shared writable mappings are memory the process writes, not what it reads."""
-    found: dict[tuple[str, int], _Found] = {}
-    for line in _read(f"{base}/maps").splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/") or pseudo_path(parts[5]):
-            continue
-        if parts[1][1:2] == "w" and parts[1][3:4] == "s":
-            continue
-        try:
-            ino = int(parts[4])
-        except ValueError:
-            continue
-        found.setdefault((parts[5], ino), _Found(parts[5], ino, None))
-    return list(found.values())
+def _mapped(base: str) -> Iterator[_Found]:
+    """The files a process maps (its /proc/PID/maps); none when it is gone or may not be read.
+    Shared writable mappings are memory the process writes, not what it reads. Read a line at a
+    time: a tree's maps can be megabytes, and one string that large per process leaves the
+    allocator's arenas grown for good (the RSS steps that row 2's soak showed)."""
+    try:
+        with open(f"{base}/maps", encoding="utf-8", errors="surrogateescape") as lines:
+            for line in lines:
+                parts = line.rstrip("\n").split(None, 5)
+                if len(parts) < 6 or not parts[5].startswith("/") or pseudo_path(parts[5]):
+                    continue
+                if parts[1][1:2] == "w" and parts[1][3:4] == "s":
+                    continue
+                with contextlib.suppress(ValueError):
+                    yield _Found(parts[5], int(parts[4]), None)
+    except OSError:
+        return
 
 
 def _read(path: str) -> str:
