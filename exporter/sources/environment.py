@@ -44,8 +44,8 @@ changed, each descriptor is identified once, and a (path, inode) pair looked at 
 opened again (a hash of it kept, at most MAX_CHECKED). Learning takes at most LEARN_SLICE of CPU
 in one sample and LEARN_SHARE of a core on average (what is left waits for the next); the
 learned files are at most MAX_FILES and MAX_PATH_CHARS of path. So a tree forking a child every
-0.2 s that maps hundreds of long paths grows nothing (issue 37 row 2), and one holding 150,000
-descriptors costs its share of a core, not a core (row 5).
+0.2 s that maps hundreds of long paths grows nothing (issue 37 row 2), and one holding tens of
+thousands of descriptors costs its share of a core, not a core (row 5; bench/tree_churn.py).
 """
 
 from __future__ import annotations
