@@ -11,10 +11,12 @@ namespace seen as it sees its files) hold on both.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 import tracemalloc
@@ -91,7 +93,12 @@ class Server:
         ids = SETPRIV if user else []
         argv = [*ids, *wrap, SYSTEM_PYTHON, "-c", SERVER, json.dumps(spec), marker]
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/"
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",
+            start_new_session=True,  # its children in its process group: stopped with it
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -104,7 +111,8 @@ class Server:
         assert self.proc.stdout.readline() == "ok\n"
 
     def stop(self) -> None:
-        self.proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
 
