@@ -285,6 +285,21 @@ def test_file_replaced_by_another_inode(tmp_path: Path) -> None:
     assert 3 * MiB <= fincore_bytes(a) <= 3 * MiB + PAGE
 
 
+def test_exact_counts_nothing_of_a_path_that_names_another_inode_now(tmp_path: Path) -> None:
+    """A server's environment (exporter/sources/environment.py): a name planted where its file
+    was is not its file, so neither its size nor its pages count; the pass says it is stale."""
+    a = write_uncached(tmp_path / "a.safetensors", 4 * MiB)
+    write_uncached(tmp_path / "b.safetensors", 2 * MiB)
+    tree = walk_weights(weights(tmp_path))
+    planted = write_uncached(tmp_path / "planted.tmp", 6 * MiB)
+    a.unlink()
+    a.symlink_to(planted)
+
+    r = measure(tree.files, exact=True)
+
+    assert (r.files, r.total_bytes, r.stale) == (1, 2 * MiB, True)
+
+
 @needs_fincore
 def test_file_shrunk_after_discovery(tmp_path: Path) -> None:
     a = write_uncached(tmp_path / "a.safetensors", 8 * MiB)

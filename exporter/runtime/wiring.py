@@ -188,9 +188,7 @@ class Runtime:
         """A target's tracker, prober, probe cadence and log; wire() builds its sources."""
 
         def log_rights(pid: int) -> OnBehalf | None:  # a found log is read as its process reads
-            return on_behalf(self.actor, self._proc_root, runtime.discovered) or on_behalf_of(
-                self.actor, self._proc_root, pid
-            )
+            return self._process_rights(runtime, pid)
 
         runtime = TargetRuntime(
             config=config,
@@ -310,33 +308,40 @@ class Runtime:
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
             runtime.files = None
-        self._wire_environment(runtime, behalf)
+        self._wire_environment(runtime)
         self.host.watch(target.name, target.weights.paths if target.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
             self.sampler.wake_all()
 
-    def _wire_environment(self, runtime: TargetRuntime, behalf: OnBehalf | None) -> None:
-        """The server's environment, learned from its tree: kept across its restarts (the next
-        start maps the same files), so only made once per target."""
+    def _process_rights(self, runtime: TargetRuntime, pid: int) -> OnBehalf:
+        """How a target's server process `pid` is read for: a discovered server's rights as
+        found, a configured target's process's own (ProcessLookupError, Borrowed)."""
+        found = on_behalf(self.actor, self._proc_root, runtime.discovered)
+        return found or on_behalf_of(self.actor, self._proc_root, pid)
+
+    def _wire_environment(self, runtime: TargetRuntime) -> None:
+        """The server's environment, learned from its tree with its root process's rights:
+        kept across its restarts by the same user (the next start maps the same files), so only
+        made once per target."""
         target = runtime.config
         if runtime.finder is None:
             self.sampler.discard(ENVIRONMENT, target.name)
             runtime.environment = None
             return
         if runtime.environment is not None:
-            runtime.environment.follow(target.weights, behalf)
+            runtime.environment.follow(target.weights)
             return
         name = target.name
         runtime.environment = EnvironmentSource(
             target.weights,
             lambda: self.sampler.value(PROCESS, name),
+            lambda pid: self._process_rights(runtime, pid),
             proc_root=self._proc_root,
             clock=self._clock,
             cpu_budget=self.config.residency_cpu_budget,
             refresh_after=lambda: (
                 SERVING_REFRESH_SECONDS if runtime.settled else ENVIRONMENT_REFRESH_SECONDS
             ),
-            on_behalf=behalf,
         )
         self.sampler.add(
             ENVIRONMENT, name, runtime.environment.sample, every=self._pace_of(ENVIRONMENT, runtime)

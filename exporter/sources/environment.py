@@ -21,36 +21,74 @@ or named like one). Passes are spaced as the weights' are (`refresh_after`, a CP
 a pass as soon as the host's page cache lost a share of the environment's size). Each pass made
 while no process of the tree ran, and the last one before a new process appeared, is kept a
 while, so a finished load can say what its start found (`before`).
+
+Whose files (docs/trust.md). Every file is opened, learned and measured with the rights of the
+tree's root process (`rights`, as every other read for it: exporter/asprocess.py), a configured
+target's as a discovered one's, and as that process sees its path: through /proc/PID/root
+(symlinks resolved inside it) where its mount namespace or root is not this exporter's. A path is
+learned only when what opens there is the very file the process holds: the inode its maps line
+names, the device and inode of its descriptor. So a file its user may not read, a name planted
+where a deleted file was (the kernel shows `f (deleted)`), a path that means another file on the
+host than in the process's mount namespace, are never learned, and a missing and an unreadable
+path look the same: neither is learned, nor counted, nor named. What was learned belongs to one
+user and one view of the files (`_Owner`): it is carried to the next process of the target only
+when that runs as the same user and sees the host's files (a restart, measured before it begins
+and then with the new process's rights); a process of another user, or one in a mount namespace
+or root of its own, starts afresh (a container's files were reachable through the old process's
+root alone), and `before` says nothing of one owner's files for another's load.
+
+What it costs. Learning keeps per process of the tree only its size when its maps were last read
+and its descriptor numbers (exporter/sources/descriptors.py: a table of 20,000 churning one costs
+what changed), both forgotten when it leaves the tree; maps are read again only when the size
+changed, each descriptor is identified once, and a (path, inode) pair looked at once is not
+opened again (a hash of it kept, at most MAX_CHECKED). Learning takes at most LEARN_SLICE of CPU
+in one sample and LEARN_SHARE of a core on average (what is left waits for the next); the
+learned files are at most MAX_FILES and MAX_PATH_CHARS of path. So a tree forking a child every
+0.2 s that maps hundreds of long paths grows nothing (issue 37 row 2), and one holding tens of
+thousands of descriptors costs its share of a core, not a core (row 5; bench/tree_churn.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from exporter.config.schema import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
+from exporter.sources.descriptors import DescriptorTable
 from exporter.sources.process import ProcessSample
 from exporter.sources.sample import Health, Sample
-from exporter.storage.pagecache import measure
+from exporter.storage.pagecache import PassResult, measure
 from exporter.storage.weighttree import WeightFile
-from exporter.trust.asprocess import OnBehalf
-from exporter.trust.safeio import PSEUDO_MAGIC, PSEUDO_PATHS, path_magic
+from exporter.trust.asprocess import OnBehalf, RightsError
+from exporter.trust.safeio import fs_magic, open_checked, pseudo_path, resolve_in_root
 
 REFRESH_SECONDS = 5.0  # a pass this often while the target is not serving: before a restart
 MAX_FILES = 20_000  # files learned per target at most (SGLang on CPU maps about 260)
+MAX_PATH_CHARS = 4 << 20  # of the learned files' paths, per target: long names bound it too
+MAX_CHECKED = 65_536  # (path, inode) pairs remembered as looked at, per target (a hash each)
+MAX_QUEUED = MAX_FILES  # found and not yet opened (learning ran out of its slice), per target
+LEARN_SHARE = 0.02  # of one core that learning may take on average, per target
+LEARN_SLICE = 0.05  # CPU seconds one sample's learning may take: the rest waits for the next
 DEPARTED_SHARE_FOR_PASS = 0.05  # of the environment left the host's page cache: measure again
 MIN_DEPARTED_BYTES = 1 << 20
 PASSES_KEPT = 8  # passes kept for `before`: those made while the server was down, newest last
 PASS_TIMEOUT = 60.0  # a pass run with a process's rights (exporter/asprocess.py)
+LEARN_TIMEOUT = 10.0  # opening what was found, with the process's rights
+# A load starting this close to the first process of a new owner is that process's: its start
+# and the owner's were read from clocks at different moments (boot time is wall - boottime).
+EPOCH_SLACK = 1.0
 # Memory file systems: always resident, never read from storage.
 MEMORY_MAGIC = frozenset({0x01021994, 0x858458F6})  # tmpfs, ramfs
 NOT_LEARNED = "not learned yet: the files are read from the server's own mappings while it runs"
+
+FileKey = tuple[int, int]  # (st_dev, st_ino)
 
 
 @dataclass(frozen=True)
@@ -90,6 +128,35 @@ class _Learned:
     size: int
 
 
+@dataclass(frozen=True)
+class _Found:
+    """A file a process of the tree holds, as it names it: to be opened with its rights."""
+
+    path: str
+    ino: int
+    # Its descriptor's device; None for a mapping, whose maps line may give the device of the
+    # file system below (a btrfs subvolume's, an overlay's layer), not the one its path is on.
+    dev: int | None
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """Whose the learned files are: a user, and how its processes' paths are opened."""
+
+    uid: int
+    prefix: str  # "": as they are on this host; else its /proc/PID/root (that process's alone)
+
+
+@dataclass
+class _Proc:
+    """What learning keeps of one live process of the tree; forgotten when it leaves."""
+
+    size: str | None = None  # its statm size when its maps were last read
+    numbers: set[int] = field(default_factory=set)  # descriptors appeared (looked at or pending)
+    table: DescriptorTable = field(default_factory=DescriptorTable)
+    pending: list[int] = field(default_factory=list)  # appeared, not identified yet (budget)
+
+
 class EnvironmentSource:
     """One target's environment: learned from its tree, measured between its starts."""
 
@@ -97,24 +164,37 @@ class EnvironmentSource:
         self,
         weights: WeightsConfig | None,
         tree: Callable[[], ProcessSample | None],
+        rights: Callable[[int], OnBehalf],
         proc_root: str = "/proc",
         clock: Callable[[], float] = time.time,
         cpu_clock: Callable[[], float] = time.thread_time,
         cpu_budget: float = DEFAULT_RESIDENCY_CPU_BUDGET,
         refresh_after: Callable[[], float] = lambda: REFRESH_SECONDS,
-        on_behalf: OnBehalf | None = None,
+        learn_share: float = LEARN_SHARE,
     ) -> None:
-        """`tree`: the target's process tree now; `refresh_after`: how old a pass may get."""
+        """`tree`: the target's process tree now; `rights(pid)`: how to act for its root process
+        (ProcessLookupError when gone, RightsError when its rights are not its own);
+        `refresh_after`: how old a pass may get; `cpu_clock`: the calling thread's CPU time."""
         self._tree_of = tree
+        self._rights = rights
         self._proc_root = proc_root
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._budget = cpu_budget
+        self._learn_share = learn_share
         self._refresh_after = refresh_after
         self._lock = threading.Lock()
-        self._files: dict[tuple[int, int], _Learned] = {}
-        # Paths each process was seen with: no stat, and no fdinfo read, again.
-        self._seen_paths: dict[int, set[str]] = {}
+        self._files: dict[FileKey, _Learned] = {}
+        self._path_chars = 0
+        self._procs: dict[int, _Proc] = {}
+        self._checked: dict[int, None] = {}  # hashes of (path, inode) looked at, oldest first
+        self._queued: dict[int, _Found] = {}  # found, not opened yet
+        self._looks = 0
+        self._learn_due = 0.0
+        self._acting: OnBehalf | None = None  # the root process's rights (its last, once gone)
+        self._owner: _Owner | None = None
+        self._refused: str | None = None  # why its rights could not be taken
+        self._epoch: float | None = None  # start of the first process of the present owner
         self._root: tuple[int | None, float | None] | None = None
         self._last: EnvironmentSample | None = None
         self._warm: int | None = None  # the most a pass found cached (EnvironmentSample)
@@ -122,13 +202,12 @@ class EnvironmentSource:
         self._passes: deque[EnvironmentSample] = deque(maxlen=PASSES_KEPT)
         self._departed_at_pass: int | None = None
         self._news = threading.Event()
-        self.follow(weights, on_behalf)
+        self.follow(weights)
 
-    def follow(self, weights: WeightsConfig | None, on_behalf: OnBehalf | None) -> None:
-        """The target's weights or process changed (a restart found by discovery): what was
-        learned stays, the next start maps the same files."""
+    def follow(self, weights: WeightsConfig | None) -> None:
+        """The target's weights changed (a restart found by discovery): what was learned stays,
+        the next start maps the same files (if it is the same user's: `sample`)."""
         self._weights = weights
-        self._on_behalf = on_behalf
         roots = weights.paths if weights is not None else ()
         self._weight_roots = tuple(os.path.realpath(p).rstrip("/") + "/" for p in roots)
 
@@ -147,9 +226,13 @@ class EnvironmentSource:
         return True
 
     def before(self, at: float) -> EnvironmentSample | None:
-        """The last pass made at or before `at` (a load's start): what that start found."""
+        """The last pass made at or before `at` (a load's start): what that start found. None
+        for a load of a process whose files were not those learned before (another owner's)."""
         with self._lock:
             kept = [*self._passes, *([self._last] if self._last is not None else [])]
+            epoch = self._epoch
+        if epoch is not None and at >= epoch - EPOCH_SLACK:
+            kept = [p for p in kept if p.measured_at is not None and p.measured_at >= epoch]
         made = [p for p in kept if p.measured_at is not None and p.measured_at <= at]
         return max(made, key=lambda p: p.measured_at or 0.0) if made else None
 
@@ -159,14 +242,14 @@ class EnvironmentSource:
         running = tree is not None and tree.found
         root = (tree.root_pid, tree.start_time) if tree is not None and running else None
         with self._lock:
+            now = self._clock()
             if root != self._root:
                 self._root = root
-                self._seen_paths.clear()
                 if self._last is not None:  # the last pass before this process (or its exit)
                     self._passes.append(self._last)
-            if tree is not None and running:
-                self._learn(tree.pids)
-            now = self._clock()
+                self._enter(tree if running else None)
+            if running and tree is not None and self._acting is not None and now >= self._learn_due:
+                self._learn(tree.pids, now)
             last = self._last
             if last is not None and last.measured_at is not None:
                 if now < self._next_due:  # the CPU budget
@@ -180,91 +263,252 @@ class EnvironmentSource:
                 self._passes.append(self._last)
             return self._last
 
+    # -- whose files -------------------------------------------------------------------------
+
+    def _enter(self, tree: ProcessSample | None) -> None:
+        """A new root process (or none): take its rights, and keep what was learned only for
+        the same owner in the host's view."""
+        self._procs.clear()
+        self._checked.clear()
+        self._queued.clear()
+        if self._owner is not None and self._owner.prefix:
+            self._forget(None)  # reachable through that process's root alone
+        if tree is None or tree.root_pid is None:
+            return  # between runs: the last process's rights measure what it left
+        pid = tree.root_pid
+        try:
+            acting = self._rights(pid)
+            owner = _Owner(acting.current().uid, _prefix(self._proc_root, pid))
+        except (ProcessLookupError, RightsError) as exc:
+            self._forget(tree.start_time)
+            self._refused = None if isinstance(exc, ProcessLookupError) else str(exc)
+            return
+        if owner != self._owner:
+            self._forget(tree.start_time)
+        self._acting, self._owner, self._refused = acting, owner, None
+
+    def _forget(self, epoch: float | None) -> None:
+        """Learned files, and what passes found of them, are no longer this target's."""
+        self._files.clear()
+        self._path_chars = 0
+        self._warm = None
+        self._acting = self._owner = None
+        if epoch is not None:
+            self._epoch = epoch
+            self._last = None
+
     # -- learning ----------------------------------------------------------------------------
 
-    def _learn(self, pids: Iterable[int]) -> None:
-        for pid in pids:
-            base = f"{self._proc_root}/{pid}"
-            prefix = self._prefix(base)
-            seen = self._seen_paths.setdefault(pid, set())
-            for path in (*_mapped(base), *_open_for_reading(base, seen)):
-                if len(self._files) >= MAX_FILES:
-                    return
-                if path in seen:
-                    continue
-                seen.add(path)
-                self._add(prefix + path if prefix is not None else None, path)
+    def _learn(self, pids: Iterable[int], now: float) -> None:
+        """Find what the tree's processes newly map or hold, within LEARN_SLICE of CPU; open it
+        with the root process's rights; wait LEARN_SHARE's worth of time after."""
+        started = self._cpu_clock()
+        deadline = started + LEARN_SLICE
+        self._looks += 1
+        live = set(pids)
+        for pid in [p for p in self._procs if p not in live]:
+            del self._procs[pid]  # left the tree: what was kept of it goes with it
+        for pid in sorted(live):
+            if self._cpu_clock() >= deadline or len(self._queued) >= MAX_QUEUED:
+                break
+            proc = self._procs.setdefault(pid, _Proc())
+            try:
+                self._look(f"{self._proc_root}/{pid}", proc, deadline)
+            except OSError:  # gone meanwhile (or its /proc entries are not ours to read)
+                del self._procs[pid]
+        spent = self._cpu_clock() - started
+        spent += self._open_found(max(0.0, LEARN_SLICE - spent))
+        self._learn_due = now + spent / self._learn_share
 
-    def _prefix(self, base: str) -> str | None:
-        """How this exporter opens the paths a process names: as they are where its root is
-        ours, else through its root (a container's files: open only while it runs)."""
+    def _look(self, base: str, proc: _Proc, deadline: float) -> None:
+        statm = _read(f"{base}/statm")
+        size = statm.split(maxsplit=1)[0] if statm else None
+        if size is not None and size != proc.size:  # a mapping came or went
+            for found in _mapped(base):
+                self._queue(found)
+            proc.size = size
+        first = not proc.numbers
+        changes = proc.table.look(f"{base}/fd", proc.numbers, self._looks)
+        if changes is not None:
+            proc.numbers -= changes.gone
+            proc.numbers.update(changes.appeared)
+            proc.pending.extend(changes.appeared)
+            if not first:  # new since a look: its number may soon be another file's
+                for number in changes.appeared:
+                    proc.table.born(number, self._looks)
+        if not proc.pending:  # caught up: what may have been reused since
+            proc.pending.extend(proc.table.rechecks(proc.numbers, self._looks))
+        while proc.pending and self._cpu_clock() < deadline:
+            held = self._descriptor(base, proc.pending.pop())
+            if held is not None:
+                self._queue(held)
+
+    def _descriptor(self, base: str, number: int) -> _Found | None:
+        """A descriptor of a regular file opened read-only (a log it writes is no part of what
+        it reads), not learned already."""
+        link = f"{base}/fd/{number}"
         try:
-            theirs, ours = os.stat(f"{base}/root"), os.stat("/")
+            st = os.stat(link)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in self._files:
+                return None
+            path = os.readlink(link)
         except OSError:
+            return None  # closed since it appeared
+        key = _key(path, st.st_ino)
+        if not path.startswith("/") or pseudo_path(path) or key in self._checked:
             return None
-        return (
-            "" if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino) else f"{base}/root"
-        )
-
-    def _add(self, host: str | None, path: str) -> None:
-        if host is None or path.startswith(PSEUDO_PATHS) or self._is_weights(host, path):
-            return
+        if key in self._queued:  # another descriptor of a file found already
+            return None
+        flags = _read(f"{base}/fdinfo/{number}").partition("flags:")[2].split("\n", 1)[0]
         try:
-            st = os.stat(host)
-            magic = path_magic(host)
-        except OSError:
-            return
-        if not stat.S_ISREG(st.st_mode) or not st.st_size:
-            return
-        if magic in PSEUDO_MAGIC or magic in MEMORY_MAGIC:
-            return
-        self._files.setdefault(
-            (st.st_dev, st.st_ino), _Learned(host, st.st_dev, st.st_ino, st.st_size)
-        )
+            if int(flags.strip() or "1", 8) & os.O_ACCMODE != os.O_RDONLY:
+                return None
+        except ValueError:
+            return None
+        return _Found(path, st.st_ino, st.st_dev)
 
-    def _is_weights(self, host: str, path: str) -> bool:
+    def _queue(self, found: _Found) -> None:
+        key = _key(found.path, found.ino)
+        if key not in self._checked and len(self._queued) < MAX_QUEUED:
+            self._queued[key] = found
+
+    def _open_found(self, slice_left: float) -> float:
+        """Open what was found with the process's rights, within `slice_left` of CPU on the
+        thread that does; learn what is what the process holds. The CPU that took."""
+        acting, owner = self._acting, self._owner
+        if not self._queued or acting is None or owner is None:
+            return 0.0
+        queued = list(self._queued.items())
         weights = self._weights
-        if weights is None:
-            return False
-        name = os.path.basename(path)
-        if any(fnmatchcase(name, pattern) for pattern in weights.include):
-            return True
-        real = os.path.realpath(host)
-        return any(real.startswith(root) for root in self._weight_roots)
+        roots = self._weight_roots
+
+        def opened() -> tuple[list[tuple[int, _Learned | None]], float]:
+            started = time.thread_time()
+            done: list[tuple[int, _Learned | None]] = []
+            for key, found in queued:
+                if done and time.thread_time() - started >= slice_left:
+                    break
+                done.append((key, _held(owner.prefix, found, weights, roots)))
+            return done, time.thread_time() - started
+
+        try:
+            done, cost = acting.run(opened, LEARN_TIMEOUT)
+        except RightsError as exc:  # its rights are not its own now, or not ours to take
+            self._refused = str(exc)
+            return 0.0
+        except (TimeoutError, OSError):
+            return 0.0  # tried again at the next learning
+        self._refused = None
+        for key, learned in done:
+            del self._queued[key]
+            self._checked[key] = None
+            if learned is not None:
+                self._add(learned)
+        while len(self._checked) > MAX_CHECKED:
+            del self._checked[next(iter(self._checked))]
+        return cost
+
+    def _add(self, learned: _Learned) -> None:
+        key = (learned.dev, learned.ino)
+        chars = len(learned.path)
+        if key in self._files or len(self._files) >= MAX_FILES:
+            return
+        if self._path_chars + chars > MAX_PATH_CHARS:
+            return
+        self._files[key] = learned
+        self._path_chars += chars
 
     # -- measuring ---------------------------------------------------------------------------
 
     def _pass(self, now: float) -> EnvironmentSample:
-        if not self._files:
+        acting = self._acting
+        if not self._files or acting is None:
             self._next_due = now
-            return EnvironmentSample(0, 0, None, None, None, NOT_LEARNED)
+            return EnvironmentSample(0, 0, None, None, None, self._refused or NOT_LEARNED)
+        learned = dict(self._files)
         files = sorted(
             (WeightFile(f.path, os.path.dirname(f.path), os.path.basename(f.path), f.path, f.dev,
                         f.ino, f.size)
-             for f in self._files.values()),
+             for f in learned.values()),
             key=lambda wf: (wf.directory, wf.entry),
         )  # fmt: skip
         cpu = self._cpu_clock()
 
-        def run() -> tuple[int, int, int | None, str | None, bool]:
-            r = measure(files, count_unreadable=False)
-            return r.files, r.total_bytes, r.resident_bytes, r.reason, r.stale
+        def run() -> tuple[PassResult, set[FileKey] | None, float]:
+            started = time.thread_time()
+            result = measure(files, count_unreadable=False, exact=True)
+            # Replaced or gone (a package upgraded): learned afresh from the next start.
+            kept = {k for k, f in learned.items() if _same(f)} if result.stale else None
+            return result, kept, time.thread_time() - started
 
-        behalf = self._on_behalf
-        count, total, resident, reason, stale = (
-            behalf.run(run, PASS_TIMEOUT) if behalf is not None else run()
+        try:
+            result, kept, worker = acting.run(run, PASS_TIMEOUT)
+        except (RightsError, TimeoutError) as exc:
+            self._next_due = now
+            return EnvironmentSample(0, 0, None, self._warm, now, f"cannot measure: {exc}")
+        count, total, resident, reason = (
+            result.files,
+            result.total_bytes,
+            result.resident_bytes,
+            result.reason,
         )
-        cost = max(0.0, self._cpu_clock() - cpu)
+        cost = max(0.0, self._cpu_clock() - cpu) + worker
         self._next_due = now + cost / self._budget
-        if stale:  # replaced or gone (a package upgraded): learned afresh from the next start
-            self._files = {k: f for k, f in self._files.items() if _same(f)}
+        if kept is not None:
+            self._files = {k: f for k, f in self._files.items() if k in kept}
+            self._path_chars = sum(len(f.path) for f in self._files.values())
             self._warm = None  # what was cached of the old files says nothing of the new
         if count == 0 and reason is None:
             reason = "none of the server's files could be opened"
             resident = None
-        if resident is not None and not stale:  # a stale pass measured files no longer learned
+        if resident is not None and kept is None:  # a stale pass measured files no longer learned
             self._warm = max(self._warm or 0, resident)
         return EnvironmentSample(count, total, resident, self._warm, now, reason)
+
+
+def _prefix(proc_root: str, pid: int) -> str:
+    """How this exporter opens the paths a process names: as they are where its mount namespace
+    and root are this exporter's, else through its root (resolved inside it, as
+    exporter/discovery.py's view does); through its root too where that cannot be told."""
+    base = f"{proc_root}/{pid}"
+    try:
+        same_mounts = os.readlink(f"{base}/ns/mnt") == os.readlink(f"{proc_root}/self/ns/mnt")
+        theirs, ours = os.stat(f"{base}/root"), os.stat(f"{proc_root}/self/root")
+    except OSError:
+        return f"{base}/root"
+    same_root = (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+    return "" if same_mounts and same_root else f"{base}/root"
+
+
+def _held(
+    prefix: str, found: _Found, weights: WeightsConfig | None, roots: tuple[str, ...]
+) -> _Learned | None:
+    """What `found` names, opened with the calling thread's rights as its process sees it,
+    when that is the file the process holds, a file of storage and no weight file; else None,
+    whatever the reason (missing, unreadable, another file, memory): all look alike."""
+    try:
+        host = resolve_in_root(prefix, found.path) if prefix else found.path
+        fd, st = open_checked(host)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(st.st_mode) or not st.st_size or st.st_ino != found.ino:
+            return None
+        if found.dev is not None and st.st_dev != found.dev:
+            return None
+        if fs_magic(fd) in MEMORY_MAGIC:
+            return None
+        name = os.path.basename(found.path)
+        if weights is not None and any(fnmatchcase(name, p) for p in weights.include):
+            return None
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        if any(real.startswith(root) or host.startswith(root) for root in roots):
+            return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _Learned(host, st.st_dev, st.st_ino, st.st_size)
 
 
 def _same(learned: _Learned) -> bool:
@@ -275,44 +519,27 @@ def _same(learned: _Learned) -> bool:
     return (st.st_dev, st.st_ino) == (learned.dev, learned.ino)
 
 
-def _mapped(base: str) -> list[str]:
-    """The files a process maps (its /proc/PID/maps), each once; none when it is gone or may
-    not be read. Shared writable mappings are memory the process writes, not what it reads."""
-    text = _read(f"{base}/maps")
-    paths: dict[str, None] = {}
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
-            continue
-        if parts[1][1:2] == "w" and parts[1][3:4] == "s":
-            continue
-        paths[parts[5]] = None
-    return list(paths)
+def _key(path: str, ino: int) -> int:
+    return hash((path, ino))
 
 
-def _open_for_reading(base: str, seen: Collection[str]) -> list[str]:
-    """The files a process holds open read-only (a log it writes is no part of what it reads),
-    but for those `seen` already: their fdinfo is not read again each sample."""
+def _mapped(base: str) -> Iterator[_Found]:
+    """The files a process maps (its /proc/PID/maps); none when it is gone or may not be read.
+    Shared writable mappings are memory the process writes, not what it reads. Read a line at a
+    time: a tree's maps can be megabytes, and one string that large per process leaves the
+    allocator's arenas grown for good (the RSS steps that row 2's soak showed)."""
     try:
-        numbers = os.listdir(f"{base}/fd")
+        with open(f"{base}/maps", encoding="utf-8", errors="surrogateescape") as lines:
+            for line in lines:
+                parts = line.rstrip("\n").split(None, 5)
+                if len(parts) < 6 or not parts[5].startswith("/") or pseudo_path(parts[5]):
+                    continue
+                if parts[1][1:2] == "w" and parts[1][3:4] == "s":
+                    continue
+                with contextlib.suppress(ValueError):
+                    yield _Found(parts[5], int(parts[4]), None)
     except OSError:
-        return []
-    paths = []
-    for number in numbers:
-        try:
-            path = os.readlink(f"{base}/fd/{number}")
-        except OSError:
-            continue
-        if not path.startswith("/") or path.startswith(PSEUDO_PATHS) or path in seen:
-            continue
-        flags = _read(f"{base}/fdinfo/{number}").partition("flags:")[2].split("\n", 1)[0]
-        try:
-            if int(flags.strip() or "1", 8) & os.O_ACCMODE != os.O_RDONLY:
-                continue
-        except ValueError:
-            continue
-        paths.append(path)
-    return paths
+        return
 
 
 def _read(path: str) -> str:

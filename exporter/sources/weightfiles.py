@@ -21,22 +21,20 @@ consumed whole (its loader is done with it).
 
 Cost, because a TP-8 tree may hold 2,000 mappings and 500 descriptors per process: each look
 reads per process `statm` (one line), `io` and the descriptor count (`st_size` of /proc/PID/fd,
-Linux >= 6.2). The descriptor table is looked at again only when that count changed (listed at
-most once every LIST_EVERY_FDS descriptors' worth of looks, else probed where the kernel numbers
-new descriptors: a process holding 20,000 and churning one costs what changed), mappings only
+Linux >= 6.2). The descriptor table is looked at again only when that count changed, and then
+for what changed (exporter/sources/descriptors.py, shared with the environment's learning: a
+process holding 20,000 and churning one costs what changed), mappings only
 when `statm`'s size or file-backed pages changed, and `numa_maps` only while a weight file is
 mapped and pages arrive; descriptors known to be weight files are checked every look through
 their fdinfo (its `ino:` says whether the number now names another file). A number reused for a
 weight file while the count stayed the same (or moved between listings) is found by re-checking
-new descriptors for a few
-looks, every descriptor once read() bytes that no weight file explains add up to RESCAN_BYTES
-(a read loader on a number we missed), and a slice of the old ones each look, so that every
-descriptor is re-checked within ROTATE_SAMPLES looks.
+new descriptors for a few looks, every descriptor once read() bytes that no weight file explains
+add up to RESCAN_BYTES (a read loader on a number we missed), and a slice of the old ones each
+look, so that every descriptor is re-checked within ROTATE_LOOKS looks (descriptors.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 import re
@@ -46,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from exporter.config.schema import WeightsConfig
+from exporter.sources.descriptors import DescriptorTable
 from exporter.sources.process import ProcessSample
 from exporter.sources.sample import Health, Sample
 from exporter.storage.weighttree import WeightFile, WeightTree, walk_weights
@@ -53,11 +52,7 @@ from exporter.trust.asprocess import OnBehalf
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 WALK_TIMEOUT = 5.0  # seconds a walk of a discovered server's weights may take (a hung mount)
-YOUNG_SAMPLES = 5  # a descriptor this new is re-checked every sample: numbers are reused soonest
 YOUNG_AT_FIRST = 256  # files held at the first look re-checked so, the latest opened first
-LIST_EVERY_FDS = 1000  # a process is listed at most once every (descriptors / this) looks
-PROBE_SLACK = 8  # numbers looked at beyond a changed count's difference, between listings
-ROTATE_SAMPLES = 300  # every older descriptor is re-checked within this many samples
 RESCAN_BYTES = 64 << 20  # read() bytes no weight file explains before every descriptor is re-read
 _O_DIRECT = os.O_DIRECT if hasattr(os, "O_DIRECT") else 0o40000
 # Pages per NUMA node add up to the mapping's pages (`mapped=` is left out when all are dirty).
@@ -129,19 +124,13 @@ class _Proc:
     """What one process of the tree was last seen holding."""
 
     fds: dict[int, _Fd] = field(default_factory=dict)
-    fd_count: int | None = None
-    listed_at: int = -LIST_EVERY_FDS  # the look /proc/PID/fd was last listed at
-    free: list[int] = field(default_factory=list)  # numbers free below `top` at that listing
-    top: int = -1  # the highest number seen
-    young: dict[int, int] = field(default_factory=dict)  # opened since a look: number -> look
-    old: list[int] | None = None  # the other numbers, in order, for the slice of re-checks
+    table: DescriptorTable = field(default_factory=DescriptorTable)
     weights: set[int] = field(default_factory=set)  # numbers naming weight files
     statm: tuple[bytes, bytes] | None = None  # (size, shared) when mappings were last read
     vmas: dict[int, _Vma] = field(default_factory=dict)  # start address -> weight file
     mapped: dict[FileKey, int] = field(default_factory=dict)  # bytes mapped, per weight file
     rchar: int | None = None
     unexplained: int = 0  # rchar since the last full look that no weight file's offset explains
-    rotate: int = 0
 
     def name(self, number: int, fd: _Fd) -> None:
         self.fds[number] = fd
@@ -309,92 +298,35 @@ class WeightFilesSource:
         self._reads(base, proc, rchar)
 
     def _descriptors(self, base: str, proc: _Proc, read: bool) -> None:
-        """Looked for again when the count changed; weight files' and new ones' checked each
+        """Looked for again when the count changed (exporter/sources/descriptors.py: work
+        follows what changed, not what is held); weight files' and new ones' checked each
         look, the rest a slice at a time (a number can be reused without the count changing).
-
-        Work follows what changed, not what is held. Listing /proc/PID/fd costs about 1 ms per
-        1,000 descriptors, so a process holding many is listed at most once every
-        LIST_EVERY_FDS of them looks; between listings, a changed count is looked for where the
-        kernel gives a new descriptor its number (the lowest free one): the lowest numbers this
-        view does not hold, as many as the count moved and PROBE_SLACK more, one stat each. A
-        listing is diffed by name with the last, and only numbers that appeared are identified.
         """
         fd_dir = f"{base}/fd"
+        now = self._samples
+        first = proc.table.count is None and not proc.fds
         try:
-            count = os.stat(fd_dir).st_size or None  # 0 before Linux 6.2: unknown
+            changes = proc.table.look(fd_dir, proc.fds, now)
         except PermissionError as exc:
             raise _Blind(_blind(fd_dir, exc)) from None
-        now = self._samples
-        if count is None or count != proc.fd_count:
-            first = proc.fd_count is None and not proc.fds
-            if count is None or now - proc.listed_at >= len(proc.fds) // LIST_EVERY_FDS:
-                appeared = self._list(fd_dir, proc, now)
-                # As listed: the count may have moved since the stat, and then looks again.
-                proc.fd_count = len(proc.fds) if count is not None else None
-            else:
-                appeared = self._probe(fd_dir, proc, abs(count - len(proc.fds)) + PROBE_SLACK)
-                proc.fd_count = count
-            for rank, number in enumerate(appeared):
+        if changes is not None:
+            for number in changes.gone:
+                proc.forget(number)
+            for rank, number in enumerate(changes.appeared):
                 fd = self._identify(fd_dir, number)
                 proc.name(number, fd)
-                # New since a look: its number may soon be another file's. At the first look,
-                # files of the latest opens (the highest numbers: an import's .pyc?) too;
-                # sockets and pipes there from the start are long-lived.
+                # At the first look, files of the latest opens (the highest numbers: an
+                # import's .pyc?) are young too; sockets and pipes there from the start are
+                # long-lived.
                 if not first or (fd is _OTHER_FILE and rank < YOUNG_AT_FIRST):
-                    proc.young[number] = now
-        for number, born in list(proc.young.items()):
-            if now - born >= YOUNG_SAMPLES or number not in proc.fds:
-                del proc.young[number]
-                if proc.old is not None and number in proc.fds:
-                    bisect.insort(proc.old, number)
-            elif born < now and proc.fds[number].key is None:
+                    proc.table.born(number, now)
+        for number in proc.table.rechecks(proc.fds, now):
+            if proc.fds[number].key is None:
                 proc.name(number, self._identify(fd_dir, number))
-        if proc.old is None:
-            proc.old = sorted(n for n in proc.fds if n not in proc.young)
-        old = proc.old
-        if old:
-            share = -(-len(old) // ROTATE_SAMPLES)
-            start = proc.rotate % len(old)
-            for number in old[start : start + share] + old[: max(0, start + share - len(old))]:
-                if number in proc.fds and proc.fds[number].key is None:
-                    proc.name(number, self._identify(fd_dir, number))
-            proc.rotate = start + share
         for number in list(proc.weights):
             fd = proc.fds[number]
             if read or fd.counted_pos is None:
                 self._weight_fd(base, number, fd, proc)
-
-    @staticmethod
-    def _list(fd_dir: str, proc: _Proc, now: int) -> list[int]:
-        """List the descriptors: forget those gone; the numbers that appeared, highest first."""
-        try:
-            names = set(os.listdir(fd_dir))
-        except PermissionError as exc:
-            raise _Blind(_blind(fd_dir, exc)) from None
-        numbers = {int(n) for n in names if n.isdigit()}
-        gone = proc.fds.keys() - numbers
-        for number in gone:
-            proc.forget(number)
-        appeared = sorted(numbers - proc.fds.keys(), reverse=True)
-        if gone or appeared:
-            proc.old = None
-        top = max(numbers, default=-1)
-        proc.free = sorted(set(range(top)) - numbers)
-        proc.top, proc.listed_at = top, now
-        return appeared
-
-    @staticmethod
-    def _probe(fd_dir: str, proc: _Proc, wanted: int) -> list[int]:
-        """The numbers a changed count most likely took, where the kernel gives them: the
-        lowest free ones of the last listing, then above the highest; those that exist."""
-        candidates = [n for n in proc.free[:wanted] if n not in proc.fds]
-        candidates += range(proc.top + 1, proc.top + 1 + wanted - len(candidates))
-        appeared = []
-        for number in candidates:
-            if os.path.lexists(f"{fd_dir}/{number}"):
-                appeared.append(number)
-                proc.top = max(proc.top, number)
-        return sorted(appeared, reverse=True)
 
     def _identify(self, fd_dir: str, number: int) -> _Fd:
         try:

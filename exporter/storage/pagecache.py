@@ -228,13 +228,16 @@ def measure(
     per_file: bool = False,
     methods: Sequence[str] = METHODS,
     count_unreadable: bool = True,
+    exact: bool = False,
 ) -> PassResult:
     """One pass over discovered files; vanished, replaced and shrunk files are handled, not fatal.
 
     Sizes come from fstat of the open fd, so a file replaced or truncated since discovery is
     measured as it is now, and an inode reached twice (e.g. replaced by a hard link) counts once.
     A file that cannot be opened still counts its size, unless `count_unreadable` is False (a
-    pass with a discovered process's rights: what it cannot read is not its weights).
+    pass with a discovered process's rights: what it cannot read is not its weights). `exact`:
+    a path that now names another file than the one listed (dev, ino) is not counted at all (a
+    server's environment: a name planted where its file was is not its file).
     """
     call = CachestatCall()
     fast = "cachestat" in methods  # the common case, kept free of per-file function layers
@@ -279,6 +282,8 @@ def measure(
                 key = (st.st_dev, st.st_ino)
                 if key != (wf.dev, wf.ino):
                     stale = True
+                    if exact:
+                        continue
                 if key in seen or not stat.S_ISREG(st.st_mode):
                     continue
                 seen.add(key)
