@@ -26,8 +26,8 @@ from exporter.config.schema import (
     TargetConfig,
     WeightsConfig,
 )
+from exporter.discovery.found import DiscoveredServer
 from exporter.discovery.refusals import Refusals
-from exporter.discovery.scan import DiscoveredServer
 from exporter.discovery.serverargs import Evidence
 from exporter.load.tracker import Tracker
 from exporter.runtime.admission import (

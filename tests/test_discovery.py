@@ -27,7 +27,8 @@ from helpers.require import require
 from helpers.standins import install
 from helpers.support import free_port, wait_for
 
-from exporter.discovery.scan import DiscoveredServer, Discoverer, endpoint_config, weights_config
+from exporter.discovery.found import DiscoveredServer, endpoint_config, weights_config
+from exporter.discovery.scan import Discoverer
 from exporter.sources.endpoint import EndpointProber
 from exporter.vocabulary import ProbeKind, ProbeResult
 

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config.reader import parse_config
 from exporter.config.schema import LogConfig, MetricsConfig
+from exporter.discovery.found import DiscoveredServer
 from exporter.discovery.refusals import REASONS
-from exporter.discovery.scan import DiscoveredServer
 from exporter.discovery.serverargs import Evidence
 from exporter.exposition.api_build import status_document
 from exporter.exposition.collector import CATALOG, ExporterCollector

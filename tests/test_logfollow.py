@@ -18,7 +18,7 @@ from helpers.fakeservers import world_dir
 from helpers.support import wait_for
 
 from exporter.config.schema import LogConfig, ProcessConfig
-from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.found import DiscoveredServer
 from exporter.runtime.admission import on_behalf_of
 from exporter.runtime.logfollow import (
     Configured,

@@ -16,14 +16,10 @@ from helpers.require import require
 
 from exporter.config.reader import parse_config
 from exporter.config.values import ConfigError
-from exporter.discovery.scan import (
-    _local_addresses,
-    _probe_host,
-    _revision_snapshot,
-    _url_host,
-    target_name,
-)
+from exporter.discovery.found import target_name
+from exporter.discovery.probehost import _local_addresses, _probe_host, _url_host
 from exporter.discovery.serverargs import SECRET, find_launch, recognise
+from exporter.discovery.weights import _revision_snapshot
 
 LAUNCHES: list[tuple[list[str], str | None]] = [
     (["python3", "-m", "sglang.launch_server", "--model-path", "m"], "sglang"),

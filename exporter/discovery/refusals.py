@@ -7,10 +7,15 @@ servers cannot grow it (a thing forgotten and met again is counted again).
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+from exporter.trust.safeio import Refused
+from exporter.trust.untrusted import clean
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +66,23 @@ class Refusals:
         """Refusals so far by reason, every reason present."""
         with self._lock:
             return {reason: self._counts[reason] for reason in REASONS}
+
+
+@dataclass(frozen=True)
+class _Refuser:
+    """Notes refusals about one process (from the actor's thread too: Refusals is thread-safe)."""
+
+    refusals: Refusals
+    key: tuple[int, int]
+
+    def __call__(self, reason: str, what: str, message: str) -> None:
+        self.refusals.note(reason, (self.key, what), "pid %d: %s", self.key[0], clean(message))
+
+    def of(self, exc: OSError, what: str) -> None:
+        """An OSError from looking at `what`: a refusal, or a plain absence (not counted)."""
+        if isinstance(exc, Refused):
+            self(exc.reason, what, str(exc))
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            self("unreadable", what, f"{what}: not readable with the process's rights")
+        elif exc.errno in (errno.ELOOP, errno.EMLINK):
+            self("not_regular", what, f"{what}: {exc.strerror}")

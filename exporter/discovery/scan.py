@@ -29,132 +29,36 @@ loopback or an address of the process's own network namespace; text shown anywhe
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import logging
 import os
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from urllib.parse import quote
 
-import yaml
-
-from exporter.config.schema import DISCOVERY_SERVERS, EndpointConfig, WeightsConfig
-from exporter.discovery.refusals import Refusals
+from exporter.config.schema import DISCOVERY_SERVERS
+from exporter.discovery.found import DiscoveredServer, model_target_name, target_name
+from exporter.discovery.probehost import _local_addresses, _probe_host, _url_host
+from exporter.discovery.refusals import Refusals, _Refuser
 from exporter.discovery.serverargs import Evidence, Recognised, find_launch, recognise
+from exporter.discovery.view import (
+    _passwd_home,
+    _read_config,
+    _read_environ,
+    _same_namespace,
+    _View,
+)
+from exporter.discovery.weights import _repository_models, _weights
 from exporter.servers.server import Role
 from exporter.sources.process import boot_time, read_stat
 from exporter.trust.asprocess import Actor, Borrowed, Rights, RightsError, rights_of
-from exporter.trust.safeio import Refused, open_checked, pseudo_path, read_regular, resolve_in_root
+from exporter.trust.safeio import read_regular
 from exporter.trust.untrusted import clean
-from exporter.vocabulary import ProbeKind
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_PASSES = 12
-MAX_CONFIG_BYTES = 1 << 20
 MAX_CMDLINE_BYTES = 1 << 20
-MAX_ENVIRON_BYTES = 1 << 20
-MAX_REF_BYTES = 4096
-MAX_PASSWD_BYTES = 4 << 20
-MAX_NET_BYTES = 4 << 20
-MAX_SNAPSHOTS = 1024  # snapshot directories looked at for the newest
-# Cloud metadata services: never probed, whatever a command line says.
-_METADATA = frozenset(
-    ipaddress.ip_address(a)
-    for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254")
-)
-_NAME_BAD = re.compile(r"[^A-Za-z0-9_.:-]+")
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?\Z")
-_COMMIT = re.compile(r"[0-9a-f]{40}\Z")
-_SNAPSHOT_PATH = re.compile(r"models--[^/]+--([^/]+)/snapshots/[^/]+\Z")
-_GGUF_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf\Z")
-# Where huggingface_hub looks, in its own order; TRANSFORMERS_CACHE for older transformers.
-_HUB_CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
-
-
-@dataclass(frozen=True)
-class DiscoveredServer:
-    """One running model server, described as a target: what to probe and which files to watch."""
-
-    kind: str  # a server kind of exporter/servers
-    name: str
-    pid: int
-    start_ticks: int
-    start_time: float | None
-    url: str
-    probe: ProbeKind
-    probe_path: str
-    model: str | None
-    weights: tuple[str, ...]
-    weights_include: tuple[str, ...]
-    reachable: bool
-    evidence: tuple[Evidence, ...]
-    # The process's credentials: its files are looked at with these rights, and no others.
-    rights: Rights | None = None
-    # Values are secrets (the server's API key): never in repr, logs or evidence.
-    headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
-    # A repository server's models (Triton's: its directories with a config.pbtxt), and the
-    # path of one model's own ready answer (`{model}`): with several, each is a target of its
-    # own (exporter/admission.py: targets_of).
-    models: tuple[str, ...] = ()
-    model_ready_path: str | None = None
-    # A model server its router started (llama-server's router mode): the router's process
-    # and start, whose log carries this one's lines.
-    router_pid: int | None = None
-    router_start: float | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        """Identity of the process, safe against pid reuse."""
-        return (self.pid, self.start_ticks)
-
-
-def endpoint_config(server: DiscoveredServer) -> EndpointConfig:
-    """The endpoint a discovered server is probed at, as if it had been configured."""
-    return EndpointConfig(
-        url=server.url,
-        probe=server.probe,
-        path=server.probe_path,
-        model=server.model,
-        headers=dict(server.headers),
-    )
-
-
-def weights_config(server: DiscoveredServer) -> WeightsConfig | None:
-    """The weights to watch, or None while they are unknown (a hub id not downloaded yet)."""
-    if not server.weights:
-        return None
-    return WeightsConfig(paths=server.weights, include=server.weights_include)
-
-
-def target_name(kind: str, model: str | None, port: int) -> str:
-    """A name stable across restarts: server kind, model (directory or file name) and port.
-
-    Only letters, digits and `_ . : -`, as the config's target names.
-    """
-    label = _model_label(model) if model else ""
-    return f"{kind}-{label}-{port}" if label else f"{kind}-{port}"
-
-
-def model_target_name(server: str, model: str | None) -> str:
-    """The target of one model of a server that serves several (its own process or not):
-    `<server's target>/<model>`, the same name for as long as the server keeps its own."""
-    label = _model_label(model) if model else ""
-    return f"{server}/{label or 'model'}"
-
-
-def _model_label(model: str) -> str:
-    text = model.rstrip("/")
-    snapshot = _SNAPSHOT_PATH.search(text)
-    base = snapshot.group(1) if snapshot else text.rsplit("/", 1)[-1]
-    split = _GGUF_SPLIT.match(base)
-    if split:
-        base = split.group(1)
-    elif base.endswith(".gguf"):
-        base = base[: -len(".gguf")]
-    return _NAME_BAD.sub("-", base).strip("-._:")[:80].rstrip("-._:")
 
 
 @dataclass
@@ -401,26 +305,6 @@ class Discoverer:
 _HEADER_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-@dataclass(frozen=True)
-class _Refuser:
-    """Notes refusals about one process (from the actor's thread too: Refusals is thread-safe)."""
-
-    refusals: Refusals
-    key: tuple[int, int]
-
-    def __call__(self, reason: str, what: str, message: str) -> None:
-        self.refusals.note(reason, (self.key, what), "pid %d: %s", self.key[0], clean(message))
-
-    def of(self, exc: OSError, what: str) -> None:
-        """An OSError from looking at `what`: a refusal, or a plain absence (not counted)."""
-        if isinstance(exc, Refused):
-            self(exc.reason, what, str(exc))
-        elif exc.errno in (errno.EACCES, errno.EPERM):
-            self("unreadable", what, f"{what}: not readable with the process's rights")
-        elif exc.errno in (errno.ELOOP, errno.EMLINK):
-            self("not_regular", what, f"{what}: {exc.strerror}")
-
-
 def _on_behalf(
     argv: tuple[str, ...],
     environ: Mapping[str, str] | None,
@@ -440,35 +324,6 @@ def _on_behalf(
     repository = recognised.command.model_is == "repository"
     models = _repository_models(weights[0]) if repository and len(weights) == 1 else ()
     return recognised, weights, evidence, models
-
-
-def _repository_models(path: str) -> tuple[str, ...]:
-    """The models of a model repository (Triton's): its directories holding a config.pbtxt or
-    a numbered version directory, at most MAX_SNAPSHOTS entries looked at."""
-    models = []
-    try:
-        with os.scandir(path) as entries:
-            for i, entry in enumerate(entries):
-                if i >= MAX_SNAPSHOTS:
-                    break
-                if entry.is_dir(follow_symlinks=False) and _is_model_dir(entry.path):
-                    models.append(entry.name)
-    except OSError:
-        return ()
-    return tuple(sorted(models))
-
-
-def _is_model_dir(path: str) -> bool:
-    try:
-        with os.scandir(path) as entries:
-            for i, entry in enumerate(entries):
-                if i >= MAX_SNAPSHOTS:
-                    break
-                if entry.name == "config.pbtxt" or (entry.name.isdigit() and entry.is_dir()):
-                    return True
-    except OSError:
-        pass
-    return False
 
 
 def _awaits_weights(server: DiscoveredServer) -> bool:
@@ -503,314 +358,3 @@ def _routed_name(
     if environ.get(variable) != port:
         return None
     return model_target_name(router.name, model)
-
-
-@dataclass(frozen=True)
-class _View:
-    """Paths as one process sees them, turned into paths this exporter can open."""
-
-    prefix: str  # "" or /proc/PID/root when the process has another root or mount namespace
-    cwd: str | None  # its working directory, as the process sees it
-    home: str | None
-    evidence: tuple[Evidence, ...]
-    uid: int | None = None
-
-    @classmethod
-    def of(cls, proc_root: str, pid: int, environ: Mapping[str, str] | None) -> _View:
-        base = f"{proc_root}/{pid}"
-        same_mounts = _same_namespace(proc_root, pid, "mnt")
-        evidence: list[Evidence] = []
-        prefix = ""
-        if same_mounts is False or not _same_root(proc_root, pid):
-            prefix = f"{base}/root"
-            evidence.append(
-                Evidence("files", prefix, "another mount namespace or root: paths go through it")
-            )
-        elif same_mounts is None:
-            evidence.append(Evidence("files", "as on this host", "mount namespace unreadable"))
-        try:
-            cwd: str | None = os.readlink(f"{base}/cwd")
-            uid: int | None = os.stat(base).st_uid
-        except OSError:
-            cwd = uid = None
-        return cls(prefix, cwd, None, tuple(evidence), uid)
-
-    def host_path(self, path: str) -> str | None:
-        """The path this exporter opens for one the process names; symlinks resolved inside the
-        process's root, Refused for /proc, /sys and /dev, OSError when a step is refused."""
-        if path == "~" or path.startswith("~/"):
-            if self.home is None:
-                return None
-            path = self.home + path[1:]
-        if not path.startswith("/"):
-            if self.cwd is None:
-                return None
-            path = os.path.join(self.cwd, path)
-        if pseudo_path(path):
-            raise Refused("pseudo_filesystem", f"{path}: /proc, /sys and /dev are never read")
-        resolved = resolve_in_root(self.prefix, path)
-        if pseudo_path(resolved[len(self.prefix) :]):
-            raise Refused("pseudo_filesystem", f"{path}: leads into /proc, /sys or /dev")
-        return resolved
-
-
-def _same_namespace(proc_root: str, pid: int, kind: str) -> bool | None:
-    try:
-        theirs = os.readlink(f"{proc_root}/{pid}/ns/{kind}")
-        ours = os.readlink(f"{proc_root}/self/ns/{kind}")
-    except OSError:
-        return None
-    return theirs == ours
-
-
-def _same_root(proc_root: str, pid: int) -> bool:
-    try:
-        theirs = os.stat(f"{proc_root}/{pid}/root")
-        ours = os.stat(f"{proc_root}/self/root")
-    except OSError:
-        return True
-    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
-
-
-def _passwd_home(view: _View, refuse: _Refuser) -> str | None:
-    """The process owner's home from the passwd file the process itself sees."""
-    if view.uid is None:
-        return None
-    try:
-        text = read_regular(f"{view.prefix}/etc/passwd", MAX_PASSWD_BYTES)
-    except OSError as exc:
-        refuse.of(exc, "/etc/passwd")
-        return None
-    for line in text.decode("utf-8", "surrogateescape").splitlines():
-        fields = line.split(":")
-        if len(fields) >= 6 and fields[2] == str(view.uid):
-            return fields[5] or None
-    return None
-
-
-def _read_environ(base: str) -> dict[str, str] | None:
-    """The process's initial environment; None when we may not read it (another user's)."""
-    try:
-        raw = read_regular(f"{base}/environ", MAX_ENVIRON_BYTES)
-    except OSError:
-        return None
-    environ = {}
-    for item in raw.split(b"\0"):
-        name, sep, value = item.partition(b"=")
-        if sep:
-            environ[os.fsdecode(name)] = os.fsdecode(value)
-    return environ
-
-
-def _read_config(view: _View, path: str, refuse: _Refuser) -> Mapping[str, object] | None:
-    """A server's own --config file (YAML), read through the process's view of the files."""
-    try:
-        host = view.host_path(path)
-        if host is None:
-            return None
-        document = yaml.safe_load(read_regular(host, MAX_CONFIG_BYTES))
-    except OSError as exc:
-        refuse.of(exc, path)
-        return None
-    except (yaml.YAMLError, RecursionError):
-        return None
-    return document if isinstance(document, dict) else None
-
-
-def _local_addresses(base: str) -> list[str]:
-    """The addresses local to a process's network namespace, loopback excluded: IPv4 from
-    fib_trie, IPv6 from if_inet6."""
-    addresses: dict[str, None] = {}  # ordered, each once (Main and Local tables repeat them)
-    try:
-        lines = read_regular(f"{base}/net/fib_trie", MAX_NET_BYTES).decode("ascii", "replace")
-    except OSError:
-        lines = ""
-    current = ""
-    for line in lines.splitlines():
-        text = line.strip()
-        if text.startswith("|-- "):
-            current = text[4:]
-        elif text.startswith("/32 host LOCAL") and current and not current.startswith("127."):
-            addresses[current] = None
-    try:
-        inet6 = read_regular(f"{base}/net/if_inet6", MAX_NET_BYTES).decode("ascii", "replace")
-    except OSError:
-        inet6 = ""
-    for line in inet6.splitlines():
-        digits = line.split()[0] if line.split() else ""
-        if len(digits) == 32:
-            ip = ipaddress.ip_address(int(digits, 16).to_bytes(16, "big"))
-            if not ip.is_loopback:
-                addresses[str(ip)] = None
-    return list(addresses)
-
-
-def _probe_host(
-    host: str, same_netns: bool, addresses: Sequence[str] | Callable[[], Sequence[str]]
-) -> tuple[str, bool, str]:
-    """(address to probe, reachable from here, why that address) for a server's listen host.
-
-    Only where the server is: loopback of our own namespace, or an address of the process's
-    network namespace (`addresses`, asked only when needed); never link-local or a metadata
-    service. An IPv4-mapped address is its IPv4 address, so `::ffff:127.0.0.1` is loopback.
-    """
-    local = addresses if not callable(addresses) else None
-
-    def namespace_addresses() -> Sequence[str]:
-        nonlocal local
-        if local is None:
-            local = addresses() if callable(addresses) else addresses
-        return local
-
-    try:
-        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(
-            "127.0.0.1" if host == "localhost" else host.strip("[]")
-        )
-    except ValueError:
-        ip = None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    loopback = "::1" if ip is not None and ip.version == 6 else "127.0.0.1"
-    if ip is not None and (ip.is_link_local or ip in _METADATA):
-        return str(ip), False, "a link-local or metadata address: never probed"
-    if ip is not None and ip.is_loopback:
-        if same_netns:
-            return str(ip), True, ""
-        return str(ip), False, "listens on loopback in its own network namespace: not reachable"
-    if ip is not None and not ip.is_unspecified:
-        if str(ip) in namespace_addresses():
-            return str(ip), True, ""
-        return str(ip), False, "not an address of the server's network namespace: not probed"
-    if same_netns:
-        why = "listens on every interface" if ip is not None else f"{host!r} is a host name"
-        return loopback, True, f"{why}: probed on loopback"
-    usable = [a for a in namespace_addresses() if not ipaddress.ip_address(a).is_link_local]
-    if usable:
-        return usable[0], True, "in its own network namespace: probed on that namespace's address"
-    return loopback, False, "in its own network namespace with no address reachable from here"
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _usable(path: str, what: str, refuse: _Refuser) -> bool | None:
-    """Whether the process may open `path` (True), it is missing (None), or refused (False)."""
-    try:
-        fd, _ = open_checked(path)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR) and not isinstance(exc, Refused):
-            return None
-        refuse.of(exc, what)
-        return False
-    os.close(fd)
-    return True
-
-
-def _weights(
-    recognised: Recognised, view: _View, environ: Mapping[str, str] | None, refuse: _Refuser
-) -> tuple[tuple[str, ...], list[Evidence]]:
-    """The weight paths a server loads, as paths this exporter can open, and why."""
-    model = recognised.model
-    if model is None:
-        return (), [Evidence("weights", "unknown", "no model argument")]
-    try:
-        path = view.host_path(model)
-    except OSError as exc:
-        refuse.of(exc, model)
-        return (), [Evidence("weights", "refused", _refusal(exc))]
-    usable = _usable(path, model, refuse) if path is not None else None
-    if usable is False:
-        return (), [Evidence("weights", "refused", "not readable with the process's rights")]
-    if path is not None and usable:
-        if recognised.command.model_is == "file":
-            return _gguf_parts(path, refuse), [Evidence("weights", path, "the model file")]
-        return (path,), [Evidence("weights", path, "local path")]
-    if recognised.command.model_is == "model" and _HUB_ID.match(model):
-        return _hub_snapshot(model, recognised, view, environ, refuse)
-    return (), [Evidence("weights", "not found", f"{model} does not exist (yet)")]
-
-
-def _refusal(exc: OSError) -> str:
-    return exc.reason.replace("_", " ") if isinstance(exc, Refused) else str(exc.strerror)
-
-
-def _gguf_parts(path: str, refuse: _Refuser) -> tuple[str, ...]:
-    """All files of a split GGUF (`x-00001-of-00003.gguf`); llama.cpp loads them together."""
-    split = _GGUF_SPLIT.match(path)
-    if not split:
-        return (path,)
-    stem, total = split.group(1), min(int(split.group(3)), MAX_SNAPSHOTS)
-    parts = (f"{stem}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1))
-    return tuple(p for p in parts if _usable(p, p, refuse))
-
-
-def _hub_snapshot(
-    repo_id: str,
-    recognised: Recognised,
-    view: _View,
-    environ: Mapping[str, str] | None,
-    refuse: _Refuser,
-) -> tuple[tuple[str, ...], list[Evidence]]:
-    """A hub id's snapshot in the process's own Hugging Face cache."""
-    env = environ or {}
-    caches: list[tuple[str, str]] = []
-    if recognised.hub_cache:
-        caches.append((recognised.hub_cache, "the server's cache directory argument"))
-    caches.extend((env[var], f"environment {var}") for var in _HUB_CACHE_VARS if env.get(var))
-    if env.get("HF_HOME"):
-        caches.append((f"{env['HF_HOME']}/hub", "environment HF_HOME"))
-    if env.get("XDG_CACHE_HOME"):
-        caches.append((f"{env['XDG_CACHE_HOME']}/huggingface/hub", "environment XDG_CACHE_HOME"))
-    if view.home:
-        caches.append((f"{view.home}/.cache/huggingface/hub", "default under the owner's home"))
-    folder = "models--" + repo_id.replace("/", "--")
-    for cache, source in caches:
-        try:
-            host = view.host_path(f"{cache}/{folder}")
-        except OSError as exc:
-            refuse.of(exc, cache)
-            continue
-        if host is None or not _usable(host, cache, refuse) or not os.path.isdir(host):
-            continue
-        snapshot, how = _revision_snapshot(host, recognised.revision, refuse)
-        if snapshot is not None:
-            return (snapshot,), [Evidence("weights", snapshot, f"hub cache from {source}; {how}")]
-    searched = ", ".join(cache for cache, _ in caches) or "no cache directory known"
-    return (), [Evidence("weights", "not found", f"hub id {repo_id} in none of: {searched}")]
-
-
-def _revision_snapshot(
-    repo: str, revision: str | None, refuse: Callable[[str, str, str], None] | None = None
-) -> tuple[str | None, str]:
-    """The snapshot a revision names (refs/<revision>, default main), as huggingface_hub does.
-
-    refs/<revision> must be a small regular file: a FIFO or /dev/zero there is refused.
-    """
-    rev = revision or "main"
-    commit: str | None = rev if _COMMIT.match(rev) else None
-    if commit is None and "/" not in rev and rev not in (".", ".."):
-        try:
-            text = read_regular(f"{repo}/refs/{rev}", MAX_REF_BYTES).decode("ascii").strip()
-            commit = text if _COMMIT.match(text) else None
-        except Refused as exc:
-            if refuse is not None:
-                refuse(exc.reason, f"{repo}/refs/{rev}", str(exc))
-        except (OSError, UnicodeDecodeError):
-            commit = None
-    if commit and os.path.isdir(f"{repo}/snapshots/{commit}"):
-        return f"{repo}/snapshots/{commit}", f"refs/{rev} -> {commit}"
-    snapshots: list[tuple[float, str]] = []
-    try:
-        with os.scandir(f"{repo}/snapshots") as entries:
-            for entry in entries:
-                if len(snapshots) >= MAX_SNAPSHOTS:
-                    break
-                if entry.is_dir():
-                    snapshots.append((entry.stat().st_mtime, entry.path))
-    except OSError:
-        return None, "no snapshots"
-    if not snapshots:
-        return None, "no snapshots"
-    newest = max(snapshots)[1]
-    return newest, f"refs/{rev} missing: newest of {len(snapshots)} snapshot(s)"

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.found import DiscoveredServer
 from exporter.exposition import api, liveness
 from exporter.history.startupwindow import StartupAdvice
 from exporter.load.records import LoadRecord, TargetState

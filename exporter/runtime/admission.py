@@ -30,14 +30,14 @@ from typing import Protocol
 from urllib.parse import quote
 
 from exporter.config.schema import Config, ProcessConfig, TargetConfig
-from exporter.discovery.refusals import Refusals
-from exporter.discovery.scan import (
+from exporter.discovery.found import (
     DiscoveredServer,
-    Discoverer,
     endpoint_config,
     model_target_name,
     weights_config,
 )
+from exporter.discovery.refusals import Refusals
+from exporter.discovery.scan import Discoverer
 from exporter.discovery.serverargs import Evidence
 from exporter.runtime.target import TargetRuntime
 from exporter.runtime.targetnames import TargetNames, uid_of, who

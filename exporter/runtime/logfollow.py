@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exporter.config.schema import LogConfig
-from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.found import DiscoveredServer
 from exporter.logs.find import LogFinding, find_log, find_routed_log
 from exporter.runtime.sampler import Reading
 from exporter.servers import SERVERS

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from exporter.config.schema import MetricsConfig, TargetConfig
-from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.found import DiscoveredServer
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import HistogramCounts
 from exporter.history.targethistory import TargetHistory

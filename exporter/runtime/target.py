@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from exporter.config.schema import TargetConfig
-from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.found import DiscoveredServer
 from exporter.history.explain import Counters
 from exporter.history.targethistory import TargetHistory
 from exporter.load.records import TargetState

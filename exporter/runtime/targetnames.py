@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from exporter.discovery.scan import DiscoveredServer
+from exporter.discovery.found import DiscoveredServer
 
 # uids up to this are the system's (systemd's and the distributions' SYS_UID_MAX, 999): its
 # services' servers, like root's, are no local user's to crowd out or take over.

@@ -26,8 +26,9 @@ from typing import Any
 
 from exporter import __version__
 from exporter.config.schema import Config, TargetConfig
+from exporter.discovery.found import DiscoveredServer
 from exporter.discovery.refusals import Refusals
-from exporter.discovery.scan import DiscoveredServer, Discoverer
+from exporter.discovery.scan import Discoverer
 from exporter.history.explain import baseline, report, storage_reads
 from exporter.history.forecast import Environment, Forecast, forecast
 from exporter.history.histograms import Histograms
