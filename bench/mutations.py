@@ -61,7 +61,7 @@ MUTATIONS = (
              "bisect.bisect_left(", "bisect.bisect_right("),
     Mutation("every load into +Inf", "exporter/history/histograms.py",
              "counts[bisect.bisect_left(self.buckets, value)] += 1", "counts[-1] += 1"),
-    Mutation("partial loads observed into the histograms", "exporter/runtime/wiring.py",
+    Mutation("partial loads observed into the histograms", "exporter/runtime/filing.py",
              "        if not record.partial:\n", "        if True:\n"),
     Mutation("NVMLLibraryMismatchError not handled per call", "exporter/sources/gpu.py",
              'mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)', "mismatch = None"),

@@ -76,8 +76,9 @@ class Passes:
 
 
 class Wiring:
-    """admission.Wiring as the runtime implements it, minus the sampler: real trackers, probers
-    and process finders; what was wired and unwired is kept for the tests to read."""
+    """admission.Wiring and Filed as the runtime implements them, minus the sampler: real
+    trackers, probers and process finders; what was wired and unwired is kept for the tests to
+    read."""
 
     def __init__(self) -> None:
         self.runtimes: dict[str, TargetRuntime] = {}
@@ -158,6 +159,7 @@ class Setup:
         self.refusals = Refusals()
         self.admission = Admission(
             config,
+            self.wiring,
             self.wiring,
             discoverer=self.passes,  # type: ignore[arg-type]  # discovery's output, pass by pass
             refusals=self.refusals,

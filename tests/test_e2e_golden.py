@@ -32,8 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config.reader import parse_config
 from exporter.exposition.http.app import HttpServer, WebApp
+from exporter.runtime.reactions import TRACKER_LOOP
 from exporter.runtime.sampler import Sampler
-from exporter.runtime.wiring import TRACKER_LOOP, Runtime
+from exporter.runtime.wiring import Runtime
 from exporter.storage.cachectl import evict
 
 FIXTURE = Path(__file__).with_name("fixtures") / "e2e"

@@ -659,7 +659,7 @@ def test_12_a_hung_ready_server_stays_ready_with_endpoint_down_and_is_logged_onc
         )  # fmt: skip
         settled_ready(running.url, "m")
         caplog.clear()
-        caplog.set_level(logging.INFO, logger="exporter.runtime.wiring")
+        caplog.set_level(logging.INFO, logger="exporter.runtime.reactions")
         model_server.mode = "hang"
         wait_for(lambda: any("hung?" in r.getMessage() for r in caplog.records), timeout=15)
         text = running.metrics()

@@ -31,8 +31,9 @@ from helpers.support import free_port, wait_for
 from helpers.users import NOBODY, SETPRIV
 
 from exporter.config.reader import parse_config
+from exporter.runtime.reactions import TRACKER_LOOP
 from exporter.runtime.sampler import Sampler
-from exporter.runtime.wiring import TRACKER_LOOP, Runtime
+from exporter.runtime.wiring import Runtime
 from exporter.sources import ENVIRONMENT
 from exporter.sources.environment import EnvironmentSample
 from exporter.sources.process import process_start_time

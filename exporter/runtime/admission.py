@@ -67,6 +67,10 @@ class Wiring(Protocol):
         """The processes a target's tree holds now (none known: empty)."""
         ...
 
+
+class Filed(Protocol):
+    """What admission asks of the runtime's filing of finished loads."""
+
     def read_histories(self) -> None:
         """Read what history says of every target afresh (one was added)."""
         ...
@@ -92,6 +96,7 @@ class Admission:
         self,
         config: Config,
         wiring: Wiring,
+        filed: Filed,
         *,
         discoverer: Discoverer | None,
         refusals: Refusals,
@@ -105,6 +110,7 @@ class Admission:
         self.targets: dict[str, TargetRuntime] = {}
         self.discoverer = discoverer
         self._wiring = wiring
+        self._filed = filed
         self._refusals = refusals
         self._clock = clock
         self._lock = lock
@@ -113,7 +119,7 @@ class Admission:
             config.discovery.max_targets,
             clock=clock,
             own_uid=os.geteuid() if own_uid is None else own_uid,
-            past_owner=wiring.past_owner,
+            past_owner=filed.past_owner,
         )
         # With configured targets, discovery waits a tick: their process trees say which
         # servers they already watch.
@@ -226,7 +232,7 @@ class Admission:
                 log.info("target %s: discovered %s server, pid %d", claim.config.name,
                          server.kind, server.pid)  # fmt: skip
                 self.add(claim.config, server)
-                self._wiring.read_histories()
+                self._filed.read_histories()
             else:
                 runtime.gone_since = None
                 if runtime.discovered != server:

@@ -19,8 +19,7 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Any
 
@@ -29,28 +28,22 @@ from exporter.config.schema import Config, TargetConfig
 from exporter.discovery.found import DiscoveredServer
 from exporter.discovery.refusals import Refusals
 from exporter.discovery.scan import Discoverer
-from exporter.history.explain import baseline, report, storage_reads
-from exporter.history.forecast import Environment, Forecast, forecast
-from exporter.history.histograms import Histograms
 from exporter.history.store import HistoryStore
-from exporter.history.targethistory import TargetHistory, read_history
 from exporter.load.records import LoadRecord, TargetState
 from exporter.load.tracker import Scope, Tracker
 from exporter.runtime.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.runtime.exitwatch import ExitWatch
+from exporter.runtime.filing import Filing, _forecast
 from exporter.runtime.logfollow import TargetLog, read_every_interval
 from exporter.runtime.observe import (
-    Marked,
     TargetReadings,
     bytes_read_under,
     counters_before,
-    files_news,
-    log_is_news,
     observe,
-    probe_is_news,
     read_counters,
 )
 from exporter.runtime.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
+from exporter.runtime.reactions import DISCOVERY_LOOP, TRACKER_LOOP, Reactions
 from exporter.runtime.sampler import Reading, Sampler
 from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.runtime.target import TargetRuntime
@@ -70,35 +63,28 @@ from exporter.sources import (
     host_sources,
 )
 from exporter.sources.disk import DISK, DiskSample
-from exporter.sources.endpoint import EndpointProber, ProbeSample
+from exporter.sources.endpoint import EndpointProber
 from exporter.sources.environment import REFRESH_SECONDS as ENVIRONMENT_REFRESH_SECONDS
 from exporter.sources.environment import EnvironmentSource
 from exporter.sources.gpu import NvmlSource, mark_pcie
-from exporter.sources.logs import LogSample
-from exporter.sources.memory import MemorySample, MemorySource
+from exporter.sources.memory import MemorySource
 from exporter.sources.netfs import NETFS
 from exporter.sources.nvml_pids import NvmlPidCheck
-from exporter.sources.process import ProcessFinder, ProcessSample
+from exporter.sources.process import ProcessFinder
 from exporter.sources.residency import (
     QUIET_REFRESH_SECONDS,
     SERVING_REFRESH_SECONDS,
-    ResidencySample,
     ResidencySource,
 )
 from exporter.sources.storage import WeightStorage
-from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
+from exporter.sources.weightfiles import WeightFilesSource
 from exporter.sources.zfs import ZFS
 from exporter.trust.asprocess import Actor, OnBehalf
 from exporter.trust.safeio import Refused
 from exporter.trust.untrusted import clean
-from exporter.vocabulary import IN_PROGRESS, Cache, ProbeResult
+from exporter.vocabulary import ProbeResult
 
 log = logging.getLogger(__name__)
-
-TRACKER_LOOP = "tracker"
-DISCOVERY_LOOP = "discovery"
-# A tick earlier than the previous one by more than this is a wall-clock step, not jitter.
-CLOCK_STEP_SECONDS = 1.0
 
 
 class Runtime:
@@ -129,11 +115,8 @@ class Runtime:
         self.history = HistoryStore(config.history_path, retention=config.history_retention)
         self.refusals = Refusals()
         self.actor = Actor()  # the threads that touch discovered processes' files
-        self.load_durations = Histograms()
-        self.phase_durations = Histograms()
         self._lock = threading.Lock()
         self._ticked = threading.Event()
-        self._last_tick: float | None = None
         self._sys_root = sys_root
         self.host = Host(proc_root, sys_root)
         # Started before any target is wired: wiring tells the host's sources of its weights.
@@ -151,13 +134,18 @@ class Runtime:
             if config.discovery.active(bool(config.targets))
             else None
         )
+        self.filing = Filing(self.history, self._lock, lambda: self.targets)
         self.admission = Admission(
             config,
             self,
+            self.filing,
             discoverer=discoverer,
             refusals=self.refusals,
             clock=clock,
             lock=self._lock,
+        )
+        self.reactions = Reactions(
+            self.sampler, self.exits, self.admission, self._lock, self._tracker
         )
         for target in config.targets:
             self.admission.add(target)
@@ -167,7 +155,7 @@ class Runtime:
             "",
             MemorySource(proc_root).sample,
             every=lambda: self.pacing.memory(self._failing(MEMORY, "")),
-            after=self._after_memory,
+            after=self.reactions._after_memory,
         )
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
         self.sampler.add(NVML, "", self.nvml.sample, every=self.pacing.loop)
@@ -176,7 +164,7 @@ class Runtime:
             self.sampler.add_loop(
                 DISCOVERY_LOOP, self.admission.discover, every=self.admission.wait
             )
-        self.read_histories()
+        self.filing.read_histories()
 
     @property
     def targets(self) -> dict[str, TargetRuntime]:
@@ -253,7 +241,7 @@ class Runtime:
             target.name,
             runtime.prober.sample,
             every=lambda: runtime.cadence.delay(self._probe_result(target.name)),
-            after=lambda reading: self._after_probe(runtime, reading),
+            after=lambda reading: self.reactions._after_probe(runtime, reading),
         )
         if runtime.watched_pid is not None:  # another process from now on
             self.exits.forget(runtime.watched_pid)
@@ -265,7 +253,7 @@ class Runtime:
                 target.name,
                 runtime.finder.sample,
                 every=self._pace_of(PROCESS, runtime),
-                after=lambda reading: self._after_process(runtime, reading),
+                after=lambda reading: self.reactions._after_process(runtime, reading),
             )
         else:
             self.sampler.discard(PROCESS, target.name)
@@ -275,7 +263,7 @@ class Runtime:
                 target.name,
                 runtime.residency.sample,
                 every=self._pace_of(PAGECACHE, runtime),
-                after=lambda reading: self._after_residency(runtime, reading),
+                after=lambda reading: self.reactions._after_residency(runtime, reading),
             )
         else:
             self.sampler.discard(PAGECACHE, target.name)
@@ -304,7 +292,7 @@ class Runtime:
                 name,
                 files.sample,
                 every=self._files_pace(runtime),
-                after=lambda reading: self._after_files(runtime, reading),
+                after=lambda reading: self.reactions._after_files(runtime, reading),
             )
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
@@ -357,8 +345,8 @@ class Runtime:
         runtime.prober.close()
         self.sampler.remove(name)
         self.host.watch(name, None)
-        self.load_durations.forget(name)
-        self.phase_durations.forget(name)
+        self.filing.load_durations.forget(name)
+        self.filing.phase_durations.forget(name)
         if runtime.watched_pid is not None:
             self.exits.forget(runtime.watched_pid)
         runtime.log.close()
@@ -368,10 +356,6 @@ class Runtime:
         """The processes a target's tree holds now, as its last process sample found them."""
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
-
-    def past_owner(self, name: str) -> int | None:
-        """The user whose load history filed last under `name`."""
-        return self.history.owner(name)
 
     def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
         return Tracker(
@@ -406,7 +390,7 @@ class Runtime:
     def tick(self) -> None:
         """Feed every tracker one observation and file the loads that finished."""
         now = self._clock()
-        self._note_clock_step(now)
+        self.reactions._note_clock_step(now)
         self.history.retry()  # loads a full disk could not take yet
         disk = self.sampler.value(DISK)
         with self._lock:
@@ -432,8 +416,8 @@ class Runtime:
                     "target %s: the server unloaded model %s", runtime.config.name, clean(model)
                 )
             if record is not None:
-                runtime.tracker.reported(self._finish(runtime, record, reads))
-                self._measure_now(runtime)  # what the next restart would find
+                runtime.tracker.reported(self.filing._finish(runtime, record, reads))
+                self.reactions._measure_now(runtime)  # what the next restart would find
             state = runtime.tracker.state(now)
             if state.in_progress and state.started_at != runtime.started_at:
                 # A new load: its cache temperature needs a residency pass now, not when the
@@ -441,7 +425,7 @@ class Runtime:
                 runtime.started_at = state.started_at
                 runtime.pcie_at_start = {}
                 runtime.reads_at_start = counters_before(runtime.reads_seen, state)
-                self._measure_now(runtime)
+                self.reactions._measure_now(runtime)
                 self._files_afresh(runtime, state)
             gpus = self.sampler.latest(NVML)
             if state.in_progress and gpus is not None:  # each GPU's first counter in the load
@@ -450,7 +434,7 @@ class Runtime:
                 )
             if runtime.cadence.set_phase(state.phase, state.in_server and state.in_progress):
                 moved = True
-            self._note_hung(runtime, state)
+            self.reactions._note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
         if self.pacing.note((runtime.settled for runtime in runtimes), moved):
@@ -497,140 +481,9 @@ class Runtime:
 
         return pace
 
-    def _after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
-        """Watch the exit of the server's root process, and tell the tracker when it changed."""
-        process = reading.good
-        root = process.root_pid if process is not None and process.found else None
-        runtime.log.process_seen(process)
-        if root == runtime.watched_pid:
-            return
-        if runtime.watched_pid is not None:
-            self.exits.forget(runtime.watched_pid)
-            self.sampler.sample_soon(LOGS, runtime.config.name)  # its last lines say why
-            self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
-            if runtime.discovered is not None and self.admission.discoverer is not None:
-                # Its restart may be up before the next pass is due: look for it now.
-                self.admission.look_now()
-                self.sampler.run_soon(DISCOVERY_LOOP)
-        name = runtime.config.name
-        watched = root is not None and self.exits.watch(
-            root, lambda: self.sampler.sample_soon(PROCESS, name)
-        )
-        runtime.watched_pid = root if watched else None
-
-    def _note_clock_step(self, now: float) -> None:
-        """A wall clock stepped back (NTP, a VM resumed): start tracking afresh.
-
-        Trackers ignore observations older than their last one, so after a step back of an hour
-        they would freeze for that hour. Fresh trackers pick loads in progress up again from the
-        process start time, exactly as after an exporter restart.
-        """
-        last, self._last_tick = self._last_tick, now
-        if last is None or now >= last - CLOCK_STEP_SECONDS:
-            return
-        log.warning(
-            "wall clock stepped back by %.1fs: load tracking restarts, as after an exporter "
-            "restart",
-            last - now,
-        )
-        for runtime in self.targets.values():
-            runtime.tracker = self._tracker(runtime.config, runtime.discovered)
-            runtime.started_at = None
-
-    def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
-        """A weight file first opened, every one let go, or every byte consumed (an mmap loader
-        keeps its map): the phase moves, so tick now, not up to an interval later (a server
-        whose start-up ends just after its weights, llama.cpp's, is ready by then and would be
-        seen an interval late); and when they are let go, measure residency now, which says
-        whether the files were read whole (those opened and closed between two looks too)."""
-        files = reading.good
-        if files is None:
-            return
-        news = files_news(files)
-        if news == runtime.files_news:
-            return
-        runtime.files_news = news
-        if files.idle_since is not None:
-            self._measure_now(runtime)
-        self.sampler.run_soon(TRACKER_LOOP)
-
-    def _measure_now(self, runtime: TargetRuntime) -> None:
-        """A residency pass now, whatever the CPU budget says: a load began (its cache
-        temperature), its files were let go (read whole?) or it ended (the serving residency,
-        else stale until the serving refresh, minutes away)."""
-        if runtime.residency is not None:
-            runtime.residency.request_full_pass()
-            self.sampler.sample_soon(PAGECACHE, runtime.config.name)
-
-    def _after_memory(self, reading: Reading[MemorySample]) -> None:
-        """Pages left the host's page cache: a target's weights may be among them, so measure
-        its residency now, not at its next refresh (minutes while it serves)."""
-        memory = reading.good
-        if memory is None:
-            return
-        with self._lock:
-            runtimes = list(self.targets.values())
-        for runtime in runtimes:
-            residency = runtime.residency
-            if residency is not None and residency.note_departures(
-                memory.page_cache_departed_bytes
-            ):
-                self.sampler.sample_soon(PAGECACHE, runtime.config.name)
-            environment = runtime.environment
-            if environment is not None and environment.note_departures(
-                memory.page_cache_departed_bytes
-            ):
-                self.sampler.sample_soon(ENVIRONMENT, runtime.config.name)
-
-    def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
-        """A fresh pass during a load may say the weights are in: tick now (passes are rare).
-        A settled target's pass changes no phase, and the restart forecast is made from the
-        latest pass at each snapshot: no tick (evictions while serving bring passes often)."""
-        sample = reading.good
-        if sample is None or sample.measured_at == runtime.residency_seen:
-            return
-        runtime.residency_seen = sample.measured_at
-        if not runtime.settled:
-            self.sampler.run_soon(TRACKER_LOOP)
-
-    def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
-        """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:
-        the first ready answer of a load in progress ends it at that answer; between loads,
-        every failed answer (each counts towards a hung server or an endpoint-only load) and
-        the first good one after them."""
-        value = reading.good
-        result = value.result if value is not None else None
-        last, runtime.last_result = runtime.last_result, result
-        if probe_is_news(result, last, runtime.cadence.phase in IN_PROGRESS):
-            if result is ProbeResult.READY and runtime.log.source is not None:
-                self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
-            self.sampler.run_soon(TRACKER_LOOP)
-
     def _probe_result(self, name: str) -> ProbeResult | None:
         probe = self.sampler.value(ENDPOINT, name)
         return probe.result if probe is not None else None
-
-    def _note_hung(self, runtime: TargetRuntime, state: TargetState) -> None:
-        """Log once when the tracker calls a ready server hung (its process runs on, its
-        endpoint stopped answering), and once when it answers again."""
-        if state.hung == runtime.hung:
-            return
-        runtime.hung = state.hung
-        name = runtime.config.name
-        if not state.hung:
-            log.info("target %s: the endpoint answers again", name)
-            return
-        probe = self.sampler.latest(ENDPOINT, name)
-        value = probe.good if probe is not None else None
-        process = self.sampler.value(PROCESS, name)
-        log.warning(
-            "target %s: the server process (pid %s) keeps running but its endpoint stopped "
-            "answering (%s, %d probes in a row): hung? phase stays ready, endpoint_up is 0",
-            name,
-            process.root_pid if process is not None else "?",
-            value.detail if value is not None else probe.error if probe is not None else "?",
-            state.failed_probes,
-        )
 
     def _follow_log(self, runtime: TargetRuntime, now: float) -> None:
         """Sample the log exporter/logs/follow.py says the target follows now."""
@@ -651,7 +504,7 @@ class Runtime:
                 name,
                 switch.opened.sample,
                 every=self._log_pace(runtime),
-                after=lambda reading: self._after_log(runtime, reading),
+                after=lambda reading: self.reactions._after_log(runtime, reading),
             )
 
     def _log_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
@@ -663,14 +516,6 @@ class Runtime:
             return self.pacing.source(runtime.settled and not every, self._failing(LOGS, name))
 
         return pace
-
-    def _after_log(self, runtime: TargetRuntime, reading: Reading[LogSample]) -> None:
-        """Tick now when the log has news the tracker acts on: a load that answered ready waits
-        for a read of the log after the answer (it dates a short load's phases); between loads,
-        a line may begin a load inside the running server, or say it unloaded a model."""
-        in_progress = runtime.cadence.phase in IN_PROGRESS
-        if log_is_news(reading.good, runtime.log.seq, in_progress, runtime.last_result):
-            self.sampler.run_soon(TRACKER_LOOP)
 
     def _readings(self, runtime: TargetRuntime, disk: DiskSample | None) -> TargetReadings:
         """The latest readings of one target's sources, for the tick's observation."""
@@ -692,50 +537,6 @@ class Runtime:
             storage=self.sampler.value(STORAGE, name),
             log_seq=runtime.log.seq,
         )
-
-    def _finish(
-        self, runtime: TargetRuntime, record: LoadRecord, reads: Marked | None
-    ) -> LoadRecord:
-        """File a finished load with its report, built against history before it."""
-        during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
-        base = baseline(self.history, record.target, record.cache)
-        if runtime.discovered is not None:  # filed as its user's (exporter/runtime/targetnames.py)
-            record = replace(record, owner=uid_of(runtime.discovered))
-        record, unknown = _environment_at_start(runtime.environment, record)
-        record = replace(record, report=report(record, base, during, unknown))
-        log.info(
-            "target %s: load %s after %.1fs (cache=%s%s)%s",
-            record.target,
-            record.outcome,
-            record.duration_seconds,
-            record.cache or Cache.UNKNOWN,
-            ", partial" if record.partial else "",
-            f": {record.fatal}" if record.fatal else "",
-        )
-        if record.report is not None and record.report.reason is not None:
-            log.info("target %s: slower than expected: %s", record.target, record.report.reason)
-        self.history.add(record)
-        if not record.partial:
-            cache = record.cache or Cache.UNKNOWN
-            self.load_durations.observe(
-                (record.target, cache, record.outcome), record.duration_seconds
-            )
-            for phase, seconds in record.phase_seconds.items():
-                self.phase_durations.observe((record.target, phase), seconds)
-        self.read_histories()
-        reason = record.report.reason if record.report is not None else None
-        with self._lock:  # this load's, whether or not history could keep it
-            runtime.past = replace(runtime.past, slower=reason)
-        return record
-
-    def read_histories(self) -> None:
-        """Read history once per finished load (or new target), not once per scrape."""
-        with self._lock:
-            runtimes = list(self.targets.values())
-        past = [read_history(self.history, runtime.config.name) for runtime in runtimes]
-        with self._lock:
-            for runtime, view in zip(runtimes, past, strict=True):
-                runtime.past = view
 
     def snapshot(self) -> Snapshot:
         host: dict[str, Reading[Any]] = {}
@@ -765,8 +566,8 @@ class Runtime:
                 build={"version": __version__, "python_version": platform.python_version()},
                 host=host,
                 targets=views,
-                load_durations=self.load_durations.snapshot(),
-                phase_durations=self.phase_durations.snapshot(),
+                load_durations=self.filing.load_durations.snapshot(),
+                phase_durations=self.filing.phase_durations.snapshot(),
                 history_enabled=self.history.enabled,
                 history_problem=self.history.problem or self.history.write_problem,
                 config_reload_successful=self.reload_successful,
@@ -780,48 +581,6 @@ class Runtime:
 
     def load(self, load_id: int) -> LoadRecord | None:
         return self.history.load(load_id)
-
-
-def _forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Forecast:
-    """A restart begun now, from the residency the snapshot shows and what past loads
-    measured."""
-    reading = readings.get(PAGECACHE.name)
-    residency = reading.good if reading is not None else None
-    env_reading = readings.get(ENVIRONMENT.name)
-    env = env_reading.good if env_reading is not None else None
-    environment = (
-        Environment(env.warm_bytes, min(env.resident_bytes, env.warm_bytes))
-        if env is not None and env.resident_bytes is not None and env.warm_bytes is not None
-        else None
-    )
-    if residency is None:
-        return forecast(past.rates, None, None, environment)
-    return forecast(past.rates, residency.total_bytes, residency.resident_bytes, environment)
-
-
-def _environment_at_start(
-    environment: EnvironmentSource | None, record: LoadRecord
-) -> tuple[LoadRecord, str | None]:
-    """The load with its environment's residency as it began (the last pass before its start),
-    or as it was and why that is not known."""
-    if environment is None:
-        return record, "no server process is matched: its files cannot be seen"
-    if record.partial:
-        return record, "its start is not known"
-    if record.seen_late:
-        return record, "the exporter started after the server: nothing was measured before"
-    found = environment.before(record.started_at)
-    if found is None or found.resident_bytes is None or found.warm_bytes is None:
-        why = found.reason if found is not None else None
-        return record, why or (
-            "no measurement before its start: its files are learned from the server's own "
-            "mappings, at its first load"
-        )
-    return replace(
-        record,
-        environment_bytes=found.warm_bytes,
-        environment_resident_bytes=min(found.resident_bytes, found.warm_bytes),
-    ), None
 
 
 def _scope(target: TargetConfig, found: DiscoveredServer | None) -> Scope:
