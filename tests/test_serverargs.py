@@ -17,7 +17,7 @@ from helpers.require import require
 from exporter.config.reader import parse_config
 from exporter.config.values import ConfigError
 from exporter.discovery.found import target_name
-from exporter.discovery.probehost import _local_addresses, _probe_host, _url_host
+from exporter.discovery.probehost import local_addresses, probe_host, url_host
 from exporter.discovery.serverargs import SECRET, find_launch, recognise
 from exporter.discovery.weights import _revision_snapshot
 
@@ -235,11 +235,11 @@ def test_an_invalid_name_would_be_refused_by_the_config() -> None:
 def test_probe_host(
     host: str, same_netns: bool, addresses: list[str], probed: str, reachable: bool
 ) -> None:
-    assert _probe_host(host, same_netns, addresses)[:2] == (probed, reachable)
+    assert probe_host(host, same_netns, addresses)[:2] == (probed, reachable)
 
 
 def test_ipv6_hosts_are_bracketed_in_urls() -> None:
-    assert _url_host("::1") == "[::1]" and _url_host("127.0.0.1") == "127.0.0.1"
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
 
 
 @pytest.mark.system
@@ -248,7 +248,7 @@ def test_local_addresses_match_ip_addr() -> None:
     out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True)
     expected = {line.split()[3].split("/")[0] for line in out.stdout.splitlines()}
     expected = {a for a in expected if not a.startswith("127.") and a != "::1"}
-    assert set(_local_addresses(f"/proc/{os.getpid()}")) == expected
+    assert set(local_addresses(f"/proc/{os.getpid()}")) == expected
 
 
 def _repo(tmp_path: Path, *commits: str) -> Path:

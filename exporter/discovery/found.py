@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from exporter.config.schema import EndpointConfig, WeightsConfig
 from exporter.discovery.serverargs import Evidence
-from exporter.discovery.weights import _GGUF_SPLIT
+from exporter.discovery.weights import GGUF_SPLIT
 from exporter.trust.asprocess import Rights
 from exporter.vocabulary import ProbeKind
 
@@ -92,7 +92,7 @@ def _model_label(model: str) -> str:
     text = model.rstrip("/")
     snapshot = _SNAPSHOT_PATH.search(text)
     base = snapshot.group(1) if snapshot else text.rsplit("/", 1)[-1]
-    split = _GGUF_SPLIT.match(base)
+    split = GGUF_SPLIT.match(base)
     if split:
         base = split.group(1)
     elif base.endswith(".gguf"):

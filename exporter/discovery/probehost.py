@@ -17,7 +17,7 @@ _METADATA = frozenset(
 )
 
 
-def _local_addresses(base: str) -> list[str]:
+def local_addresses(base: str) -> list[str]:
     """The addresses local to a process's network namespace, loopback excluded: IPv4 from
     fib_trie, IPv6 from if_inet6."""
     addresses: dict[str, None] = {}  # ordered, each once (Main and Local tables repeat them)
@@ -45,7 +45,7 @@ def _local_addresses(base: str) -> list[str]:
     return list(addresses)
 
 
-def _probe_host(
+def probe_host(
     host: str, same_netns: bool, addresses: Sequence[str] | Callable[[], Sequence[str]]
 ) -> tuple[str, bool, str]:
     """(address to probe, reachable from here, why that address) for a server's listen host.
@@ -90,5 +90,5 @@ def _probe_host(
     return loopback, False, "in its own network namespace with no address reachable from here"
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host

@@ -69,7 +69,7 @@ class Refusals:
 
 
 @dataclass(frozen=True)
-class _Refuser:
+class Refuser:
     """Notes refusals about one process (from the actor's thread too: Refusals is thread-safe)."""
 
     refusals: Refusals

@@ -38,17 +38,17 @@ from urllib.parse import quote
 
 from exporter.config.schema import DISCOVERY_SERVERS
 from exporter.discovery.found import DiscoveredServer, model_target_name, target_name
-from exporter.discovery.probehost import _local_addresses, _probe_host, _url_host
-from exporter.discovery.refusals import Refusals, _Refuser
+from exporter.discovery.probehost import local_addresses, probe_host, url_host
+from exporter.discovery.refusals import Refusals, Refuser
 from exporter.discovery.serverargs import Evidence, Recognised, find_launch, recognise
 from exporter.discovery.view import (
-    _passwd_home,
-    _read_config,
-    _read_environ,
-    _same_namespace,
-    _View,
+    ProcessView,
+    passwd_home,
+    read_environ,
+    read_server_config,
+    same_namespace,
 )
-from exporter.discovery.weights import _repository_models, _weights
+from exporter.discovery.weights import repository_models, weights_of
 from exporter.servers.server import Role
 from exporter.sources.process import boot_time, read_stat
 from exporter.trust.asprocess import Actor, Borrowed, Rights, RightsError, rights_of
@@ -215,9 +215,9 @@ class Discoverer:
             self.refusals.note("user", key, "pid %d: uid %d is not in discovery.users",
                                pid, rights.uid)  # fmt: skip
             return None
-        environ = _read_environ(base)
-        view = _View.of(self._proc_root, pid, environ)
-        refuse = _Refuser(self.refusals, key)
+        environ = read_environ(base)
+        view = ProcessView.of(self._proc_root, pid, environ)
+        refuse = Refuser(self.refusals, key)
         try:
             recognised, weights, weight_evidence, models = self._actor.call(
                 rights, lambda: _on_behalf(argv, environ, view, self._kinds, refuse)
@@ -233,9 +233,9 @@ class Discoverer:
         if environ is None:
             evidence.append(Evidence("environment", "unreadable", f"{base}/environ"))
         evidence.extend(view.evidence)
-        same_netns = _same_namespace(self._proc_root, pid, "net")
-        host, reachable, note = _probe_host(
-            recognised.host, same_netns is not False, lambda: _local_addresses(base)
+        same_netns = same_namespace(self._proc_root, pid, "net")
+        host, reachable, note = probe_host(
+            recognised.host, same_netns is not False, lambda: local_addresses(base)
         )
         if note:
             evidence.append(Evidence("probe host", host, note))
@@ -268,7 +268,7 @@ class Discoverer:
             pid=pid,
             start_ticks=start_ticks,
             start_time=self._start_time(start_ticks),
-            url=f"http://{_url_host(host)}:{recognised.port}",
+            url=f"http://{url_host(host)}:{recognised.port}",
             probe=command.probe,
             probe_path=probe_path,
             model=clean(model) if model is not None else None,
@@ -308,21 +308,21 @@ _HEADER_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 def _on_behalf(
     argv: tuple[str, ...],
     environ: Mapping[str, str] | None,
-    view: _View,
+    view: ProcessView,
     kinds: Sequence[str],
-    refuse: _Refuser,
+    refuse: Refuser,
 ) -> tuple[Recognised | None, tuple[str, ...], list[Evidence], tuple[str, ...]]:
     """What needs the process's files: its config, home, weights, and the models of a model
     repository. Runs with its rights."""
-    view = replace(view, home=(environ or {}).get("HOME") or _passwd_home(view, refuse))
+    view = replace(view, home=(environ or {}).get("HOME") or passwd_home(view, refuse))
     recognised = recognise(
-        argv, environ, kinds, read_config=lambda path: _read_config(view, path, refuse)
+        argv, environ, kinds, read_config=lambda path: read_server_config(view, path, refuse)
     )
     if recognised is None:
         return None, (), [], ()
-    weights, evidence = _weights(recognised, view, environ, refuse)
+    weights, evidence = weights_of(recognised, view, environ, refuse)
     repository = recognised.command.model_is == "repository"
-    models = _repository_models(weights[0]) if repository and len(weights) == 1 else ()
+    models = repository_models(weights[0]) if repository and len(weights) == 1 else ()
     return recognised, weights, evidence, models
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from exporter.discovery.refusals import _Refuser
+from exporter.discovery.refusals import Refuser
 from exporter.discovery.serverargs import Evidence
 from exporter.trust.safeio import Refused, pseudo_path, read_regular, resolve_in_root
 
@@ -23,7 +23,7 @@ MAX_PASSWD_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
-class _View:
+class ProcessView:
     """Paths as one process sees them, turned into paths this exporter can open."""
 
     prefix: str  # "" or /proc/PID/root when the process has another root or mount namespace
@@ -33,9 +33,9 @@ class _View:
     uid: int | None = None
 
     @classmethod
-    def of(cls, proc_root: str, pid: int, environ: Mapping[str, str] | None) -> _View:
+    def of(cls, proc_root: str, pid: int, environ: Mapping[str, str] | None) -> ProcessView:
         base = f"{proc_root}/{pid}"
-        same_mounts = _same_namespace(proc_root, pid, "mnt")
+        same_mounts = same_namespace(proc_root, pid, "mnt")
         evidence: list[Evidence] = []
         prefix = ""
         if same_mounts is False or not _same_root(proc_root, pid):
@@ -71,7 +71,7 @@ class _View:
         return resolved
 
 
-def _same_namespace(proc_root: str, pid: int, kind: str) -> bool | None:
+def same_namespace(proc_root: str, pid: int, kind: str) -> bool | None:
     try:
         theirs = os.readlink(f"{proc_root}/{pid}/ns/{kind}")
         ours = os.readlink(f"{proc_root}/self/ns/{kind}")
@@ -89,7 +89,7 @@ def _same_root(proc_root: str, pid: int) -> bool:
     return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
 
-def _passwd_home(view: _View, refuse: _Refuser) -> str | None:
+def passwd_home(view: ProcessView, refuse: Refuser) -> str | None:
     """The process owner's home from the passwd file the process itself sees."""
     if view.uid is None:
         return None
@@ -105,7 +105,7 @@ def _passwd_home(view: _View, refuse: _Refuser) -> str | None:
     return None
 
 
-def _read_environ(base: str) -> dict[str, str] | None:
+def read_environ(base: str) -> dict[str, str] | None:
     """The process's initial environment; None when we may not read it (another user's)."""
     try:
         raw = read_regular(f"{base}/environ", MAX_ENVIRON_BYTES)
@@ -119,7 +119,9 @@ def _read_environ(base: str) -> dict[str, str] | None:
     return environ
 
 
-def _read_config(view: _View, path: str, refuse: _Refuser) -> Mapping[str, object] | None:
+def read_server_config(
+    view: ProcessView, path: str, refuse: Refuser
+) -> Mapping[str, object] | None:
     """A server's own --config file (YAML), read through the process's view of the files."""
     try:
         host = view.host_path(path)

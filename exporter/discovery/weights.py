@@ -9,21 +9,21 @@ import os
 import re
 from collections.abc import Callable, Mapping
 
-from exporter.discovery.refusals import _Refuser
+from exporter.discovery.refusals import Refuser
 from exporter.discovery.serverargs import Evidence, Recognised
-from exporter.discovery.view import _View
+from exporter.discovery.view import ProcessView
 from exporter.trust.safeio import Refused, open_checked, read_regular
 
 MAX_REF_BYTES = 4096
 MAX_SNAPSHOTS = 1024  # snapshot directories looked at for the newest
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?\Z")
 _COMMIT = re.compile(r"[0-9a-f]{40}\Z")
-_GGUF_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf\Z")
+GGUF_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf\Z")
 # Where huggingface_hub looks, in its own order; TRANSFORMERS_CACHE for older transformers.
 _HUB_CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 
 
-def _repository_models(path: str) -> tuple[str, ...]:
+def repository_models(path: str) -> tuple[str, ...]:
     """The models of a model repository (Triton's): its directories holding a config.pbtxt or
     a numbered version directory, at most MAX_SNAPSHOTS entries looked at."""
     models = []
@@ -52,7 +52,7 @@ def _is_model_dir(path: str) -> bool:
     return False
 
 
-def _usable(path: str, what: str, refuse: _Refuser) -> bool | None:
+def _usable(path: str, what: str, refuse: Refuser) -> bool | None:
     """Whether the process may open `path` (True), it is missing (None), or refused (False)."""
     try:
         fd, _ = open_checked(path)
@@ -65,8 +65,8 @@ def _usable(path: str, what: str, refuse: _Refuser) -> bool | None:
     return True
 
 
-def _weights(
-    recognised: Recognised, view: _View, environ: Mapping[str, str] | None, refuse: _Refuser
+def weights_of(
+    recognised: Recognised, view: ProcessView, environ: Mapping[str, str] | None, refuse: Refuser
 ) -> tuple[tuple[str, ...], list[Evidence]]:
     """The weight paths a server loads, as paths this exporter can open, and why."""
     model = recognised.model
@@ -93,9 +93,9 @@ def _refusal(exc: OSError) -> str:
     return exc.reason.replace("_", " ") if isinstance(exc, Refused) else str(exc.strerror)
 
 
-def _gguf_parts(path: str, refuse: _Refuser) -> tuple[str, ...]:
+def _gguf_parts(path: str, refuse: Refuser) -> tuple[str, ...]:
     """All files of a split GGUF (`x-00001-of-00003.gguf`); llama.cpp loads them together."""
-    split = _GGUF_SPLIT.match(path)
+    split = GGUF_SPLIT.match(path)
     if not split:
         return (path,)
     stem, total = split.group(1), min(int(split.group(3)), MAX_SNAPSHOTS)
@@ -106,9 +106,9 @@ def _gguf_parts(path: str, refuse: _Refuser) -> tuple[str, ...]:
 def _hub_snapshot(
     repo_id: str,
     recognised: Recognised,
-    view: _View,
+    view: ProcessView,
     environ: Mapping[str, str] | None,
-    refuse: _Refuser,
+    refuse: Refuser,
 ) -> tuple[tuple[str, ...], list[Evidence]]:
     """A hub id's snapshot in the process's own Hugging Face cache."""
     env = environ or {}
