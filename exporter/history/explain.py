@@ -1,8 +1,9 @@
 """The report of a finished load: where its time went against the loads before it, and, when it
 was slower than expected, why, in one line.
 
-Built once, as the load finishes (runtime.wiring._finish), against history *before* it, and kept in
-history with the load: later loads move the medians, not what this load was compared with.
+Built once, as the load finishes (runtime/filing.py: Filing.file), against history *before* it,
+and kept in history with the load: later loads move the medians, not what this load was compared
+with.
 
 * each phase and fine step against its median over the recent good loads of the same cache
   temperature; the phases after the weights, which do not read the weight files, against

@@ -45,9 +45,7 @@ class Filing:
         self._lock = lock
         self._targets = targets
 
-    def _finish(
-        self, runtime: TargetRuntime, record: LoadRecord, reads: Marked | None
-    ) -> LoadRecord:
+    def file(self, runtime: TargetRuntime, record: LoadRecord, reads: Marked | None) -> LoadRecord:
         """File a finished load with its report, built against history before it."""
         during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
         base = baseline(self.history, record.target, record.cache)
@@ -94,7 +92,7 @@ class Filing:
         return self.history.owner(name)
 
 
-def _forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Forecast:
+def restart_forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Forecast:
     """A restart begun now, from the residency the snapshot shows and what past loads
     measured."""
     reading = readings.get(PAGECACHE.name)

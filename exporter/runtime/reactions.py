@@ -57,7 +57,7 @@ class Reactions:
         self._tracker = tracker
         self._last_tick: float | None = None
 
-    def _after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
+    def after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
@@ -78,7 +78,7 @@ class Reactions:
         )
         runtime.watched_pid = root if watched else None
 
-    def _note_clock_step(self, now: float) -> None:
+    def note_clock_step(self, now: float) -> None:
         """A wall clock stepped back (NTP, a VM resumed): start tracking afresh.
 
         Trackers ignore observations older than their last one, so after a step back of an hour
@@ -97,7 +97,7 @@ class Reactions:
             runtime.tracker = self._tracker(runtime.config, runtime.discovered)
             runtime.started_at = None
 
-    def _after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
+    def after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
         """A weight file first opened, every one let go, or every byte consumed (an mmap loader
         keeps its map): the phase moves, so tick now, not up to an interval later (a server
         whose start-up ends just after its weights, llama.cpp's, is ready by then and would be
@@ -111,10 +111,10 @@ class Reactions:
             return
         runtime.files_news = news
         if files.idle_since is not None:
-            self._measure_now(runtime)
+            self.measure_now(runtime)
         self.sampler.run_soon(TRACKER_LOOP)
 
-    def _measure_now(self, runtime: TargetRuntime) -> None:
+    def measure_now(self, runtime: TargetRuntime) -> None:
         """A residency pass now, whatever the CPU budget says: a load began (its cache
         temperature), its files were let go (read whole?) or it ended (the serving residency,
         else stale until the serving refresh, minutes away)."""
@@ -122,7 +122,7 @@ class Reactions:
             runtime.residency.request_full_pass()
             self.sampler.sample_soon(PAGECACHE, runtime.config.name)
 
-    def _after_memory(self, reading: Reading[MemorySample]) -> None:
+    def after_memory(self, reading: Reading[MemorySample]) -> None:
         """Pages left the host's page cache: a target's weights may be among them, so measure
         its residency now, not at its next refresh (minutes while it serves)."""
         memory = reading.good
@@ -142,7 +142,7 @@ class Reactions:
             ):
                 self.sampler.sample_soon(ENVIRONMENT, runtime.config.name)
 
-    def _after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
+    def after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
         """A fresh pass during a load may say the weights are in: tick now (passes are rare).
         A settled target's pass changes no phase, and the restart forecast is made from the
         latest pass at each snapshot: no tick (evictions while serving bring passes often)."""
@@ -153,7 +153,7 @@ class Reactions:
         if not runtime.settled:
             self.sampler.run_soon(TRACKER_LOOP)
 
-    def _after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
+    def after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
         """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:
         the first ready answer of a load in progress ends it at that answer; between loads,
         every failed answer (each counts towards a hung server or an endpoint-only load) and
@@ -166,7 +166,7 @@ class Reactions:
                 self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
-    def _note_hung(self, runtime: TargetRuntime, state: TargetState) -> None:
+    def note_hung(self, runtime: TargetRuntime, state: TargetState) -> None:
         """Log once when the tracker calls a ready server hung (its process runs on, its
         endpoint stopped answering), and once when it answers again."""
         if state.hung == runtime.hung:
@@ -188,7 +188,7 @@ class Reactions:
             state.failed_probes,
         )
 
-    def _after_log(self, runtime: TargetRuntime, reading: Reading[LogSample]) -> None:
+    def after_log(self, runtime: TargetRuntime, reading: Reading[LogSample]) -> None:
         """Tick now when the log has news the tracker acts on: a load that answered ready waits
         for a read of the log after the answer (it dates a short load's phases); between loads,
         a line may begin a load inside the running server, or say it unloaded a model."""

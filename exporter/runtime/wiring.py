@@ -8,8 +8,8 @@ follows exporter/logs/follow.py's; this module builds each target's sources and 
 loops.
 
 How often each loop runs is exporter/pacing.py's: the runtime hands it what it last saw. An exit
-or a news reading (exporter/observation.py says which) wakes the loops at once (`_after_process`,
-`_after_probe`), and a ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a
+or a news reading (exporter/observation.py says which) wakes the loops at once (`after_process`,
+`after_probe`), and a ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a
 load's start measures it afresh anyway).
 """
 
@@ -33,7 +33,7 @@ from exporter.load.records import LoadRecord, TargetState
 from exporter.load.tracker import Scope, Tracker
 from exporter.runtime.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.runtime.exitwatch import ExitWatch
-from exporter.runtime.filing import Filing, _forecast
+from exporter.runtime.filing import Filing, restart_forecast
 from exporter.runtime.logfollow import TargetLog, read_every_interval
 from exporter.runtime.observe import (
     TargetReadings,
@@ -155,7 +155,7 @@ class Runtime:
             "",
             MemorySource(proc_root).sample,
             every=lambda: self.pacing.memory(self._failing(MEMORY, "")),
-            after=self.reactions._after_memory,
+            after=self.reactions.after_memory,
         )
         # NVML retries a failed init on its own clock (every 60 s): the quiet pace will do.
         self.sampler.add(NVML, "", self.nvml.sample, every=self.pacing.loop)
@@ -241,7 +241,7 @@ class Runtime:
             target.name,
             runtime.prober.sample,
             every=lambda: runtime.cadence.delay(self._probe_result(target.name)),
-            after=lambda reading: self.reactions._after_probe(runtime, reading),
+            after=lambda reading: self.reactions.after_probe(runtime, reading),
         )
         if runtime.watched_pid is not None:  # another process from now on
             self.exits.forget(runtime.watched_pid)
@@ -253,7 +253,7 @@ class Runtime:
                 target.name,
                 runtime.finder.sample,
                 every=self._pace_of(PROCESS, runtime),
-                after=lambda reading: self.reactions._after_process(runtime, reading),
+                after=lambda reading: self.reactions.after_process(runtime, reading),
             )
         else:
             self.sampler.discard(PROCESS, target.name)
@@ -263,7 +263,7 @@ class Runtime:
                 target.name,
                 runtime.residency.sample,
                 every=self._pace_of(PAGECACHE, runtime),
-                after=lambda reading: self.reactions._after_residency(runtime, reading),
+                after=lambda reading: self.reactions.after_residency(runtime, reading),
             )
         else:
             self.sampler.discard(PAGECACHE, target.name)
@@ -292,7 +292,7 @@ class Runtime:
                 name,
                 files.sample,
                 every=self._files_pace(runtime),
-                after=lambda reading: self.reactions._after_files(runtime, reading),
+                after=lambda reading: self.reactions.after_files(runtime, reading),
             )
         else:
             self.sampler.discard(WEIGHT_FILES, target.name)
@@ -390,7 +390,7 @@ class Runtime:
     def tick(self) -> None:
         """Feed every tracker one observation and file the loads that finished."""
         now = self._clock()
-        self.reactions._note_clock_step(now)
+        self.reactions.note_clock_step(now)
         self.history.retry()  # loads a full disk could not take yet
         disk = self.sampler.value(DISK)
         with self._lock:
@@ -416,8 +416,8 @@ class Runtime:
                     "target %s: the server unloaded model %s", runtime.config.name, clean(model)
                 )
             if record is not None:
-                runtime.tracker.reported(self.filing._finish(runtime, record, reads))
-                self.reactions._measure_now(runtime)  # what the next restart would find
+                runtime.tracker.reported(self.filing.file(runtime, record, reads))
+                self.reactions.measure_now(runtime)  # what the next restart would find
             state = runtime.tracker.state(now)
             if state.in_progress and state.started_at != runtime.started_at:
                 # A new load: its cache temperature needs a residency pass now, not when the
@@ -425,7 +425,7 @@ class Runtime:
                 runtime.started_at = state.started_at
                 runtime.pcie_at_start = {}
                 runtime.reads_at_start = counters_before(runtime.reads_seen, state)
-                self.reactions._measure_now(runtime)
+                self.reactions.measure_now(runtime)
                 self._files_afresh(runtime, state)
             gpus = self.sampler.latest(NVML)
             if state.in_progress and gpus is not None:  # each GPU's first counter in the load
@@ -434,7 +434,7 @@ class Runtime:
                 )
             if runtime.cadence.set_phase(state.phase, state.in_server and state.in_progress):
                 moved = True
-            self.reactions._note_hung(runtime, state)
+            self.reactions.note_hung(runtime, state)
             with self._lock:
                 runtime.state, runtime.gpu_memory = state, gpu_memory
         if self.pacing.note((runtime.settled for runtime in runtimes), moved):
@@ -504,7 +504,7 @@ class Runtime:
                 name,
                 switch.opened.sample,
                 every=self._log_pace(runtime),
-                after=lambda reading: self.reactions._after_log(runtime, reading),
+                after=lambda reading: self.reactions.after_log(runtime, reading),
             )
 
     def _log_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
@@ -555,7 +555,7 @@ class Runtime:
                     dict(rt.gpu_memory),
                     rt.discovered,
                     pcie_at_start=rt.pcie_at_start,
-                    forecast=_forecast(rt.past, by_target.get(name, {})),
+                    forecast=restart_forecast(rt.past, by_target.get(name, {})),
                     log_finding=rt.log.finding,
                     past=rt.past,
                 )
