@@ -75,7 +75,7 @@ from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
 from exporter.history.targethistory import TargetHistory
 from exporter.load.progress import temperature
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.runtime.sampler import Reading
 from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.sources import (
@@ -329,7 +329,7 @@ class TargetLife:
         return {key.name: reading(key, value, name, now) for key, value in values.items()}
 
 
-def target_state(target: str, phase: Phase, step: Step | None, **fields: Any) -> TargetState:
+def target_state(target: str, phase: Phase, step: Step | None, **fields: Any) -> LoadState:
     base: dict[str, Any] = {
         "progress_ratio": None,
         "throughput_bytes_per_second": None,
@@ -343,7 +343,7 @@ def target_state(target: str, phase: Phase, step: Step | None, **fields: Any) ->
         "last_record": None,
         "fatal": None,
     }
-    return TargetState(
+    return LoadState(
         target=target, phase=phase, in_progress=phase.in_progress, step=step, **(base | fields)
     )
 

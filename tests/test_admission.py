@@ -40,7 +40,7 @@ from exporter.runtime.admission import (
 )
 from exporter.runtime.logfollow import TargetLog
 from exporter.runtime.pacing import ProbeCadence
-from exporter.runtime.target import TargetRuntime
+from exporter.runtime.target import WatchedTarget
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.process import ProcessFinder, read_stat
 from exporter.trust.asprocess import Actor, Borrowed, Rights
@@ -81,14 +81,14 @@ class Wiring:
     read."""
 
     def __init__(self) -> None:
-        self.runtimes: dict[str, TargetRuntime] = {}
+        self.targets: dict[str, WatchedTarget] = {}
         self.wired: list[tuple[str, int | None]] = []  # (target, discovered pid) per wire()
         self.unwired: list[str] = []
         self.histories_read = 0
         self.owners: dict[str, int] = {}  # what history says of who loaded last under a name
 
-    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
-        runtime = TargetRuntime(
+    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> WatchedTarget:
+        target = WatchedTarget(
             config=config,
             tracker=Tracker(config.name, config.stall_after, interval=INTERVAL),
             prober=EndpointProber(config.endpoint),
@@ -98,21 +98,21 @@ class Wiring:
             log=TargetLog(config.name, config.log, lambda pid: None),
             discovered=found,
         )
-        self.runtimes[config.name] = runtime
-        return runtime
+        self.targets[config.name] = target
+        return target
 
-    def wire(self, target: TargetRuntime) -> None:
+    def wire(self, target: WatchedTarget) -> None:
         process = target.config.process
         target.finder = ProcessFinder(process) if process is not None else None
         found = target.discovered
         self.wired.append((target.config.name, found.pid if found is not None else None))
 
-    def unwire(self, target: TargetRuntime) -> None:
+    def unwire(self, target: WatchedTarget) -> None:
         target.prober.close()
         self.unwired.append(target.config.name)
 
     def pids_watched(self, name: str) -> Collection[int]:
-        finder = self.runtimes[name].finder
+        finder = self.targets[name].finder
         return finder.sample().pids if finder is not None else ()
 
     def read_histories(self) -> None:
@@ -215,13 +215,13 @@ def sleeping(pidfile: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
 def test_a_discovered_server_becomes_a_target_wired_with_its_process_and_its_history_read() -> None:
     setup = discovering()
     setup.discover(found("qwen", 101))
-    runtime = setup.admission.targets["qwen"]
+    target = setup.admission.targets["qwen"]
     mine = "an ordinary user: no other user's server takes this name"
     owner = Evidence("owner", "uid 1000", mine)
-    assert runtime.discovered == replace(found("qwen", 101), evidence=(owner,))
-    assert runtime.config == targets_of(found("qwen", 101))[0]
-    assert runtime.config.process == ProcessConfig(pid=101, start_ticks=5000)
-    assert runtime.config.weights == WeightsConfig(paths=("/models/m",), include=("*.safetensors",))
+    assert target.discovered == replace(found("qwen", 101), evidence=(owner,))
+    assert target.config == targets_of(found("qwen", 101))[0]
+    assert target.config.process == ProcessConfig(pid=101, start_ticks=5000)
+    assert target.config.weights == WeightsConfig(paths=("/models/m",), include=("*.safetensors",))
     assert setup.wiring.wired == [("qwen", 101)] and setup.wiring.histories_read == 1
     setup.discover(found("qwen", 101))  # the same server on the next pass: nothing to do
     assert setup.wiring.wired == [("qwen", 101)] and setup.wiring.histories_read == 1
@@ -287,17 +287,17 @@ def test_a_restarted_server_is_followed_by_its_target_with_a_new_process() -> No
     kept while the endpoint is the same and replaced when it changed."""
     setup = discovering()
     setup.discover(found("qwen", 101))
-    runtime = setup.admission.targets["qwen"]
-    tracker, prober = runtime.tracker, runtime.prober
+    target = setup.admission.targets["qwen"]
+    tracker, prober = target.tracker, target.prober
     setup.discover(found("qwen", 111, start_ticks=9000, weights=("/models/m2",)))
-    assert setup.admission.targets["qwen"] is runtime and runtime.tracker is tracker
-    assert runtime.prober is prober
-    assert runtime.config.process == ProcessConfig(pid=111, start_ticks=9000)
-    assert runtime.config.weights is not None and runtime.config.weights.paths == ("/models/m2",)
+    assert setup.admission.targets["qwen"] is target and target.tracker is tracker
+    assert target.prober is prober
+    assert target.config.process == ProcessConfig(pid=111, start_ticks=9000)
+    assert target.config.weights is not None and target.config.weights.paths == ("/models/m2",)
     assert setup.wiring.wired == [("qwen", 101), ("qwen", 111)]
     moved = replace(found("qwen", 121, start_ticks=9900), probe_path="/v1/models")
     setup.discover(moved)
-    assert runtime.prober is not prober and runtime.config.endpoint.path == "/v1/models"
+    assert target.prober is not prober and target.config.endpoint.path == "/v1/models"
     assert setup.wiring.histories_read == 1  # one target all along
 
 
@@ -306,11 +306,11 @@ def test_a_gone_server_is_kept_for_keep_for_looked_for_every_interval_then_dropp
     setup.discover(found("qwen", 101))
     assert setup.admission.wait() == PASS
     setup.discover()  # gone
-    runtime = setup.admission.targets["qwen"]
-    assert runtime.gone_since == setup.clock.now
+    target = setup.admission.targets["qwen"]
+    assert target.gone_since == setup.clock.now
     assert setup.admission.wait() == INTERVAL  # its restart is looked for every interval
     setup.discover(found("qwen", 111, start_ticks=9000))  # back within keep_for
-    assert runtime.gone_since is None and setup.admission.targets["qwen"] is runtime
+    assert target.gone_since is None and setup.admission.targets["qwen"] is target
     assert setup.admission.wait() == PASS
     setup.discover()
     setup.discover(after=KEEP_FOR - INTERVAL)
@@ -350,18 +350,18 @@ def test_another_users_server_in_the_restart_gap_is_refused_the_name() -> None:
     (said once), root's target stays gone until root's own next process, which it follows."""
     setup = discovering()
     setup.discover(found("qwen", 101, uid=ROOT))
-    runtime = setup.admission.targets["qwen"]
+    target = setup.admission.targets["qwen"]
     setup.discover()  # root's server went: the gap
     fake = found("qwen", 202, uid=NOBODY, start_ticks=7000)
     for _ in range(3):
         setup.discover(fake)
-    assert setup.admission.targets["qwen"] is runtime and runtime.discovered is not None
-    assert runtime.discovered.pid == 101 and runtime.gone_since is not None
+    assert setup.admission.targets["qwen"] is target and target.discovered is not None
+    assert target.discovered.pid == 101 and target.gone_since is not None
     assert setup.refused("name_owned") == 1 and setup.wiring.wired == [("qwen", 101)]
     setup.discover(fake, found("qwen", 111, uid=ROOT, start_ticks=9000))
-    assert setup.admission.targets["qwen"] is runtime and runtime.gone_since is None
+    assert setup.admission.targets["qwen"] is target and target.gone_since is None
     assert setup.wiring.wired == [("qwen", 101), ("qwen", 111)]
-    why = {e.what: e for e in runtime.discovered.evidence}
+    why = {e.what: e for e in target.discovered.evidence}
     assert why["owner"].value == "uid 0"
     assert why["name refused"].value == "pid 202 of uid 65534"
 
@@ -376,16 +376,16 @@ def test_roots_server_takes_its_name_from_a_look_alike_that_came_first() -> None
     lookalike = setup.admission.targets["qwen"]
     server = found("qwen", 101, uid=ROOT, start_ticks=5000)
     setup.discover(fake, server)
-    runtime = setup.admission.targets["qwen"]
-    assert runtime is not lookalike and runtime.tracker is not lookalike.tracker
-    assert runtime.discovered is not None and runtime.discovered.pid == 101
+    target = setup.admission.targets["qwen"]
+    assert target is not lookalike and target.tracker is not lookalike.tracker
+    assert target.discovered is not None and target.discovered.pid == 101
     assert setup.wiring.unwired == ["qwen"] and setup.names == {"qwen"}
     for _ in range(3):
         setup.discover(fake, server)
     assert setup.names == {"qwen"} and setup.refused("name_owned") == 1
     setup.discover(fake)  # root's server restarts: the look-alike waits, refused
     setup.discover(fake, after=KEEP_FOR / 2)
-    assert setup.admission.targets["qwen"] is runtime and runtime.discovered.pid == 101
+    assert setup.admission.targets["qwen"] is target and target.discovered.pid == 101
 
 
 def test_between_ordinary_users_a_name_is_its_first_holders_until_keep_for_after() -> None:
@@ -428,7 +428,7 @@ def test_a_routers_model_servers_are_named_after_their_router_as_it_is_named() -
         for pid, router in ((201, 101), (202, 102))
     ]
     setup.discover(first, second, *models)
-    watched = {name: rt.discovered.pid for name, rt in setup.admission.targets.items()}  # type: ignore[union-attr]
+    watched = {name: target.discovered.pid for name, target in setup.admission.targets.items()}  # type: ignore[union-attr]
     assert watched == {
         "llamacpp-8080": 101,
         "llamacpp-8080/tiny": 201,

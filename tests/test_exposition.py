@@ -35,7 +35,7 @@ from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
 from exporter.history.startupwindow import StartupAdvice
 from exporter.history.targethistory import TargetHistory
-from exporter.load.records import LoadRecord, TargetState
+from exporter.load.records import LoadRecord, LoadState
 from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
 from exporter.logs.find import LogFinding
 from exporter.runtime.sampler import Reading
@@ -88,7 +88,7 @@ def reading(key: SourceKey[T], value: T, target: str = "", ok: bool = True) -> R
     return Reading(key.name, target, value, ok, None if ok else "down", 0.0125, NOW - 0.5)
 
 
-def state(target: str, phase: Phase, **fields: Any) -> TargetState:
+def state(target: str, phase: Phase, **fields: Any) -> LoadState:
     base: dict[str, Any] = {
         "target": target,
         "phase": phase,
@@ -110,7 +110,7 @@ def state(target: str, phase: Phase, **fields: Any) -> TargetState:
         "step": None,
         "fatal": None,
     }
-    return TargetState(**(base | fields))
+    return LoadState(**(base | fields))
 
 
 def golden_snapshot() -> Snapshot:

@@ -11,7 +11,7 @@ import pytest
 
 from exporter.load.events import EventKind, LogEvent
 from exporter.load.observation import FileView
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.load.tracker import Tracker
 from exporter.runtime.observe import (
     Marked,
@@ -372,7 +372,7 @@ def test_a_failed_counter_reading_neither_counts_nor_dates() -> None:
     assert read_counters("m", (None, reading(zfs(1), ok=False))) is None
 
 
-def started(at: float | None) -> TargetState:
+def started(at: float | None) -> LoadState:
     return replace(Tracker("m", stall_after=300).state(NOW), started_at=at)
 
 

@@ -16,7 +16,7 @@ import pytest
 from exporter.history.store import HistoryStore
 from exporter.load.events import EventKind, LogEvent
 from exporter.load.observation import FileView, Observation
-from exporter.load.records import LoadRecord, TargetState
+from exporter.load.records import LoadRecord, LoadState
 from exporter.load.tracker import LINE_STAMP_SKEW_SECONDS, Scope, Tracker
 from exporter.vocabulary import IN_PROGRESS
 
@@ -64,7 +64,7 @@ class Sim:
     log_lag: float = 0.0  # how long before each tick the log was last read
     measured_at: float | None = None  # when the last residency pass ran; None: every tick
     log: list[LogEvent] = field(default_factory=list)  # markers the next tick hands over
-    states: list[TargetState] = field(default_factory=list)
+    states: list[LoadState] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     records: list[LoadRecord] = field(default_factory=list)
 
@@ -174,10 +174,10 @@ class Sim:
             self.times.append(self.time)
 
     @property
-    def state(self) -> TargetState:
+    def state(self) -> LoadState:
         return self.states[-1]
 
-    def state_at(self, t: float) -> TargetState:
+    def state_at(self, t: float) -> LoadState:
         return self.states[self.times.index(t)]
 
     def until_record(self, limit: int = 100) -> LoadRecord:
@@ -192,7 +192,7 @@ def tracker(stall_after: float = 300.0, expectations: HistoryStore | None = None
     return Tracker("kimi", stall_after=stall_after, expectations=expectations, interval=1.0)
 
 
-def phases(states: list[TargetState]) -> list[str]:
+def phases(states: list[LoadState]) -> list[str]:
     out: list[str] = []
     for s in states:
         if not out or out[-1] != s.phase:

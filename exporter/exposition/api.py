@@ -326,7 +326,7 @@ class SourceReading(Document):
 
 @dataclass(frozen=True)
 class LoadState(Document):
-    """A target's load as the tracker sees it (`load.records.TargetState`)."""
+    """A target's load as the tracker sees it (`load.records.LoadState`)."""
 
     phase: str
     in_progress: bool

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from exporter.discovery.found import DiscoveredServer
 from exporter.exposition import api, liveness
 from exporter.history.startupwindow import StartupAdvice
-from exporter.load.records import LoadRecord, TargetState
+from exporter.load.records import LoadRecord, LoadState
 from exporter.runtime.sampler import Reading, health
 from exporter.runtime.snapshot import Snapshot, TargetView
 from exporter.sources import LOGS, NVML, PAGECACHE, STORAGE, WEIGHT_FILES
@@ -208,7 +208,7 @@ def _discovered(found: DiscoveredServer) -> api.Discovered:
     )
 
 
-def _state(state: TargetState) -> api.LoadState:
+def _state(state: LoadState) -> api.LoadState:
     return _mirror(
         api.LoadState,
         state,

@@ -1,4 +1,4 @@
-"""What the tracker hands out: a target's state now (`TargetState`) and each finished load
+"""What the tracker hands out: a target's state now (`LoadState`) and each finished load
 (`LoadRecord`).
 
 Apart from the Tracker because every later layer reads them (history stores the records, the
@@ -52,8 +52,9 @@ class LoadRecord:
 
 
 @dataclass(frozen=True)
-class TargetState:
-    """Everything /metrics and /api/v1/status show for a target."""
+class LoadState:
+    """A target's load as the tracker sees it now: everything /metrics and /api/v1/status show
+    of it."""
 
     target: str
     phase: Phase

@@ -63,7 +63,7 @@ from exporter.load.progress import (
     signals,
     value_at,
 )
-from exporter.load.records import LoadRecord, TargetState
+from exporter.load.records import LoadRecord, LoadState
 from exporter.load.steps import tighten
 from exporter.vocabulary import IN_PROGRESS, Activity, Outcome, Phase, ProbeResult, Step
 
@@ -102,7 +102,7 @@ _RECENT = 64
 
 
 class _Watched(TypedDict):
-    """TargetState's fields of what the process visibly does (`Tracker._watched`)."""
+    """LoadState's fields of what the process visibly does (`Tracker._watched`)."""
 
     activity: Mapping[str, float]
     cpu_share: float | None
@@ -160,7 +160,7 @@ class Tracker:
         self._serving_since: float | None = None
         self._unloaded: str | None = None
         self._first_seen: float | None = None  # the time of the first observation
-        self._unloads: int | None = None  # see TargetState.unloads
+        self._unloads: int | None = None  # see LoadState.unloads
         self._unloaded_now: tuple[str, ...] = ()
         self._activity = ActivityWatch()
 
@@ -306,11 +306,11 @@ class Tracker:
         if added == record:
             self._last_record = record
 
-    def state(self, now: float) -> TargetState:
+    def state(self, now: float) -> LoadState:
         """What /metrics and /api/v1/status show for this target at `now`."""
         load, phase = self._load, self._phase
         if load is None or phase not in IN_PROGRESS:
-            return TargetState(
+            return LoadState(
                 target=self.target,
                 phase=phase,
                 in_progress=False,
@@ -345,7 +345,7 @@ class Tracker:
         elif rate and load.progress is not None:
             weights_eta = (1.0 - load.progress) / rate
         since = max(0.0, now - load.last_move)
-        return TargetState(
+        return LoadState(
             target=self.target,
             phase=phase,
             in_progress=True,
@@ -379,7 +379,7 @@ class Tracker:
         )
 
     def _watched(self, now: float) -> _Watched:
-        """The TargetState fields of what the process visibly does, for any phase."""
+        """The LoadState fields of what the process visibly does, for any phase."""
         obs = self._last_obs
         found = obs is not None and obs.process_found
         return _Watched(

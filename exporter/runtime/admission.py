@@ -39,7 +39,7 @@ from exporter.discovery.found import (
 from exporter.discovery.refusals import Refusals
 from exporter.discovery.scan import Discoverer
 from exporter.discovery.serverargs import Evidence
-from exporter.runtime.target import TargetRuntime
+from exporter.runtime.target import WatchedTarget
 from exporter.runtime.targetnames import TargetNames, uid_of, who
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.process import read_stat
@@ -51,15 +51,15 @@ log = logging.getLogger(__name__)
 class Wiring(Protocol):
     """What admission asks of the runtime that runs the targets' sources."""
 
-    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
+    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> WatchedTarget:
         """A target's tracker, prober and pace, its sources not built yet."""
         ...
 
-    def wire(self, target: TargetRuntime) -> None:
+    def wire(self, target: WatchedTarget) -> None:
         """(Re)build a target's sources from its config and register their loops."""
         ...
 
-    def unwire(self, target: TargetRuntime) -> None:
+    def unwire(self, target: WatchedTarget) -> None:
         """Stop a dropped target's sources and forget what was measured of it."""
         ...
 
@@ -107,7 +107,7 @@ class Admission:
         """`lock` guards `targets` against the snapshot reading them; `own_uid`: the user the
         exporter runs as (its servers rank with root's), by default this process's."""
         self.config = config
-        self.targets: dict[str, TargetRuntime] = {}
+        self.targets: dict[str, WatchedTarget] = {}
         self.discoverer = discoverer
         self._wiring = wiring
         self._filed = filed
@@ -127,15 +127,15 @@ class Admission:
 
     def add(self, config: TargetConfig, found: DiscoveredServer | None = None) -> None:
         """Watch a target: configured (`found` None) or a discovered server's."""
-        runtime = self._wiring.new_target(config, found)
+        target = self._wiring.new_target(config, found)
         with self._lock:
-            self.targets[config.name] = runtime
-        self._wiring.wire(runtime)
+            self.targets[config.name] = target
+        self._wiring.wire(target)
 
     def drop(self, name: str, why: str | None = None) -> None:
         with self._lock:
-            runtime = self.targets.pop(name)
-        self._wiring.unwire(runtime)
+            target = self.targets.pop(name)
+        self._wiring.unwire(target)
         log.info("target %s: %s, no longer watched", name, why or
                  f"its server has been gone for {self.config.discovery.keep_for:g}s")  # fmt: skip
 
@@ -166,10 +166,10 @@ class Admission:
             log.debug("discovery pass failed", exc_info=True)
             return
         self._names.present({server.key for server in servers}, now)
-        for runtime in list(self.targets.values()):
-            gone = runtime.gone_since
+        for target in list(self.targets.values()):
+            gone = target.gone_since
             if gone is not None and now - gone >= self.config.discovery.keep_for:
-                self.drop(runtime.config.name)
+                self.drop(target.config.name)
         self._names.expire(now, kept=self.targets.keys())  # what the gaps over held is free
         found: set[str] = set()
         routers: dict[int, tuple[str, str]] = {}  # pid: the name its command line gives, its own
@@ -186,11 +186,11 @@ class Admission:
             found.update(claim.config.name for claim in claims)
             if self._watch(claims, now):
                 self._names.hold(named.name, server)
-        for runtime in self.targets.values():
-            gone = runtime.discovered is not None and runtime.config.name not in found
-            if gone and runtime.gone_since is None:
-                runtime.gone_since = now
-        waiting = any(rt.gone_since is not None for rt in self.targets.values())
+        for target in self.targets.values():
+            gone = target.discovered is not None and target.config.name not in found
+            if gone and target.gone_since is None:
+                target.gone_since = now
+        waiting = any(target.gone_since is not None for target in self.targets.values())
         interval = self.config.sample_interval if waiting else self.config.discovery.interval
         self._due = now + interval
 
@@ -221,29 +221,29 @@ class Admission:
         watched = False
         for claim in claims:
             server = claim.server
-            runtime = self.targets.get(claim.config.name)
-            if runtime is not None and runtime.discovered is None:
+            target = self.targets.get(claim.config.name)
+            if target is not None and target.discovered is None:
                 continue  # a configured target of that name
-            if runtime is None or _owner(runtime) != uid_of(server):
-                if not self._admit(server, now, leaving=runtime):
+            if target is None or _owner(target) != uid_of(server):
+                if not self._admit(server, now, leaving=target):
                     continue
-                if runtime is not None:
-                    self._give_way(runtime, server)
+                if target is not None:
+                    self._give_way(target, server)
                 log.info("target %s: discovered %s server, pid %d", claim.config.name,
                          server.kind, server.pid)  # fmt: skip
                 self.add(claim.config, server)
                 self._filed.read_histories()
             else:
-                runtime.gone_since = None
-                if runtime.discovered != server:
-                    self._follow(runtime, claim)
+                target.gone_since = None
+                if target.discovered != server:
+                    self._follow(target, claim)
             watched = watched or claim.config.name == server.name
         return watched
 
-    def _give_way(self, runtime: TargetRuntime, server: DiscoveredServer) -> None:
+    def _give_way(self, target: WatchedTarget, server: DiscoveredServer) -> None:
         """A server of root's or the system's takes the name from another user's server: that
         one's targets end, its loads stay its own in history, it is watched no more."""
-        lost = runtime.discovered
+        lost = target.discovered
         assert lost is not None
         self._refusals.note("name_owned", lost.key, "%s (pid %d, %s) gives the name up to pid %d "
                             "of %s; not watched", lost.name, lost.pid, who(uid_of(lost)),
@@ -253,7 +253,7 @@ class Admission:
                 self.drop(other.config.name, f"its name is {who(uid_of(server))}'s server's")
 
     def _admit(
-        self, server: DiscoveredServer, now: float, leaving: TargetRuntime | None = None
+        self, server: DiscoveredServer, now: float, leaving: WatchedTarget | None = None
     ) -> bool:
         """Room for one more discovered target: under `max_targets` and the user's share, another
         target giving way when needed (`_room`); else refused. `leaving`: a target whose
@@ -262,16 +262,16 @@ class Admission:
         owner = uid_of(server)
         going = leaving.discovered.key if leaving is not None and leaving.discovered else None
         discovered = [
-            rt
-            for rt in self.targets.values()
-            if rt.discovered is not None and rt.discovered.key != going
+            target
+            for target in self.targets.values()
+            if target.discovered is not None and target.discovered.key != going
         ]
-        same_user = [rt for rt in discovered if _owner(rt) == owner]
+        same_user = [target for target in discovered if _owner(target) == owner]
         for pool, limit, reason in (
             (same_user, limits.max_targets_per_user, "user_share"),
             (discovered, limits.max_targets, "max_targets"),
         ):
-            live = [rt for rt in pool if rt.config.name in self.targets]
+            live = [target for target in pool if target.config.name in self.targets]
             if len(live) < limit:
                 continue
             room = self._room(live, self._names.privileged(owner))
@@ -289,31 +289,31 @@ class Admission:
             self.drop(name, f"making room for {server.name}")
         return True
 
-    def _room(self, pool: list[TargetRuntime], privileged: bool) -> TargetRuntime | None:
+    def _room(self, pool: list[WatchedTarget], privileged: bool) -> WatchedTarget | None:
         """Which target gives way to a newcomer: an ordinary user's gone one, the longest gone
         first; for root's or the system's server then the newest of the ordinary user holding
         most targets, then a gone one of root's or the system's. Never the other way: root's
         and the system's servers, and their restart gaps, are never crowded out."""
-        ordinary = [rt for rt in pool if not self._names.privileged(_owner(rt))]
-        gone = sorted((rt for rt in ordinary if rt.gone_since is not None),
-                      key=lambda rt: rt.gone_since or 0.0)  # fmt: skip
+        ordinary = [target for target in pool if not self._names.privileged(_owner(target))]
+        gone = sorted((target for target in ordinary if target.gone_since is not None),
+                      key=lambda target: target.gone_since or 0.0)  # fmt: skip
         if gone or not privileged:
             return gone[0] if gone else None
         if ordinary:
-            held = Counter(_owner(rt) for rt in ordinary)
-            return max(ordinary, key=lambda rt: (held[_owner(rt)], _started(rt)))
-        ours = sorted((rt for rt in pool if rt.gone_since is not None),
-                      key=lambda rt: rt.gone_since or 0.0)  # fmt: skip
+            held = Counter(_owner(target) for target in ordinary)
+            return max(ordinary, key=lambda target: (held[_owner(target)], _started(target)))
+        ours = sorted((target for target in pool if target.gone_since is not None),
+                      key=lambda target: target.gone_since or 0.0)  # fmt: skip
         return ours[0] if ours else None
 
     def _claimable(self, servers: tuple[DiscoveredServer, ...]) -> list[DiscoveredServer]:
         """The discovered servers no configured target watches (configured ones win) and that
         can be probed."""
-        configured = [rt for rt in self.targets.values() if rt.discovered is None]
+        configured = [target for target in self.targets.values() if target.discovered is None]
         pids: set[int] = set()
-        for runtime in configured:
-            pids.update(self._wiring.pids_watched(runtime.config.name))
-        urls = {rt.config.endpoint.url.rstrip("/") for rt in configured}
+        for target in configured:
+            pids.update(self._wiring.pids_watched(target.config.name))
+        urls = {target.config.endpoint.url.rstrip("/") for target in configured}
         claimable = []
         for server in servers:
             if server.pid in pids or server.url in urls:
@@ -326,19 +326,19 @@ class Admission:
             claimable.append(server)
         return claimable
 
-    def _follow(self, runtime: TargetRuntime, claim: _Claim) -> None:
+    def _follow(self, target: WatchedTarget, claim: _Claim) -> None:
         """The same server, changed: restarted (a new process, so a new load) or new weights;
         only its evidence changed (a name refused to another user): nothing to wire."""
-        before, runtime.discovered = runtime.discovered, claim.server
+        before, target.discovered = target.discovered, claim.server
         if before is not None and _but_evidence(before) == _but_evidence(claim.server):
             return
         fresh = claim.config
-        if fresh.endpoint != runtime.config.endpoint:
-            runtime.prober.close()
-            runtime.prober = EndpointProber(fresh.endpoint)
-        runtime.config = replace(runtime.config, endpoint=fresh.endpoint,
+        if fresh.endpoint != target.config.endpoint:
+            target.prober.close()
+            target.prober = EndpointProber(fresh.endpoint)
+        target.config = replace(target.config, endpoint=fresh.endpoint,
                                  weights=fresh.weights, process=fresh.process)  # fmt: skip
-        self._wiring.wire(runtime)
+        self._wiring.wire(target)
 
 
 def targets_of(server: DiscoveredServer) -> tuple[TargetConfig, ...]:
@@ -420,14 +420,14 @@ def _same_process(proc_root: str, pid: int, start_ticks: int) -> Callable[[], bo
     return same
 
 
-def _owner(runtime: TargetRuntime) -> int | None:
-    return uid_of(runtime.discovered) if runtime.discovered is not None else None
+def _owner(target: WatchedTarget) -> int | None:
+    return uid_of(target.discovered) if target.discovered is not None else None
 
 
 def _but_evidence(server: DiscoveredServer) -> DiscoveredServer:
     return replace(server, evidence=())
 
 
-def _started(runtime: TargetRuntime) -> tuple[int, int]:
-    found = runtime.discovered
+def _started(target: WatchedTarget) -> tuple[int, int]:
+    found = target.discovered
     return (found.start_ticks, found.pid) if found is not None else (0, 0)

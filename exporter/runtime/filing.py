@@ -20,7 +20,7 @@ from exporter.history.targethistory import TargetHistory, read_history
 from exporter.load.records import LoadRecord
 from exporter.runtime.observe import Marked
 from exporter.runtime.sampler import Reading
-from exporter.runtime.target import TargetRuntime
+from exporter.runtime.target import WatchedTarget
 from exporter.runtime.targetnames import uid_of
 from exporter.sources import ENVIRONMENT, PAGECACHE
 from exporter.sources.environment import EnvironmentSource
@@ -37,7 +37,7 @@ class Filing:
         self,
         history: HistoryStore,
         lock: threading.Lock,
-        targets: Callable[[], Mapping[str, TargetRuntime]],
+        targets: Callable[[], Mapping[str, WatchedTarget]],
     ) -> None:
         self.history = history
         self.load_durations = Histograms()
@@ -45,13 +45,13 @@ class Filing:
         self._lock = lock
         self._targets = targets
 
-    def file(self, runtime: TargetRuntime, record: LoadRecord, reads: Marked | None) -> LoadRecord:
+    def file(self, target: WatchedTarget, record: LoadRecord, reads: Marked | None) -> LoadRecord:
         """File a finished load with its report, built against history before it."""
-        during = storage_reads(runtime.reads_at_start, reads.counters) if reads else None
+        during = storage_reads(target.reads_at_start, reads.counters) if reads else None
         base = baseline(self.history, record.target, record.cache)
-        if runtime.discovered is not None:  # filed as its user's (exporter/runtime/targetnames.py)
-            record = replace(record, owner=uid_of(runtime.discovered))
-        record, unknown = _environment_at_start(runtime.environment, record)
+        if target.discovered is not None:  # filed as its user's (exporter/runtime/targetnames.py)
+            record = replace(record, owner=uid_of(target.discovered))
+        record, unknown = _environment_at_start(target.environment, record)
         record = replace(record, report=report(record, base, during, unknown))
         log.info(
             "target %s: load %s after %.1fs (cache=%s%s)%s",
@@ -75,17 +75,17 @@ class Filing:
         self.read_histories()
         reason = record.report.reason if record.report is not None else None
         with self._lock:  # this load's, whether or not history could keep it
-            runtime.past = replace(runtime.past, slower=reason)
+            target.past = replace(target.past, slower=reason)
         return record
 
     def read_histories(self) -> None:
         """Read history once per finished load (or new target), not once per scrape."""
         with self._lock:
-            runtimes = list(self._targets().values())
-        past = [read_history(self.history, runtime.config.name) for runtime in runtimes]
+            targets = list(self._targets().values())
+        past = [read_history(self.history, target.config.name) for target in targets]
         with self._lock:
-            for runtime, view in zip(runtimes, past, strict=True):
-                runtime.past = view
+            for target, view in zip(targets, past, strict=True):
+                target.past = view
 
     def past_owner(self, name: str) -> int | None:
         """The user whose load history filed last under `name`."""

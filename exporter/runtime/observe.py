@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 from exporter.history.explain import Counters
 from exporter.load.observation import FileView, Observation
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.runtime.sampler import Reading
 from exporter.sources.disk import DiskSample
 from exporter.sources.endpoint import ProbeSample
@@ -190,7 +190,7 @@ def read_counters(name: str, readings: Iterable[Reading[ReadCounters] | None]) -
     return Marked(counters, min(times)) if times else None
 
 
-def counters_before(seen: Iterable[Marked], state: TargetState) -> Counters | None:
+def counters_before(seen: Iterable[Marked], state: LoadState) -> Counters | None:
     """The last counters read before a load's start; None when none was (the exporter started
     after it, or the counters were read too seldom to hold one from before it)."""
     start = state.started_at

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 from exporter.config.schema import TargetConfig
 from exporter.discovery.found import DiscoveredServer
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.load.tracker import Tracker
 from exporter.runtime.admission import Admission
 from exporter.runtime.exitwatch import ExitWatch
 from exporter.runtime.observe import files_news, log_is_news, probe_is_news
 from exporter.runtime.sampler import Reading, Sampler
-from exporter.runtime.target import TargetRuntime
+from exporter.runtime.target import WatchedTarget
 from exporter.sources import ENDPOINT, ENVIRONMENT, LOGS, PAGECACHE, PROCESS
 from exporter.sources.endpoint import ProbeSample
 from exporter.sources.logs import LogSample
@@ -57,26 +57,26 @@ class Reactions:
         self._tracker = tracker
         self._last_tick: float | None = None
 
-    def after_process(self, runtime: TargetRuntime, reading: Reading[ProcessSample]) -> None:
+    def after_process(self, target: WatchedTarget, reading: Reading[ProcessSample]) -> None:
         """Watch the exit of the server's root process, and tell the tracker when it changed."""
         process = reading.good
         root = process.root_pid if process is not None and process.found else None
-        runtime.log.process_seen(process)
-        if root == runtime.watched_pid:
+        target.log.process_seen(process)
+        if root == target.watched_pid:
             return
-        if runtime.watched_pid is not None:
-            self.exits.forget(runtime.watched_pid)
-            self.sampler.sample_soon(LOGS, runtime.config.name)  # its last lines say why
+        if target.watched_pid is not None:
+            self.exits.forget(target.watched_pid)
+            self.sampler.sample_soon(LOGS, target.config.name)  # its last lines say why
             self.sampler.run_soon(TRACKER_LOOP)  # gone, or replaced: the phase moves now
-            if runtime.discovered is not None and self.admission.discoverer is not None:
+            if target.discovered is not None and self.admission.discoverer is not None:
                 # Its restart may be up before the next pass is due: look for it now.
                 self.admission.look_now()
                 self.sampler.run_soon(DISCOVERY_LOOP)
-        name = runtime.config.name
+        name = target.config.name
         watched = root is not None and self.exits.watch(
             root, lambda: self.sampler.sample_soon(PROCESS, name)
         )
-        runtime.watched_pid = root if watched else None
+        target.watched_pid = root if watched else None
 
     def note_clock_step(self, now: float) -> None:
         """A wall clock stepped back (NTP, a VM resumed): start tracking afresh.
@@ -93,11 +93,11 @@ class Reactions:
             "restart",
             last - now,
         )
-        for runtime in self.admission.targets.values():
-            runtime.tracker = self._tracker(runtime.config, runtime.discovered)
-            runtime.started_at = None
+        for target in self.admission.targets.values():
+            target.tracker = self._tracker(target.config, target.discovered)
+            target.started_at = None
 
-    def after_files(self, runtime: TargetRuntime, reading: Reading[WeightFilesSample]) -> None:
+    def after_files(self, target: WatchedTarget, reading: Reading[WeightFilesSample]) -> None:
         """A weight file first opened, every one let go, or every byte consumed (an mmap loader
         keeps its map): the phase moves, so tick now, not up to an interval later (a server
         whose start-up ends just after its weights, llama.cpp's, is ready by then and would be
@@ -107,20 +107,20 @@ class Reactions:
         if files is None:
             return
         news = files_news(files)
-        if news == runtime.files_news:
+        if news == target.files_news:
             return
-        runtime.files_news = news
+        target.files_news = news
         if files.idle_since is not None:
-            self.measure_now(runtime)
+            self.measure_now(target)
         self.sampler.run_soon(TRACKER_LOOP)
 
-    def measure_now(self, runtime: TargetRuntime) -> None:
+    def measure_now(self, target: WatchedTarget) -> None:
         """A residency pass now, whatever the CPU budget says: a load began (its cache
         temperature), its files were let go (read whole?) or it ended (the serving residency,
         else stale until the serving refresh, minutes away)."""
-        if runtime.residency is not None:
-            runtime.residency.request_full_pass()
-            self.sampler.sample_soon(PAGECACHE, runtime.config.name)
+        if target.residency is not None:
+            target.residency.request_full_pass()
+            self.sampler.sample_soon(PAGECACHE, target.config.name)
 
     def after_memory(self, reading: Reading[MemorySample]) -> None:
         """Pages left the host's page cache: a target's weights may be among them, so measure
@@ -129,50 +129,50 @@ class Reactions:
         if memory is None:
             return
         with self._lock:
-            runtimes = list(self.admission.targets.values())
-        for runtime in runtimes:
-            residency = runtime.residency
+            targets = list(self.admission.targets.values())
+        for target in targets:
+            residency = target.residency
             if residency is not None and residency.note_departures(
                 memory.page_cache_departed_bytes
             ):
-                self.sampler.sample_soon(PAGECACHE, runtime.config.name)
-            environment = runtime.environment
+                self.sampler.sample_soon(PAGECACHE, target.config.name)
+            environment = target.environment
             if environment is not None and environment.note_departures(
                 memory.page_cache_departed_bytes
             ):
-                self.sampler.sample_soon(ENVIRONMENT, runtime.config.name)
+                self.sampler.sample_soon(ENVIRONMENT, target.config.name)
 
-    def after_residency(self, runtime: TargetRuntime, reading: Reading[ResidencySample]) -> None:
+    def after_residency(self, target: WatchedTarget, reading: Reading[ResidencySample]) -> None:
         """A fresh pass during a load may say the weights are in: tick now (passes are rare).
         A settled target's pass changes no phase, and the restart forecast is made from the
         latest pass at each snapshot: no tick (evictions while serving bring passes often)."""
         sample = reading.good
-        if sample is None or sample.measured_at == runtime.residency_seen:
+        if sample is None or sample.measured_at == target.residency_seen:
             return
-        runtime.residency_seen = sample.measured_at
-        if not runtime.settled:
+        target.residency_seen = sample.measured_at
+        if not target.settled:
             self.sampler.run_soon(TRACKER_LOOP)
 
-    def after_probe(self, runtime: TargetRuntime, reading: Reading[ProbeSample]) -> None:
+    def after_probe(self, target: WatchedTarget, reading: Reading[ProbeSample]) -> None:
         """Tick now, not up to an interval (or a quiet interval) later, when an answer matters:
         the first ready answer of a load in progress ends it at that answer; between loads,
         every failed answer (each counts towards a hung server or an endpoint-only load) and
         the first good one after them."""
         value = reading.good
         result = value.result if value is not None else None
-        last, runtime.last_result = runtime.last_result, result
-        if probe_is_news(result, last, runtime.cadence.phase in IN_PROGRESS):
-            if result is ProbeResult.READY and runtime.log.source is not None:
-                self.sampler.sample_soon(LOGS, runtime.config.name)  # the lines up to it
+        last, target.last_result = target.last_result, result
+        if probe_is_news(result, last, target.cadence.phase in IN_PROGRESS):
+            if result is ProbeResult.READY and target.log.source is not None:
+                self.sampler.sample_soon(LOGS, target.config.name)  # the lines up to it
             self.sampler.run_soon(TRACKER_LOOP)
 
-    def note_hung(self, runtime: TargetRuntime, state: TargetState) -> None:
+    def note_hung(self, target: WatchedTarget, state: LoadState) -> None:
         """Log once when the tracker calls a ready server hung (its process runs on, its
         endpoint stopped answering), and once when it answers again."""
-        if state.hung == runtime.hung:
+        if state.hung == target.hung:
             return
-        runtime.hung = state.hung
-        name = runtime.config.name
+        target.hung = state.hung
+        name = target.config.name
         if not state.hung:
             log.info("target %s: the endpoint answers again", name)
             return
@@ -188,10 +188,10 @@ class Reactions:
             state.failed_probes,
         )
 
-    def after_log(self, runtime: TargetRuntime, reading: Reading[LogSample]) -> None:
+    def after_log(self, target: WatchedTarget, reading: Reading[LogSample]) -> None:
         """Tick now when the log has news the tracker acts on: a load that answered ready waits
         for a read of the log after the answer (it dates a short load's phases); between loads,
         a line may begin a load inside the running server, or say it unloaded a model."""
-        in_progress = runtime.cadence.phase in IN_PROGRESS
-        if log_is_news(reading.good, runtime.log.seq, in_progress, runtime.last_result):
+        in_progress = target.cadence.phase in IN_PROGRESS
+        if log_is_news(reading.good, target.log.seq, in_progress, target.last_result):
             self.sampler.run_soon(TRACKER_LOOP)

@@ -15,7 +15,7 @@ from exporter.discovery.found import DiscoveredServer
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import HistogramCounts
 from exporter.history.targethistory import TargetHistory
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.logs.find import LogFinding
 from exporter.runtime.sampler import Reading
 from exporter.sources import ENDPOINT, LOGS, SourceKey
@@ -34,7 +34,7 @@ class TargetView:
     """One target as a scrape sees it: config, load state, its sources' latest readings."""
 
     config: TargetConfig
-    state: TargetState | None  # None until the first tracker tick
+    state: LoadState | None  # None until the first tracker tick
     readings: Mapping[str, Reading[Any]]  # this target's per-target sources, by source name
     gpu_memory: Mapping[int, int]  # bytes the server's process tree holds, per GPU index
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured

@@ -12,7 +12,7 @@ from exporter.config.schema import TargetConfig
 from exporter.discovery.found import DiscoveredServer
 from exporter.history.explain import Counters
 from exporter.history.targethistory import TargetHistory
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.load.tracker import Tracker
 from exporter.runtime.logfollow import TargetLog
 from exporter.runtime.observe import FilesNews, Marked
@@ -32,7 +32,7 @@ READS_KEPT = 16
 
 
 @dataclass
-class TargetRuntime:
+class WatchedTarget:
     """What the runtime holds for one target: its sources, its tracker, what the tick found."""
 
     config: TargetConfig
@@ -46,7 +46,7 @@ class TargetRuntime:
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
     gone_since: float | None = None  # a discovered server's process went away at this time
     started_at: float | None = None  # start of the load the tick last saw
-    state: TargetState | None = None
+    state: LoadState | None = None
     gpu_memory: Mapping[int, int] = field(default_factory=dict)
     pcie_at_start: PcieMarks = field(default_factory=dict)  # each GPU's counter as the load began
     hung: bool = False  # ready, process running, endpoint failing: logged once

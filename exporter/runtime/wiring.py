@@ -29,7 +29,7 @@ from exporter.discovery.found import DiscoveredServer
 from exporter.discovery.refusals import Refusals
 from exporter.discovery.scan import Discoverer
 from exporter.history.store import HistoryStore
-from exporter.load.records import LoadRecord, TargetState
+from exporter.load.records import LoadRecord, LoadState
 from exporter.load.tracker import Scope, Tracker
 from exporter.runtime.admission import Admission, model_of, models_apart, on_behalf, on_behalf_of
 from exporter.runtime.exitwatch import ExitWatch
@@ -46,7 +46,7 @@ from exporter.runtime.pacing import QUIET_INTERVAL, Pacing, ProbeCadence
 from exporter.runtime.reactions import DISCOVERY_LOOP, TRACKER_LOOP, Reactions
 from exporter.runtime.sampler import Reading, Sampler
 from exporter.runtime.snapshot import Snapshot, TargetView
-from exporter.runtime.target import TargetRuntime
+from exporter.runtime.target import WatchedTarget
 from exporter.runtime.targetnames import uid_of
 from exporter.sources import (
     ENDPOINT,
@@ -147,8 +147,8 @@ class Runtime:
         self.reactions = Reactions(
             self.sampler, self.exits, self.admission, self._lock, self._tracker
         )
-        for target in config.targets:
-            self.admission.add(target)
+        for configured in config.targets:
+            self.admission.add(configured)
         self.nvml = NvmlSource(nvml, pid_check=gpu_pid_check or NvmlPidCheck(proc_root))
         self.sampler.add(
             MEMORY,
@@ -167,19 +167,19 @@ class Runtime:
         self.filing.read_histories()
 
     @property
-    def targets(self) -> dict[str, TargetRuntime]:
+    def targets(self) -> dict[str, WatchedTarget]:
         """The targets watched now, by name (exporter/admission.py keeps the set)."""
         return self.admission.targets
 
     # -- what admission asks of the wiring (exporter/admission.Wiring) ------------------------
 
-    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> TargetRuntime:
+    def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> WatchedTarget:
         """A target's tracker, prober, probe cadence and log; wire() builds its sources."""
 
         def log_rights(pid: int) -> OnBehalf | None:  # a found log is read as its process reads
-            return self._process_rights(runtime, pid)
+            return self._process_rights(target, pid)
 
-        runtime = TargetRuntime(
+        target = WatchedTarget(
             config=config,
             tracker=self._tracker(config, found),
             prober=EndpointProber(config.endpoint),
@@ -201,86 +201,86 @@ class Runtime:
             discovered=found,
         )
         self.history.own(config.name, uid_of(found) if found is not None else None)
-        return runtime
+        return target
 
-    def wire(self, runtime: TargetRuntime) -> None:
+    def wire(self, target: WatchedTarget) -> None:
         """(Re)build the sources of a target from its config and register their loops."""
-        target = runtime.config
+        config = target.config
         # A repository that came to hold several models (poll mode): they are targets of their
         # own from now on, and the server's keeps its process's loads.
-        runtime.tracker.scope = _scope(target, runtime.discovered)
-        runtime.finder = (
-            ProcessFinder(target.process, proc_root=self._proc_root) if target.process else None
+        target.tracker.scope = _scope(config, target.discovered)
+        target.finder = (
+            ProcessFinder(config.process, proc_root=self._proc_root) if config.process else None
         )
-        behalf = on_behalf(self.actor, self._proc_root, runtime.discovered)
-        runtime.storage = (
-            WeightStorage(target.weights, proc_root=self._proc_root, sys_root=self._sys_root)
-            if target.weights
+        behalf = on_behalf(self.actor, self._proc_root, target.discovered)
+        target.storage = (
+            WeightStorage(config.weights, proc_root=self._proc_root, sys_root=self._sys_root)
+            if config.weights
             else None
         )
-        runtime.residency = (
+        target.residency = (
             ResidencySource(
-                target.weights,
+                config.weights,
                 cpu_budget=self.config.residency_cpu_budget,
                 clock=self._clock,
                 refresh_after=lambda: (
-                    SERVING_REFRESH_SECONDS if runtime.settled else QUIET_REFRESH_SECONDS
+                    SERVING_REFRESH_SECONDS if target.settled else QUIET_REFRESH_SECONDS
                 ),
                 on_behalf=behalf,
                 max_entries=self.config.discovery.max_files if behalf else None,
-                on_refused=lambda exc: self._refused_tree(target.name, exc),
-                storage=runtime.storage,
+                on_refused=lambda exc: self._refused_tree(config.name, exc),
+                storage=target.storage,
             )
-            if target.weights
+            if config.weights
             else None
         )
-        runtime.cadence.ready_interval = target.endpoint.ready_interval
-        runtime.cadence.process_matching = target.process is not None
+        target.cadence.ready_interval = config.endpoint.ready_interval
+        target.cadence.process_matching = config.process is not None
         self.sampler.add(
             ENDPOINT,
-            target.name,
-            runtime.prober.sample,
-            every=lambda: runtime.cadence.delay(self._probe_result(target.name)),
-            after=lambda reading: self.reactions.after_probe(runtime, reading),
+            config.name,
+            target.prober.sample,
+            every=lambda: target.cadence.delay(self._probe_result(config.name)),
+            after=lambda reading: self.reactions.after_probe(target, reading),
         )
-        if runtime.watched_pid is not None:  # another process from now on
-            self.exits.forget(runtime.watched_pid)
-            runtime.watched_pid = None
+        if target.watched_pid is not None:  # another process from now on
+            self.exits.forget(target.watched_pid)
+            target.watched_pid = None
 
-        if runtime.finder is not None:
+        if target.finder is not None:
             self.sampler.add(
                 PROCESS,
-                target.name,
-                runtime.finder.sample,
-                every=self._pace_of(PROCESS, runtime),
-                after=lambda reading: self.reactions.after_process(runtime, reading),
+                config.name,
+                target.finder.sample,
+                every=self._pace_of(PROCESS, target),
+                after=lambda reading: self.reactions.after_process(target, reading),
             )
         else:
-            self.sampler.discard(PROCESS, target.name)
-        if runtime.residency is not None:
+            self.sampler.discard(PROCESS, config.name)
+        if target.residency is not None:
             self.sampler.add(
                 PAGECACHE,
-                target.name,
-                runtime.residency.sample,
-                every=self._pace_of(PAGECACHE, runtime),
-                after=lambda reading: self.reactions.after_residency(runtime, reading),
+                config.name,
+                target.residency.sample,
+                every=self._pace_of(PAGECACHE, target),
+                after=lambda reading: self.reactions.after_residency(target, reading),
             )
         else:
-            self.sampler.discard(PAGECACHE, target.name)
-        if runtime.storage is not None:
-            describe = runtime.storage.describe
+            self.sampler.discard(PAGECACHE, config.name)
+        if target.storage is not None:
+            describe = target.storage.describe
             self.sampler.add(
                 STORAGE,
-                target.name,
+                config.name,
                 (lambda: behalf.run(describe)) if behalf is not None else describe,
-                every=self._storage_pace(target.name),
+                every=self._storage_pace(config.name),
             )
         else:
-            self.sampler.discard(STORAGE, target.name)
-        if runtime.finder is not None and target.weights is not None:
-            name = target.name
-            files = runtime.files = WeightFilesSource(
-                target.weights,
+            self.sampler.discard(STORAGE, config.name)
+        if target.finder is not None and config.weights is not None:
+            name = config.name
+            files = target.files = WeightFilesSource(
+                config.weights,
                 lambda: self.sampler.value(PROCESS, name),
                 proc_root=self._proc_root,
                 clock=self._clock,
@@ -291,65 +291,65 @@ class Runtime:
                 WEIGHT_FILES,
                 name,
                 files.sample,
-                every=self._files_pace(runtime),
-                after=lambda reading: self.reactions.after_files(runtime, reading),
+                every=self._files_pace(target),
+                after=lambda reading: self.reactions.after_files(target, reading),
             )
         else:
-            self.sampler.discard(WEIGHT_FILES, target.name)
-            runtime.files = None
-        self._wire_environment(runtime)
-        self.host.watch(target.name, target.weights.paths if target.weights else None, behalf)
+            self.sampler.discard(WEIGHT_FILES, config.name)
+            target.files = None
+        self._wire_environment(target)
+        self.host.watch(config.name, config.weights.paths if config.weights else None, behalf)
         if self.pacing.unsettle():  # a new target, or a new process of one
             self.sampler.wake_all()
 
-    def _process_rights(self, runtime: TargetRuntime, pid: int) -> OnBehalf:
+    def _process_rights(self, target: WatchedTarget, pid: int) -> OnBehalf:
         """How a target's server process `pid` is read for: a discovered server's rights as
         found, a configured target's process's own (ProcessLookupError, Borrowed)."""
-        found = on_behalf(self.actor, self._proc_root, runtime.discovered)
+        found = on_behalf(self.actor, self._proc_root, target.discovered)
         return found or on_behalf_of(self.actor, self._proc_root, pid)
 
-    def _wire_environment(self, runtime: TargetRuntime) -> None:
+    def _wire_environment(self, target: WatchedTarget) -> None:
         """The server's environment, learned from its tree with its root process's rights:
         kept across its restarts by the same user (the next start maps the same files), so only
         made once per target."""
-        target = runtime.config
-        if runtime.finder is None:
-            self.sampler.discard(ENVIRONMENT, target.name)
-            runtime.environment = None
+        config = target.config
+        if target.finder is None:
+            self.sampler.discard(ENVIRONMENT, config.name)
+            target.environment = None
             return
-        if runtime.environment is not None:
-            runtime.environment.follow(target.weights)
+        if target.environment is not None:
+            target.environment.follow(config.weights)
             return
-        name = target.name
-        runtime.environment = EnvironmentSource(
-            target.weights,
+        name = config.name
+        target.environment = EnvironmentSource(
+            config.weights,
             lambda: self.sampler.value(PROCESS, name),
-            lambda pid: self._process_rights(runtime, pid),
+            lambda pid: self._process_rights(target, pid),
             proc_root=self._proc_root,
             clock=self._clock,
             cpu_budget=self.config.residency_cpu_budget,
             refresh_after=lambda: (
-                SERVING_REFRESH_SECONDS if runtime.settled else ENVIRONMENT_REFRESH_SECONDS
+                SERVING_REFRESH_SECONDS if target.settled else ENVIRONMENT_REFRESH_SECONDS
             ),
         )
         self.sampler.add(
-            ENVIRONMENT, name, runtime.environment.sample, every=self._pace_of(ENVIRONMENT, runtime)
+            ENVIRONMENT, name, target.environment.sample, every=self._pace_of(ENVIRONMENT, target)
         )
 
     def _refused_tree(self, name: str, exc: Refused) -> None:
         self.refusals.note(exc.reason, (name, exc.reason), "target %s: %s", name, exc)
 
-    def unwire(self, runtime: TargetRuntime) -> None:
+    def unwire(self, target: WatchedTarget) -> None:
         """Stop a dropped target's sources and forget what was measured of it."""
-        name = runtime.config.name
-        runtime.prober.close()
+        name = target.config.name
+        target.prober.close()
         self.sampler.remove(name)
         self.host.watch(name, None)
         self.filing.load_durations.forget(name)
         self.filing.phase_durations.forget(name)
-        if runtime.watched_pid is not None:
-            self.exits.forget(runtime.watched_pid)
-        runtime.log.close()
+        if target.watched_pid is not None:
+            self.exits.forget(target.watched_pid)
+        target.log.close()
         self.history.own(name, None)
 
     def pids_watched(self, name: str) -> Collection[int]:
@@ -357,13 +357,13 @@ class Runtime:
         process = self.sampler.value(PROCESS, name)
         return process.pids if process is not None else ()
 
-    def _tracker(self, target: TargetConfig, found: DiscoveredServer | None) -> Tracker:
+    def _tracker(self, config: TargetConfig, found: DiscoveredServer | None) -> Tracker:
         return Tracker(
-            target.name,
-            stall_after=target.stall_after,
+            config.name,
+            stall_after=config.stall_after,
             expectations=self.history,
             interval=self.config.sample_interval,
-            scope=_scope(target, found),
+            scope=_scope(config, found),
         )
 
     # -- the loops ---------------------------------------------------------------------------
@@ -372,13 +372,13 @@ class Runtime:
         self.sampler.start()
 
     def stop(self) -> None:
-        for runtime in self.targets.values():
-            runtime.prober.close()  # a probe in flight ends now, not at its timeout
+        for target in self.targets.values():
+            target.prober.close()  # a probe in flight ends now, not at its timeout
         self.sampler.stop()
         self.actor.close()
         self.exits.close()
-        for runtime in self.targets.values():
-            runtime.log.close()
+        for target in self.targets.values():
+            target.log.close()
         self.nvml.close()
         self.history.close()
 
@@ -394,60 +394,60 @@ class Runtime:
         self.history.retry()  # loads a full disk could not take yet
         disk = self.sampler.value(DISK)
         with self._lock:
-            runtimes = list(self.targets.values())
+            targets = list(self.targets.values())
         moved = False  # a phase changed: paces change with it
-        for runtime in runtimes:
-            self._follow_log(runtime, now)
-            seen_now = observe(self._readings(runtime, disk), now)
-            runtime.log.seq = seen_now.log_seq
+        for target in targets:
+            self._follow_log(target, now)
+            seen_now = observe(self._readings(target, disk), now)
+            target.log.seq = seen_now.log_seq
             observation, gpu_memory = seen_now.observation, seen_now.gpu_memory
-            name = runtime.config.name
-            if runtime.residency is not None:
+            name = target.config.name
+            if target.residency is not None:
                 counted = (disk, self.sampler.value(NETFS), self.sampler.value(ZFS))
-                runtime.residency.note_device_reads(bytes_read_under(name, counted))
+                target.residency.note_device_reads(bytes_read_under(name, counted))
             host_reads = (self.sampler.latest(src) for src in (DISK, NETFS, ZFS))
             reads = read_counters(name, host_reads)
-            seen = runtime.reads_seen
+            seen = target.reads_seen
             if reads is not None and (not seen or seen[-1].at != reads.at):
                 seen.append(reads)
-            record = runtime.tracker.observe(observation)
-            for model in runtime.tracker.unloaded_now:
+            record = target.tracker.observe(observation)
+            for model in target.tracker.unloaded_now:
                 log.info(  # the server's own name for the model: untrusted text
-                    "target %s: the server unloaded model %s", runtime.config.name, clean(model)
+                    "target %s: the server unloaded model %s", target.config.name, clean(model)
                 )
             if record is not None:
-                runtime.tracker.reported(self.filing.file(runtime, record, reads))
-                self.reactions.measure_now(runtime)  # what the next restart would find
-            state = runtime.tracker.state(now)
-            if state.in_progress and state.started_at != runtime.started_at:
+                target.tracker.reported(self.filing.file(target, record, reads))
+                self.reactions.measure_now(target)  # what the next restart would find
+            state = target.tracker.state(now)
+            if state.in_progress and state.started_at != target.started_at:
                 # A new load: its cache temperature needs a residency pass now, not when the
                 # CPU budget next allows one.
-                runtime.started_at = state.started_at
-                runtime.pcie_at_start = {}
-                runtime.reads_at_start = counters_before(runtime.reads_seen, state)
-                self.reactions.measure_now(runtime)
-                self._files_afresh(runtime, state)
+                target.started_at = state.started_at
+                target.pcie_at_start = {}
+                target.reads_at_start = counters_before(target.reads_seen, state)
+                self.reactions.measure_now(target)
+                self._files_afresh(target, state)
             gpus = self.sampler.latest(NVML)
             if state.in_progress and gpus is not None:  # each GPU's first counter in the load
-                runtime.pcie_at_start = mark_pcie(
-                    runtime.pcie_at_start, gpus.good, gpus.finished_at, state.started_at
+                target.pcie_at_start = mark_pcie(
+                    target.pcie_at_start, gpus.good, gpus.finished_at, state.started_at
                 )
-            if runtime.cadence.set_phase(state.phase, state.in_server and state.in_progress):
+            if target.cadence.set_phase(state.phase, state.in_server and state.in_progress):
                 moved = True
-            self.reactions.note_hung(runtime, state)
+            self.reactions.note_hung(target, state)
             with self._lock:
-                runtime.state, runtime.gpu_memory = state, gpu_memory
-        if self.pacing.note((runtime.settled for runtime in runtimes), moved):
+                target.state, target.gpu_memory = state, gpu_memory
+        if self.pacing.note((target.settled for target in targets), moved):
             self.sampler.wake_all()
         self._ticked.set()
 
-    def _files_afresh(self, runtime: TargetRuntime, state: TargetState) -> None:
+    def _files_afresh(self, target: WatchedTarget, state: LoadState) -> None:
         """A model loaded into the running server reads its files again: the file view starts
         over (the tracker holds the older account off: what the load before consumed is no
         progress of this one)."""
-        if state.in_server and runtime.files is not None:
-            runtime.files.restart()
-            self.sampler.sample_soon(WEIGHT_FILES, runtime.config.name)
+        if state.in_server and target.files is not None:
+            target.files.restart()
+            self.sampler.sample_soon(WEIGHT_FILES, target.config.name)
 
     @property
     def quiet(self) -> bool:
@@ -459,18 +459,18 @@ class Runtime:
         return reading is not None and not reading.ok
 
     def _pace_of(
-        self, source: SourceKey[Any], runtime: TargetRuntime | None = None
+        self, source: SourceKey[Any], target: WatchedTarget | None = None
     ) -> Callable[[], float]:
         """A source's loop asks exporter/pacing.py, with its target's state and its own."""
-        if runtime is None:
+        if target is None:
             return lambda: self.pacing.host_source(self._failing(source, ""))
-        name = runtime.config.name
-        return lambda: self.pacing.source(runtime.settled, self._failing(source, name))
+        name = target.config.name
+        return lambda: self.pacing.source(target.settled, self._failing(source, name))
 
-    def _files_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
-        name = runtime.config.name
+    def _files_pace(self, target: WatchedTarget) -> Callable[[], float]:
+        name = target.config.name
         return lambda: self.pacing.weight_files(
-            runtime.cadence.phase, runtime.settled, self._failing(WEIGHT_FILES, name)
+            target.cadence.phase, target.settled, self._failing(WEIGHT_FILES, name)
         )
 
     def _storage_pace(self, target: str) -> Callable[[], float]:
@@ -485,14 +485,14 @@ class Runtime:
         probe = self.sampler.value(ENDPOINT, name)
         return probe.result if probe is not None else None
 
-    def _follow_log(self, runtime: TargetRuntime, now: float) -> None:
+    def _follow_log(self, target: WatchedTarget, now: float) -> None:
         """Sample the log exporter/logs/follow.py says the target follows now."""
-        name = runtime.config.name
-        watched = runtime.finder is not None
+        name = target.config.name
+        watched = target.finder is not None
         process = self.sampler.latest(PROCESS, name) if watched else None
-        found = runtime.discovered
-        switch = runtime.log.update(
-            now, process, watched=watched, found=found, model=model_of(runtime.config, found)
+        found = target.discovered
+        switch = target.log.update(
+            now, process, watched=watched, found=found, model=model_of(target.config, found)
         )
         if switch is None:
             return
@@ -503,39 +503,39 @@ class Runtime:
                 LOGS,
                 name,
                 switch.opened.sample,
-                every=self._log_pace(runtime),
-                after=lambda reading: self.reactions.after_log(runtime, reading),
+                every=self._log_pace(target),
+                after=lambda reading: self.reactions.after_log(target, reading),
             )
 
-    def _log_pace(self, runtime: TargetRuntime) -> Callable[[], float]:
+    def _log_pace(self, target: WatchedTarget) -> Callable[[], float]:
         """A gauge's pace, except for a server whose log alone says a load began inside it."""
-        name = runtime.config.name
+        name = target.config.name
 
         def pace() -> float:
             every = read_every_interval(self.sampler.latest(LOGS, name))
-            return self.pacing.source(runtime.settled and not every, self._failing(LOGS, name))
+            return self.pacing.source(target.settled and not every, self._failing(LOGS, name))
 
         return pace
 
-    def _readings(self, runtime: TargetRuntime, disk: DiskSample | None) -> TargetReadings:
+    def _readings(self, target: WatchedTarget, disk: DiskSample | None) -> TargetReadings:
         """The latest readings of one target's sources, for the tick's observation."""
-        name = runtime.config.name
-        process_configured = runtime.finder is not None
-        followed = runtime.log.source is not None
+        name = target.config.name
+        process_configured = target.finder is not None
+        followed = target.log.source is not None
         return TargetReadings(
             name=name,
-            gpus=runtime.config.gpus,
+            gpus=target.config.gpus,
             process_configured=process_configured,
             probe=self.sampler.latest(ENDPOINT, name),
             process=self.sampler.value(PROCESS, name) if process_configured else None,
-            pagecache=self.sampler.latest(PAGECACHE, name) if runtime.residency else None,
+            pagecache=self.sampler.latest(PAGECACHE, name) if target.residency else None,
             logs=self.sampler.latest(LOGS, name) if followed else None,
             log_followed=followed,
             files=self.sampler.latest(WEIGHT_FILES, name) if process_configured else None,
             gpu=self.sampler.value(NVML),
             disk=disk,
             storage=self.sampler.value(STORAGE, name),
-            log_seq=runtime.log.seq,
+            log_seq=target.log.seq,
         )
 
     def snapshot(self) -> Snapshot:
@@ -549,17 +549,17 @@ class Runtime:
         with self._lock:
             views = tuple(
                 TargetView(
-                    rt.config,
-                    rt.state,
+                    target.config,
+                    target.state,
                     by_target.get(name, {}),
-                    dict(rt.gpu_memory),
-                    rt.discovered,
-                    pcie_at_start=rt.pcie_at_start,
-                    forecast=restart_forecast(rt.past, by_target.get(name, {})),
-                    log_finding=rt.log.finding,
-                    past=rt.past,
+                    dict(target.gpu_memory),
+                    target.discovered,
+                    pcie_at_start=target.pcie_at_start,
+                    forecast=restart_forecast(target.past, by_target.get(name, {})),
+                    log_finding=target.log.finding,
+                    past=target.past,
                 )
-                for name, rt in self.targets.items()
+                for name, target in self.targets.items()
             )
             return Snapshot(
                 time=self._clock(),
@@ -583,8 +583,8 @@ class Runtime:
         return self.history.load(load_id)
 
 
-def _scope(target: TargetConfig, found: DiscoveredServer | None) -> Scope:
+def _scope(config: TargetConfig, found: DiscoveredServer | None) -> Scope:
     """What of its server a target watches (exporter/admission.py: targets_of)."""
-    if model_of(target, found) is not None:
+    if model_of(config, found) is not None:
         return Scope.MODEL
     return Scope.PROCESS if models_apart(found) else Scope.SERVER

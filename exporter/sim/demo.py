@@ -21,7 +21,7 @@ from rich.table import Table
 
 from exporter.config.reader import parse_config
 from exporter.exposition.http.app import HttpServer, WebApp
-from exporter.load.records import TargetState
+from exporter.load.records import LoadState
 from exporter.logsetup import setup_logging
 from exporter.runtime.wiring import Runtime
 from exporter.sim.shards import generate_shards
@@ -64,7 +64,7 @@ def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.0f}s"
 
 
-def _table(state: TargetState | None, cycle: int, kind: str) -> Table:
+def _table(state: LoadState | None, cycle: int, kind: str) -> Table:
     table = Table(title=f"load {cycle} ({kind} cache)", show_header=False, min_width=48)
     table.add_column(style="bold")
     table.add_column()
