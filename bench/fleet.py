@@ -73,7 +73,7 @@ from exporter.exposition.collector import ExporterCollector
 from exporter.exposition.http import protobuf
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
-from exporter.history.targethistory import TargetHistory
+from exporter.history.pastloads import PastLoads
 from exporter.load.progress import temperature
 from exporter.load.records import LoadState
 from exporter.runtime.sampler import Reading
@@ -279,7 +279,7 @@ class TargetLife:
             readings=self.readings(now, ready, size, resident, load.start),
             gpu_memory={gpu: 120 * GIB} if holds_gpu else {},
             forecast=self.forecast(resident / size),
-            past=TargetHistory(expected=dict(self.medians), last=self.last or None),
+            past=PastLoads(expected=dict(self.medians), last=self.last or None),
         )
 
     def forecast(self, share: float) -> Forecast | None:
@@ -300,7 +300,7 @@ class TargetLife:
             readings=self.readings(now, False, size, resident, None),
             gpu_memory={},
             forecast=self.forecast(self.standby),
-            past=TargetHistory(expected=dict(self.medians), last=self.last or None),
+            past=PastLoads(expected=dict(self.medians), last=self.last or None),
         )  # fmt: skip
 
     def readings(

@@ -84,7 +84,7 @@ class Wiring:
         self.targets: dict[str, WatchedTarget] = {}
         self.wired: list[tuple[str, int | None]] = []  # (target, discovered pid) per wire()
         self.unwired: list[str] = []
-        self.histories_read = 0
+        self.past_loads_read = 0
         self.owners: dict[str, int] = {}  # what history says of who loaded last under a name
 
     def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> WatchedTarget:
@@ -115,8 +115,8 @@ class Wiring:
         finder = self.targets[name].finder
         return finder.sample().pids if finder is not None else ()
 
-    def read_histories(self) -> None:
-        self.histories_read += 1
+    def read_past_loads(self) -> None:
+        self.past_loads_read += 1
 
     def past_owner(self, name: str) -> int | None:
         return self.owners.get(name)
@@ -222,9 +222,9 @@ def test_a_discovered_server_becomes_a_target_wired_with_its_process_and_its_his
     assert target.config == targets_of(found("qwen", 101))[0]
     assert target.config.process == ProcessConfig(pid=101, start_ticks=5000)
     assert target.config.weights == WeightsConfig(paths=("/models/m",), include=("*.safetensors",))
-    assert setup.wiring.wired == [("qwen", 101)] and setup.wiring.histories_read == 1
+    assert setup.wiring.wired == [("qwen", 101)] and setup.wiring.past_loads_read == 1
     setup.discover(found("qwen", 101))  # the same server on the next pass: nothing to do
-    assert setup.wiring.wired == [("qwen", 101)] and setup.wiring.histories_read == 1
+    assert setup.wiring.wired == [("qwen", 101)] and setup.wiring.past_loads_read == 1
 
 
 def test_configured_targets_win_the_processes_and_endpoints_they_watch(tmp_path: Path) -> None:
@@ -298,7 +298,7 @@ def test_a_restarted_server_is_followed_by_its_target_with_a_new_process() -> No
     moved = replace(found("qwen", 121, start_ticks=9900), probe_path="/v1/models")
     setup.discover(moved)
     assert target.prober is not prober and target.config.endpoint.path == "/v1/models"
-    assert setup.wiring.histories_read == 1  # one target all along
+    assert setup.wiring.past_loads_read == 1  # one target all along
 
 
 def test_a_gone_server_is_kept_for_keep_for_looked_for_every_interval_then_dropped() -> None:

@@ -33,8 +33,8 @@ from exporter.exposition.api_build import status_document
 from exporter.exposition.collector import CATALOG, ExporterCollector
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
+from exporter.history.pastloads import PastLoads
 from exporter.history.startupwindow import StartupAdvice
-from exporter.history.targethistory import TargetHistory
 from exporter.load.records import LoadRecord, LoadState
 from exporter.load.report import LoadReport, PhaseTime, ReadRate, StorageRead
 from exporter.logs.find import LogFinding
@@ -253,7 +253,7 @@ def golden_snapshot() -> Snapshot:
         # page cache at 3 GB/s, 180 s to initialize.
         forecast=Forecast(60.0 + 75 * GIB / 240e6 + 25 * GIB / 3e9 + 180.0, 0.25, None),
         # Its slowest cold load of 12 took 755.2 s: with the margin, 95 periods of 10 s.
-        past=TargetHistory(advice=StartupAdvice(10, 95, 12, 755.2, None)),
+        past=PastLoads(advice=StartupAdvice(10, 95, 12, 755.2, None)),
     )
     ready = TargetView(
         config=qwen,
@@ -289,7 +289,7 @@ def golden_snapshot() -> Snapshot:
             reachable=True,
             evidence=(),
         ),
-        past=TargetHistory(
+        past=PastLoads(
             expected={Cache.WARM: 50.0, Cache.COLD: 610.0},
             last=50.0,
             slower="weights took 3.1x their warm median: the page cache delivered 1.3 GB/s "

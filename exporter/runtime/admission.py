@@ -71,7 +71,7 @@ class Wiring(Protocol):
 class Filed(Protocol):
     """What admission asks of the runtime's filing of finished loads."""
 
-    def read_histories(self) -> None:
+    def read_past_loads(self) -> None:
         """Read what history says of every target afresh (one was added)."""
         ...
 
@@ -232,7 +232,7 @@ class Admission:
                 log.info("target %s: discovered %s server, pid %d", claim.config.name,
                          server.kind, server.pid)  # fmt: skip
                 self.add(claim.config, server)
-                self._filed.read_histories()
+                self._filed.read_past_loads()
             else:
                 target.gone_since = None
                 if target.discovered != server:

@@ -15,8 +15,8 @@ from typing import Any
 from exporter.history.explain import baseline, report, storage_reads
 from exporter.history.forecast import Environment, Forecast, forecast
 from exporter.history.histograms import Histograms
+from exporter.history.pastloads import PastLoads, past_loads_of
 from exporter.history.store import HistoryStore
-from exporter.history.targethistory import TargetHistory, read_history
 from exporter.load.records import LoadRecord
 from exporter.runtime.observe import Marked
 from exporter.runtime.sampler import Reading
@@ -72,17 +72,17 @@ class Filing:
             )
             for phase, seconds in record.phase_seconds.items():
                 self.phase_durations.observe((record.target, phase), seconds)
-        self.read_histories()
+        self.read_past_loads()
         reason = record.report.reason if record.report is not None else None
         with self._lock:  # this load's, whether or not history could keep it
             target.past = replace(target.past, slower=reason)
         return record
 
-    def read_histories(self) -> None:
+    def read_past_loads(self) -> None:
         """Read history once per finished load (or new target), not once per scrape."""
         with self._lock:
             targets = list(self._targets().values())
-        past = [read_history(self.history, target.config.name) for target in targets]
+        past = [past_loads_of(self.history, target.config.name) for target in targets]
         with self._lock:
             for target, view in zip(targets, past, strict=True):
                 target.past = view
@@ -92,7 +92,7 @@ class Filing:
         return self.history.owner(name)
 
 
-def restart_forecast(past: TargetHistory, readings: Mapping[str, Reading[Any]]) -> Forecast:
+def restart_forecast(past: PastLoads, readings: Mapping[str, Reading[Any]]) -> Forecast:
     """A restart begun now, from the residency the snapshot shows and what past loads
     measured."""
     reading = readings.get(PAGECACHE.name)

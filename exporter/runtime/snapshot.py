@@ -14,7 +14,7 @@ from exporter.config.schema import MetricsConfig, TargetConfig
 from exporter.discovery.found import DiscoveredServer
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import HistogramCounts
-from exporter.history.targethistory import TargetHistory
+from exporter.history.pastloads import PastLoads
 from exporter.load.records import LoadState
 from exporter.logs.find import LogFinding
 from exporter.runtime.sampler import Reading
@@ -44,7 +44,7 @@ class TargetView:
     forecast: Forecast | None = None  # how long a restart begun now would take
     # What its past loads say (medians, the last one, the startupProbe window); what /metrics
     # and /api/v1/status show of history is read from here.
-    past: TargetHistory = field(default_factory=TargetHistory)
+    past: PastLoads = field(default_factory=PastLoads)
 
     @property
     def name(self) -> str:

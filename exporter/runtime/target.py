@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from exporter.config.schema import TargetConfig
 from exporter.discovery.found import DiscoveredServer
 from exporter.history.explain import Counters
-from exporter.history.targethistory import TargetHistory
+from exporter.history.pastloads import PastLoads
 from exporter.load.records import LoadState
 from exporter.load.tracker import Tracker
 from exporter.runtime.logfollow import TargetLog
@@ -61,7 +61,7 @@ class WatchedTarget:
     reads_seen: deque[Marked] = field(default_factory=lambda: deque(maxlen=READS_KEPT))
     reads_at_start: Counters | None = None
     files: WeightFilesSource | None = None  # the weight-file view, restarted for in-server loads
-    past: TargetHistory = field(default_factory=TargetHistory)  # what its past loads say
+    past: PastLoads = field(default_factory=PastLoads)  # what its past loads say
     # The server's own files and their residency, learned from its tree (sources/environment.py).
     environment: EnvironmentSource | None = None
 

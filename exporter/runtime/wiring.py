@@ -164,7 +164,7 @@ class Runtime:
             self.sampler.add_loop(
                 DISCOVERY_LOOP, self.admission.discover, every=self.admission.wait
             )
-        self.filing.read_histories()
+        self.filing.read_past_loads()
 
     @property
     def targets(self) -> dict[str, WatchedTarget]:

@@ -1,4 +1,4 @@
-"""One target's past loads as the snapshot shows them (exporter/history/targethistory.py), read from
+"""One target's past loads as the snapshot shows them (exporter/history/pastloads.py), read from
 a real SQLite history holding loads of several targets and temperatures."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from exporter.history.explain import baseline, report
 from exporter.history.forecast import NO_RATES
+from exporter.history.pastloads import PastLoads, past_loads_of
 from exporter.history.store import HistoryStore
-from exporter.history.targethistory import TargetHistory, read_history
 from exporter.load.records import LoadRecord
 from exporter.vocabulary import Cache, Outcome
 
@@ -47,11 +47,11 @@ def load(
 def test_a_target_without_loads_reads_as_the_empty_view(tmp_path: Path) -> None:
     store = HistoryStore(str(tmp_path / "h.sqlite"))
     load(store, 100.0, T0, target="other")
-    past = read_history(store, "kimi")
+    past = past_loads_of(store, "kimi")
     assert past.expected == {} and past.last is None and past.slower is None
     assert past.rates == NO_RATES
-    assert past.advice is not None and past.advice == read_history(store, "nobody").advice
-    assert TargetHistory().advice is None  # before history was read at all
+    assert past.advice is not None and past.advice == past_loads_of(store, "nobody").advice
+    assert PastLoads().advice is None  # before history was read at all
 
 
 def test_the_view_holds_medians_per_temperature_the_last_load_and_its_reason(
@@ -64,12 +64,12 @@ def test_the_view_holds_medians_per_temperature_the_last_load_and_its_reason(
     slow = load(store, 45.0, T0 + 6000, cache=Cache.WARM)  # over 1.5 times the 20 s before it
     load(store, 9.0, T0 + 7000, target="other", cache=Cache.WARM)
     assert slow.report is not None and slow.report.reason is not None
-    past = read_history(store, "kimi")
+    past = past_loads_of(store, "kimi")
     assert past.expected == {Cache.COLD: 120.0, Cache.WARM: 32.5}
     assert past.last == 45.0 and past.slower == slow.report.reason
     assert past.rates != NO_RATES
     # A later load that was not slower clears the reason: only the newest load's counts.
     load(store, 22.0, T0 + 8000, cache=Cache.WARM)
-    again = read_history(store, "kimi")
+    again = past_loads_of(store, "kimi")
     assert again.slower is None and again.last == 22.0 and again.expected[Cache.WARM] == 22.0
-    assert read_history(store, "other").expected == {Cache.WARM: 9.0}
+    assert past_loads_of(store, "other").expected == {Cache.WARM: 9.0}

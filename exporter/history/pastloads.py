@@ -17,7 +17,7 @@ EXPECTED_CACHES = tuple(Cache)
 
 
 @dataclass(frozen=True)
-class TargetHistory:
+class PastLoads:
     """One target's past loads as the snapshot shows them; empty before history was read."""
 
     expected: Mapping[Cache, float] = field(default_factory=dict)  # median duration per cache
@@ -27,7 +27,7 @@ class TargetHistory:
     advice: StartupAdvice | None = None  # the startupProbe window its loads would need
 
 
-def read_history(store: HistoryStore, name: str) -> TargetHistory:
+def past_loads_of(store: HistoryStore, name: str) -> PastLoads:
     """The view of one target's loads that `store` holds now."""
     recent = store.loads(name, EXPECTATION_LOADS)
     newest = recent[0].report if recent else None
@@ -36,7 +36,7 @@ def read_history(store: HistoryStore, name: str) -> TargetHistory:
         value = store.expected_duration(name, cache)
         if value is not None:
             expected[cache] = value
-    return TargetHistory(
+    return PastLoads(
         expected=expected,
         last=store.last_duration(name),
         slower=newest.reason if newest is not None else None,
