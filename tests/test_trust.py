@@ -568,8 +568,10 @@ def test_an_unprivileged_exporter_keeps_no_capability_while_acting_for_a_user(
 def test_a_file_opened_for_the_log_finder_is_opened_with_the_process_rights(
     root_dir: Path, user_dir: Path
 ) -> None:
-    """open_as: what exporter code reading a process's log (or any file it names) calls."""
-    from exporter.trust.asprocess import open_as
+    """log_opener: how a found log is opened, with its process's rights as on_behalf_of takes
+    them for a configured target's process."""
+    from exporter.runtime.admission import on_behalf_of
+    from exporter.runtime.logfollow import log_opener
 
     log = user_dir / "server.log"
     log.write_text("ready\n")
@@ -578,17 +580,18 @@ def test_a_file_opened_for_the_log_finder_is_opened_with_the_process_rights(
     actor = Actor()
     try:
         [pid] = fakes.pids
-        fd = open_as(actor, pid, str(log))
+        open_as = log_opener(on_behalf_of(actor, "/proc", pid))
+        fd = open_as(str(log))
         try:
             assert os.read(fd, 100) == b"ready\n"
         finally:
             os.close(fd)
         with pytest.raises(PermissionError):
-            open_as(actor, pid, str(root_dir / "known.safetensors"))
+            open_as(str(root_dir / "known.safetensors"))
         with pytest.raises(OSError) as refused_fifo:
             fifo = user_dir / "fifo"
             os.mkfifo(fifo)
-            open_as(actor, pid, str(fifo))
+            open_as(str(fifo))
         assert getattr(refused_fifo.value, "reason", None) == "not_regular"
         assert stat.S_ISFIFO(os.stat(user_dir / "fifo").st_mode)
     finally:

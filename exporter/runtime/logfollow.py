@@ -223,20 +223,24 @@ class TargetLog:
         with the exporter's own rights; `origin`: the start of the one process the log belongs
         to (a found log), else None; `model`: the one model whose lines are wanted; `lines_of`:
         the mark of its lines in a log it shares."""
-        opener = None
-        if behalf is not None:
-
-            def opener(path: str) -> int:
-                return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
-
         return LogSource(
             config,
             since=since,
             whole_files=whole_files,
             clock=self._clock,
-            opener=opener,
+            opener=log_opener(behalf) if behalf is not None else None,
             rights=behalf.current if behalf is not None else None,
             origin=origin,
             model=model,
             lines_of=lines_of,
         )
+
+
+def log_opener(behalf: OnBehalf) -> Callable[[str], int]:
+    """Opens a found log as its process would read it: with its rights (a file it may not read
+    is PermissionError), a regular file only (Refused), within LOG_OPEN_TIMEOUT (a hung mount)."""
+
+    def opener(path: str) -> int:
+        return behalf.run(lambda: open_checked(path)[0], LOG_OPEN_TIMEOUT)
+
+    return opener

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from exporter.trust.libc import LIBC
-from exporter.trust.safeio import Refused, open_checked, read_regular, resolve_in_root
+from exporter.trust.safeio import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -387,27 +387,3 @@ class OnBehalf:
 
     def run(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         return self.actor.call(self.current(), fn, timeout)
-
-
-def open_as(actor: Actor, pid: int, path: str, proc_root: str = "/proc") -> int:
-    """An fd of a regular file opened with process `pid`'s rights, for reading as it would.
-
-    `path` is as the process names it (resolved inside its root: a container's files, its
-    symlinks kept inside it), or one of its own /proc entries (`/proc/PID/fd/1`, opened as is).
-    Refused (not a regular file, a pseudo file system), RightsError (Borrowed: rights not its
-    own), TimeoutError or OSError (EACCES: the process may not read it either). The caller owns
-    the fd.
-    """
-    rights = rights_of(pid, proc_root)
-    own = f"{proc_root}/{pid}/"
-
-    def opened() -> int:
-        root = f"{proc_root}/{pid}/root"
-        host = path if path.startswith(own) else resolve_in_root(root, path)
-        fd, st = open_checked(host)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise Refused("not_regular", f"{path}: not a regular file")
-        return fd
-
-    return actor.call(rights, opened)
