@@ -40,7 +40,7 @@ class DiscoveredServer:
     headers: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
     # A repository server's models (Triton's: its directories with a config.pbtxt), and the
     # path of one model's own ready answer (`{model}`): with several, each is a target of its
-    # own (exporter/admission.py: targets_of).
+    # own (exporter/runtime/admission.py: targets_of).
     models: tuple[str, ...] = ()
     model_ready_path: str | None = None
     # A model server its router started (llama-server's router mode): the router's process

@@ -11,20 +11,21 @@ the router's port): a model server of its own, named `<router's name>/<model>`, 
 loads, however often the router starts and stops it, are loads of one target.
 
 For each server found, its endpoint, probe, served model and weight paths come from its own
-arguments, config file and environment (see exporter/serverargs.py), resolved the way the
-process sees its files: relative paths against its working directory, hub ids in its own
-Hugging Face cache, and everything through /proc/PID/root when it lives in another mount
-namespace (a container), so that the paths returned are ones this exporter can open.
+arguments, config file and environment (serverargs.py), resolved the way the process sees its
+files (view.py): relative paths against its working directory, hub ids in its own Hugging Face
+cache (weights.py), and everything through /proc/PID/root when it lives in another mount
+namespace (a container), so that the paths returned are ones this exporter can open. What is
+found is a DiscoveredServer (found.py), probed where probehost.py says.
 
 Trust: any local user can start a process that looks like a server, so what its command line,
 environment and files say is believed only as far as that user's own rights reach, as the
 exporter's namespace sees them: a setuid program or a process that is not dumpable is no server
 (refused, `borrowed_rights`), capabilities of another user namespace count for nothing. Every file
 looked at for a process is opened on a thread holding the process's credentials
-(exporter/asprocess.py), regular files only and bounded (exporter/safeio.py), never on /proc,
-/sys or /dev; what the user could not read is neither read, counted nor named. Probes go only to
-loopback or an address of the process's own network namespace; text shown anywhere is cleaned
-(exporter/untrusted.py); what is refused is counted by reason (exporter/refusals.py).
+(trust/asprocess.py), regular files only and bounded (trust/safeio.py), never on /proc, /sys or
+/dev; what the user could not read is neither read, counted nor named. Probes go only to loopback
+or an address of the process's own network namespace; text shown anywhere is cleaned
+(trust/untrusted.py); what is refused is counted by reason (refusals.py).
 """
 
 from __future__ import annotations

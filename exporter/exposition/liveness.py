@@ -8,7 +8,7 @@ process runs on while its endpoint stopped answering. Wherever the exporter has 
 just started, the target was not seen yet, the name is not one it watches) alive answers yes
 and says why. *Ready* is the opposite: yes only on the evidence of a ready endpoint.
 
-The stall's line names what stopped and what still moves (exporter/activity.py), from the
+The stall's line names what stopped and what still moves (exporter/load/activity.py), from the
 measured signals only: bytes and logs quiet while the CPU spins reads as a compile or a hung
 collective, everything quiet with the tree in uninterruptible I/O as a dead mount.
 """

@@ -1,16 +1,16 @@
 """The running exporter: wires config, sources, sampler, trackers and history together.
 
-The sampler threads write readings; one tracker tick per interval turns the latest readings of each
-target into an `Observation` (exporter/observation.py), feeds the tracker and files finished
-loads. `snapshot()` hands the HTTP side an immutable view, so a scrape never waits on a source.
-Which targets there are, configured or discovered, is exporter/admission.py's, and which log each
-follows exporter/logs/follow.py's; this module builds each target's sources and registers their
-loops.
+The sampler threads write readings; one tracker tick per interval turns the latest readings of
+each target into an `Observation` (runtime/observe.py), feeds the tracker and hands finished
+loads to the filing (runtime/filing.py). `snapshot()` hands the HTTP side an immutable view, so a
+scrape never waits on a source. Which targets there are, configured or discovered, is
+runtime/admission.py's, and which log each follows runtime/logfollow.py's; this module builds
+each target's sources and registers their loops.
 
-How often each loop runs is exporter/pacing.py's: the runtime hands it what it last saw. An exit
-or a news reading (exporter/observation.py says which) wakes the loops at once (`after_process`,
-`after_probe`), and a ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a
-load's start measures it afresh anyway).
+How often each loop runs is runtime/pacing.py's: the runtime hands it what it last saw. An exit
+or a news reading (runtime/observe.py says which) wakes the loops at once (runtime/reactions.py),
+and a ready target's residency is refreshed every SERVING_REFRESH_SECONDS (a load's start
+measures it afresh anyway).
 """
 
 from __future__ import annotations
@@ -168,10 +168,10 @@ class Runtime:
 
     @property
     def targets(self) -> dict[str, WatchedTarget]:
-        """The targets watched now, by name (exporter/admission.py keeps the set)."""
+        """The targets watched now, by name (exporter/runtime/admission.py keeps the set)."""
         return self.admission.targets
 
-    # -- what admission asks of the wiring (exporter/admission.Wiring) ------------------------
+    # -- what admission asks of the wiring (runtime/admission.py: Wiring) --------------------
 
     def new_target(self, config: TargetConfig, found: DiscoveredServer | None) -> WatchedTarget:
         """A target's tracker, prober, probe cadence and log; wire() builds its sources."""
@@ -451,7 +451,7 @@ class Runtime:
 
     @property
     def quiet(self) -> bool:
-        """Every target settled: the gauges' loops run at the quiet pace (exporter/pacing.py)."""
+        """Every target settled: the gauges' loops run at the quiet pace (runtime/pacing.py)."""
         return self.pacing.quiet
 
     def _failing(self, source: SourceKey[Any], target: str) -> bool:
@@ -461,7 +461,7 @@ class Runtime:
     def _pace_of(
         self, source: SourceKey[Any], target: WatchedTarget | None = None
     ) -> Callable[[], float]:
-        """A source's loop asks exporter/pacing.py, with its target's state and its own."""
+        """A source's loop asks exporter/runtime/pacing.py, with its target's state and its own."""
         if target is None:
             return lambda: self.pacing.host_source(self._failing(source, ""))
         name = target.config.name
@@ -486,7 +486,7 @@ class Runtime:
         return probe.result if probe is not None else None
 
     def _follow_log(self, target: WatchedTarget, now: float) -> None:
-        """Sample the log exporter/logs/follow.py says the target follows now."""
+        """Sample the log exporter/runtime/logfollow.py says the target follows now."""
         name = target.config.name
         watched = target.finder is not None
         process = self.sampler.latest(PROCESS, name) if watched else None
@@ -584,7 +584,7 @@ class Runtime:
 
 
 def _scope(config: TargetConfig, found: DiscoveredServer | None) -> Scope:
-    """What of its server a target watches (exporter/admission.py: targets_of)."""
+    """What of its server a target watches (exporter/runtime/admission.py: targets_of)."""
     if model_of(config, found) is not None:
         return Scope.MODEL
     return Scope.PROCESS if models_apart(found) else Scope.SERVER

@@ -23,7 +23,7 @@ while no process of the tree ran, and the last one before a new process appeared
 while, so a finished load can say what its start found (`before`).
 
 Whose files (docs/trust.md). Every file is opened, learned and measured with the rights of the
-tree's root process (`rights`, as every other read for it: exporter/asprocess.py), a configured
+tree's root process (`rights`, as every other read for it: trust/asprocess.py), a configured
 target's as a discovered one's, and as that process sees its path: through /proc/PID/root
 (symlinks resolved inside it) where its mount namespace or root is not this exporter's. A path is
 learned only when what opens there is the very file the process holds: the inode its maps line
@@ -79,7 +79,7 @@ LEARN_SLICE = 0.05  # CPU seconds one sample's learning may take: the rest waits
 DEPARTED_SHARE_FOR_PASS = 0.05  # of the environment left the host's page cache: measure again
 MIN_DEPARTED_BYTES = 1 << 20
 PASSES_KEPT = 8  # passes kept for `before`: those made while the server was down, newest last
-PASS_TIMEOUT = 60.0  # a pass run with a process's rights (exporter/asprocess.py)
+PASS_TIMEOUT = 60.0  # a pass run with a process's rights (exporter/trust/asprocess.py)
 LEARN_TIMEOUT = 10.0  # opening what was found, with the process's rights
 # A load starting this close to the first process of a new owner is that process's: its start
 # and the owner's were read from clocks at different moments (boot time is wall - boottime).
@@ -469,7 +469,7 @@ class EnvironmentSource:
 def _prefix(proc_root: str, pid: int) -> str:
     """How this exporter opens the paths a process names: as they are where its mount namespace
     and root are this exporter's, else through its root (resolved inside it, as
-    exporter/discovery.py's view does); through its root too where that cannot be told."""
+    exporter/discovery/view.py does); through its root too where that cannot be told."""
     base = f"{proc_root}/{pid}"
     try:
         same_mounts = os.readlink(f"{base}/ns/mnt") == os.readlink(f"{proc_root}/self/ns/mnt")

@@ -6,8 +6,8 @@ byte that is not UTF-8 as a lone surrogate, which prometheus_client cannot encod
 (CSI is U+009B), BEL and BS say; a bidirectional override makes `txt.exe` read as `exe.txt`; tag
 characters (U+E0000 block) carry text an agent reads and a person cannot see. So every string
 that leaves the exporter passes through `clean` at one of its two exits: the /api/v1 documents'
-`to_json` (exporter/api.py: /api/v1/status, /api/v1/loads, the live page, `status`, `history`,
-`wait` and the MCP tools all read those) and the metric label values (exporter/collector.py).
+`to_json` (exposition/api.py: /api/v1/status, /api/v1/loads, the live page, `status`, `history`,
+`wait` and the MCP tools all read those) and the metric label values (exposition/collector.py).
 Cleaning at the exits rather than where text enters: it enters at dozens of places (argv,
 environ, readlink, mountinfo, log lines, HTTP answers, SQLite), and a place forgotten there
 would leak; the exits are two.
