@@ -165,8 +165,8 @@ def test_every_other_series_arrives_as_the_text_says(prometheus: Prometheus) -> 
 def test_the_failure_alert_counts_native_histograms(prometheus: Prometheus) -> None:
     """ModelLoadFailed's crash-loop part (a failed load within 15 minutes, whatever the phase
     now) reads native histograms too: kimi-k2 fails a second load between two scrapes."""
-    [failed] = [r for r in yaml.safe_load(RULES.read_text())["groups"][1]["rules"]
-                if r.get("alert") == "ModelLoadFailed"]  # fmt: skip
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    [failed] = [r for g in groups for r in g["rules"] if r.get("alert") == "ModelLoadFailed"]
     wait_for(lambda: prometheus.query("model_load_duration_seconds"), timeout=10)
     assert prometheus.query(failed["expr"]) == []
     again = Histograms()
