@@ -8,6 +8,7 @@ point of a real loader's life; /proc, the page tables and the file offsets are t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,10 +27,11 @@ MIB = 1 << 20
 SHARD = 16 * MIB
 
 LOADER = r"""
-import mmap, os, sys
-files, maps = {}, {}
-for line in sys.stdin:
-    op, *args = line.split()
+import mmap, os, signal, sys
+files, maps, later = {}, {}, []
+
+
+def do(op, args):
     if op == "open":
         files[args[0]] = os.open(args[0], os.O_RDONLY | int(args[1]) if len(args) > 1 else 0)
     elif op == "read":
@@ -50,6 +52,19 @@ for line in sys.stdin:
     elif op == "import":
         with open(args[0], "rb") as f:
             f.read()
+    elif op == "later":  # on SIGUSR1, without a read() of a command: a loader busy on its own
+        later.append(" ".join(args))
+
+
+def run_later(signum, frame):
+    for command in later.pop(0).split(";"):
+        do(*(lambda op, *args: (op, args))(*command.split()))
+    print("ok", flush=True)
+
+
+signal.signal(signal.SIGUSR1, run_later)
+for line in sys.stdin:
+    do(*(lambda op, *args: (op, args))(*line.split()))
     print("ok", flush=True)
 """
 
@@ -72,6 +87,16 @@ class Loader:
             self.proc.stdin.write(command + "\n")
             self.proc.stdin.flush()
             assert self.proc.stdout.readline() == "ok\n", command
+
+    def later(self, *commands: str) -> None:
+        """Told now, run at `signal()`: then no read() moves the process's rchar, as a loader
+        between two shards reads nothing (safetensors maps the next one)."""
+        self.do(f"later {';'.join(commands)}")
+
+    def signal(self) -> None:
+        assert self.proc.stdout is not None
+        os.kill(self.pid, signal.SIGUSR1)
+        assert self.proc.stdout.readline() == "ok\n"
 
     @property
     def pid(self) -> int:
@@ -176,6 +201,35 @@ def test_a_weight_file_on_a_reused_descriptor_is_found_by_its_reads(
     source.sample()
     found = source.sample()
     assert consumed(found) == {shards[0].name: SHARD}
+
+
+def test_a_descriptor_number_reused_for_the_next_mapped_shard_names_that_shard(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """safetensors keeps a shard's descriptor open while its tensors are copied out of the
+    mapping, then closes it and opens the next shard on the same number, mapped and touched
+    without a read(): the count stays, the process reads nothing, yet the number names another
+    file (seen on vLLM's workers: the shard before was shown held until the next one closed)."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.later(
+        f"unmap {shards[0]}",
+        f"close {shards[0]}",
+        f"open {shards[1]}",
+        f"map {shards[1]}",
+        f"touch {shards[1]} 0 {2 * MIB}",
+    )
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"touch {shards[0]} 0 {SHARD}")
+    assert [f.held for f in source.sample().files] == [True]
+    loader.signal()
+    swapped = source.sample()
+    assert [(f.name, f.held, f.holders) for f in swapped.files] == [
+        (shards[0].name, False, 0),
+        (shards[1].name, True, 1),
+    ]
+    assert consumed(swapped)[shards[0].name] == SHARD  # let go: done with it
 
 
 def test_an_mmap_loader_is_followed_by_the_pages_it_maps(

@@ -25,8 +25,9 @@ Linux >= 6.2). The descriptor table is looked at again only when that count chan
 most once every LIST_EVERY_FDS descriptors' worth of looks, else probed where the kernel numbers
 new descriptors: a process holding 20,000 and churning one costs what changed), mappings only
 when `statm`'s size or file-backed pages changed, and `numa_maps` only while a weight file is
-mapped and pages arrive; descriptors known to be weight files are checked every look through
-their fdinfo (its `ino:` says whether the number now names another file). A number reused for a
+mapped and pages arrive; descriptors known to be weight files are checked through their fdinfo
+at every look where the process read or its mappings changed (its `ino:` says whether the
+number now names another file: the next shard, mapped on it without a read). A number reused for a
 weight file while the count stayed the same (or moved between listings) is found by re-checking
 new descriptors for a few
 looks, every descriptor once read() bytes that no weight file explains add up to RESCAN_BYTES
@@ -296,8 +297,11 @@ class WeightFilesSource:
         io = _read(f"{base}/io", blind=True)
         found = _RCHAR_RE.search(io) if io else None
         rchar = int(found.group(1)) if found else None
-        # Offsets move only by reads: without any, the weight files' fdinfo can wait.
-        self._descriptors(base, proc, read=rchar is None or rchar != proc.rchar)
+        # Offsets move only by reads, and a weight file's number names the next shard only
+        # once that is read or mapped (safetensors maps it on the number the last one had, and
+        # reads nothing): without either, the weight files' fdinfo can wait.
+        moved = rchar is None or rchar != proc.rchar or size_shared != proc.statm
+        self._descriptors(base, proc, moved=moved)
         before, proc.statm = proc.statm, size_shared  # type: ignore[assignment]
         if size_shared != before:
             # A new mapping changes the size; pages arriving grow the file-backed pages. Pages
@@ -308,7 +312,7 @@ class WeightFilesSource:
                 self._mappings(base, proc, remap=resized)
         self._reads(base, proc, rchar)
 
-    def _descriptors(self, base: str, proc: _Proc, read: bool) -> None:
+    def _descriptors(self, base: str, proc: _Proc, moved: bool) -> None:
         """Looked for again when the count changed; weight files' and new ones' checked each
         look, the rest a slice at a time (a number can be reused without the count changing).
 
@@ -361,7 +365,7 @@ class WeightFilesSource:
             proc.rotate = start + share
         for number in list(proc.weights):
             fd = proc.fds[number]
-            if read or fd.counted_pos is None:
+            if moved or fd.counted_pos is None:
                 self._weight_fd(base, number, fd, proc)
 
     @staticmethod
