@@ -471,7 +471,9 @@ class MarkerParser:
     ) -> None:
         """Ranks synchronise before the KV cache: a later step means the weights are in."""
         if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN, at):
-            self._emit(events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}", implied=True)
+            self._emit(
+                events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}", implied=True
+            )
 
     def _with_cause(self, detail: str) -> str:
         """The fatal line, and the last error line shortly before it (the traceback's end)."""
