@@ -19,6 +19,7 @@ import pytest
 from helpers.require import require
 from helpers.users import as_nobody, nobody_python
 
+from exporter.cachectl import evict
 from exporter.config import WeightsConfig
 from exporter.sources.process import ProcessSample
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
@@ -40,6 +41,8 @@ def do(op, args):
         os.pread(files[args[0]], int(args[2]), int(args[1]))
     elif op == "map":
         maps[args[0]] = mmap.mmap(files[args[0]], 0, prot=mmap.PROT_READ)
+    elif op == "random":  # no read-around: the page cache holds what was touched
+        maps[args[0]].madvise(mmap.MADV_RANDOM)
     elif op == "touch":
         m, start, end = maps[args[0]], int(args[1]), int(args[2])
         sum(m[i] for i in range(start, end, mmap.PAGESIZE))
@@ -344,6 +347,28 @@ def test_ranks_reading_slices_of_one_shard_count_it_once(
     assert SHARD // 2 <= by_map <= SHARD // 2 + 4 * MIB // 4  # the four halves of quarters
     assert by_read == quarter  # not four quarters: the same bytes, four times
     assert {f.name: f.holders for f in sample.files} == {shards[0].name: 4, shards[1].name: 4}
+
+
+def test_pages_two_ranks_both_map_count_once_where_the_page_cache_says_so(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """vLLM's ranks each map every shard: the header both parse, the pages around each one's
+    slice edge (fault-around), a row-parallel tensor's rows are mapped by both. Every mapped
+    page is in the page cache, so a cold shard's cached bytes bound what the ranks consumed."""
+    ranks = [Loader(), Loader()]
+    loaders.extend(ranks)
+    source = view(shards, *ranks)
+    source.sample()
+    with shards[0].open("rb+") as written:
+        os.fsync(written.fileno())  # dirty pages stay cached: written back, they can go
+    evict(str(shards[0]))
+    for loader in ranks:
+        loader.do(f"open {shards[0]}", f"map {shards[0]}", f"random {shards[0]}")
+        loader.do(f"touch {shards[0]} 0 {4 * MIB}")
+    both = source.sample()
+    # The same 4 MiB in each: once, not twice (fault-around maps a few cached pages more).
+    assert 4 * MIB <= consumed(both)[shards[0].name] <= 5 * MIB
+    assert both.files[0].holders == 2 and both.files[0].how == "mmap"
 
 
 def test_a_rank_that_exits_lets_go_of_its_files(shards: list[Path], loaders: list[Loader]) -> None:
