@@ -39,6 +39,12 @@ FIXTURE_CASES = [
     # until the KV cache (whole-second stamps, but "Loading weights took 1.28 seconds").
     ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.04, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
     ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.28, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
+    # Real vLLM 0.32 on CPU at --tensor-parallel-size 2 (tests/servers/test_ranks_on_vllm.py):
+    # both ranks say they begin, only Worker_TP0 that its weights took 12.94 s (vLLM's info_once
+    # is the first rank's alone), so the warm-up line implies the end (the tracker dates it by
+    # the file view). Then TP1 killed mid-weights: the executor says it shuts down at once.
+    ("vllm-0.32-cpu-tp2-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 19.0, "compile": 29.0, "warmup": 71.0, "kv_cache": 6.3}),
+    ("vllm-0.32-cpu-tp2-rank-killed.log", "vllm", "weights_begin weights_progress fatal", {"weights": 4.0}),
     # llama-server's weights begin at its `load_model: loading model` line, as it opens the GGUF.
     ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 1.3, "kv_cache": 0.4, "warmup": 0.3}),
     ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.4}),
@@ -538,8 +544,20 @@ def test_a_later_step_implies_the_weights_are_in() -> None:
         "cuda_graph_progress",
     ]
     end = result.first("weights_end")
-    assert end.detail.startswith("implied by: Capturing CUDA graphs")
+    assert end.detail.startswith("implied by: Capturing CUDA graphs") and end.implied
     assert result.durations() == {"weights": 20.1}
+
+
+def test_vllms_ranks_after_the_first_write_no_end_of_their_weights() -> None:
+    """Real vLLM 0.32 at TP 2: TP0's "Loading weights took" leaves TP1's weights open, and the
+    end comes implied (a bound, not a date); at TP 1 the end line states it."""
+    tp2 = replay_fixture("vllm-0.32-cpu-tp2-cold.log")
+    end = tp2.first("weights_end")
+    assert end.implied and end.detail.startswith("implied by: Warming up model")
+    one = replay_fixture("vllm-0.32-cpu-cold.log").first("weights_end")
+    assert not one.implied and one.detail == "Loading weights took 12.04 seconds"
+    killed = replay_fixture("vllm-0.32-cpu-tp2-rank-killed.log").first("fatal")
+    assert killed.detail == "[shutdown] Executor: waiting for worker exit count=1"
 
 
 def test_a_bar_read_late_does_not_push_the_next_stamped_line_past_its_second() -> None:

@@ -1268,6 +1268,56 @@ def test_weights_end_when_the_tree_lets_go_of_every_weight_file() -> None:
     assert record.phase_seconds["initializing"] == sim.time - idle
 
 
+@pytest.mark.parametrize("files", [True, False])
+def test_an_implied_end_of_the_weights_is_dated_by_the_files_let_go(files: bool) -> None:
+    """vLLM at TP 2 (0.32): both ranks log their begin, only the first its end, so the weights
+    stay open in the log until the warm-up line implies they are in; the tree had let go of
+    every weight file seconds before: they were in then. Without the file view, the implied
+    line is all there is."""
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = files
+    sim.spawn()
+    sim.tick(5)
+    sim.say(EventKind.WEIGHTS_BEGIN, who="Worker_TP0")
+    sim.hold(4 * GB)
+    sim.tick(4, read=GB, consume=GB)
+    began = T0 + 6
+    sim.let_go()
+    idle = sim.time + 1
+    sim.tick(7)
+    assert sim.state.phase == "loading_weights"  # the log says the weights are still open
+    sim.say(EventKind.WEIGHTS_END, ago=0.5, who="Worker_TP0", implied=True)
+    sim.tick()
+    implied = sim.time - 0.5
+    assert sim.state.phase == "initializing"
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    ended = idle if files else implied
+    assert record.phase_seconds["loading_weights"] == pytest.approx(ended - began)
+    assert record.phase_seconds["initializing"] == pytest.approx(sim.time - ended)
+
+
+def test_a_stated_end_of_the_weights_wins_over_the_files_let_go() -> None:
+    """An end line that states the end dates it, whatever the files say (a loader that
+    processes the weights after closing its files is still loading them)."""
+    sim = Sim(tracker(), weights=4 * GB)
+    sim.files = True
+    sim.spawn()
+    sim.tick(5)
+    sim.say(EventKind.WEIGHTS_BEGIN)
+    sim.hold(4 * GB)
+    sim.tick(4, read=GB, consume=GB)
+    sim.let_go()
+    sim.tick(3)
+    sim.say(EventKind.WEIGHTS_END, ago=0.5)
+    sim.tick()
+    sim.endpoint = "ready"
+    sim.tick()
+    [record] = sim.records
+    assert record.phase_seconds["loading_weights"] == pytest.approx(sim.time - 1.5 - (T0 + 6))
+
+
 def test_a_late_load_with_no_weight_file_held_on_arrival_has_unknown_phases() -> None:
     sim = Sim(tracker(), weights=4 * GB)
     sim.files = True

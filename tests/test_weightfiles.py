@@ -8,6 +8,7 @@ point of a real loader's life; /proc, the page tables and the file offsets are t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from helpers.require import require
 from helpers.users import as_nobody, nobody_python
 
 from exporter.config.schema import WeightsConfig
+from exporter.storage.cachectl import evict
 from exporter.sources.process import ProcessSample
 from exporter.sources.weightfiles import WeightFilesSample, WeightFilesSource
 
@@ -26,10 +28,11 @@ MIB = 1 << 20
 SHARD = 16 * MIB
 
 LOADER = r"""
-import mmap, os, sys
-files, maps = {}, {}
-for line in sys.stdin:
-    op, *args = line.split()
+import mmap, os, signal, sys
+files, maps, later = {}, {}, []
+
+
+def do(op, args):
     if op == "open":
         files[args[0]] = os.open(args[0], os.O_RDONLY | int(args[1]) if len(args) > 1 else 0)
     elif op == "read":
@@ -38,6 +41,8 @@ for line in sys.stdin:
         os.pread(files[args[0]], int(args[2]), int(args[1]))
     elif op == "map":
         maps[args[0]] = mmap.mmap(files[args[0]], 0, prot=mmap.PROT_READ)
+    elif op == "random":  # no read-around: the page cache holds what was touched
+        maps[args[0]].madvise(mmap.MADV_RANDOM)
     elif op == "touch":
         m, start, end = maps[args[0]], int(args[1]), int(args[2])
         sum(m[i] for i in range(start, end, mmap.PAGESIZE))
@@ -50,6 +55,19 @@ for line in sys.stdin:
     elif op == "import":
         with open(args[0], "rb") as f:
             f.read()
+    elif op == "later":  # on SIGUSR1, without a read() of a command: a loader busy on its own
+        later.append(" ".join(args))
+
+
+def run_later(signum, frame):
+    for command in later.pop(0).split(";"):
+        do(*(lambda op, *args: (op, args))(*command.split()))
+    print("ok", flush=True)
+
+
+signal.signal(signal.SIGUSR1, run_later)
+for line in sys.stdin:
+    do(*(lambda op, *args: (op, args))(*line.split()))
     print("ok", flush=True)
 """
 
@@ -72,6 +90,16 @@ class Loader:
             self.proc.stdin.write(command + "\n")
             self.proc.stdin.flush()
             assert self.proc.stdout.readline() == "ok\n", command
+
+    def later(self, *commands: str) -> None:
+        """Told now, run at `signal()`: then no read() moves the process's rchar, as a loader
+        between two shards reads nothing (safetensors maps the next one)."""
+        self.do(f"later {';'.join(commands)}")
+
+    def signal(self) -> None:
+        assert self.proc.stdout is not None
+        os.kill(self.pid, signal.SIGUSR1)
+        assert self.proc.stdout.readline() == "ok\n"
 
     @property
     def pid(self) -> int:
@@ -176,6 +204,35 @@ def test_a_weight_file_on_a_reused_descriptor_is_found_by_its_reads(
     source.sample()
     found = source.sample()
     assert consumed(found) == {shards[0].name: SHARD}
+
+
+def test_a_descriptor_number_reused_for_the_next_mapped_shard_names_that_shard(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """safetensors keeps a shard's descriptor open while its tensors are copied out of the
+    mapping, then closes it and opens the next shard on the same number, mapped and touched
+    without a read(): the count stays, the process reads nothing, yet the number names another
+    file (seen on vLLM's workers: the shard before was shown held until the next one closed)."""
+    loader = Loader()
+    loaders.append(loader)
+    source = view(shards, loader)
+    source.sample()
+    loader.later(
+        f"unmap {shards[0]}",
+        f"close {shards[0]}",
+        f"open {shards[1]}",
+        f"map {shards[1]}",
+        f"touch {shards[1]} 0 {2 * MIB}",
+    )
+    loader.do(f"open {shards[0]}", f"map {shards[0]}", f"touch {shards[0]} 0 {SHARD}")
+    assert [f.held for f in source.sample().files] == [True]
+    loader.signal()
+    swapped = source.sample()
+    assert [(f.name, f.held, f.holders) for f in swapped.files] == [
+        (shards[0].name, False, 0),
+        (shards[1].name, True, 1),
+    ]
+    assert consumed(swapped)[shards[0].name] == SHARD  # let go: done with it
 
 
 def test_an_mmap_loader_is_followed_by_the_pages_it_maps(
@@ -290,6 +347,28 @@ def test_ranks_reading_slices_of_one_shard_count_it_once(
     assert SHARD // 2 <= by_map <= SHARD // 2 + 4 * MIB // 4  # the four halves of quarters
     assert by_read == quarter  # not four quarters: the same bytes, four times
     assert {f.name: f.holders for f in sample.files} == {shards[0].name: 4, shards[1].name: 4}
+
+
+def test_pages_two_ranks_both_map_count_once_where_the_page_cache_says_so(
+    shards: list[Path], loaders: list[Loader]
+) -> None:
+    """vLLM's ranks each map every shard: the header both parse, the pages around each one's
+    slice edge (fault-around), a row-parallel tensor's rows are mapped by both. Every mapped
+    page is in the page cache, so a cold shard's cached bytes bound what the ranks consumed."""
+    ranks = [Loader(), Loader()]
+    loaders.extend(ranks)
+    source = view(shards, *ranks)
+    source.sample()
+    with shards[0].open("rb+") as written:
+        os.fsync(written.fileno())  # dirty pages stay cached: written back, they can go
+    evict(str(shards[0]))
+    for loader in ranks:
+        loader.do(f"open {shards[0]}", f"map {shards[0]}", f"random {shards[0]}")
+        loader.do(f"touch {shards[0]} 0 {4 * MIB}")
+    both = source.sample()
+    # The same 4 MiB in each: once, not twice (fault-around maps a few cached pages more).
+    assert 4 * MIB <= consumed(both)[shards[0].name] <= 5 * MIB
+    assert both.files[0].holders == 2 and both.files[0].how == "mmap"
 
 
 def test_a_rank_that_exits_lets_go_of_its_files(shards: list[Path], loaders: list[Loader]) -> None:

@@ -49,3 +49,6 @@ class LogEvent:
     seconds: float | None = None  # a duration the server itself reported (elapsed=, took N s)
     who: str | None = None  # the prefix that names the rank or process ("TP1", "Worker_TP0")
     seq: int = 0  # 1, 2, 3... per parser, so a consumer loses none and counts none twice
+    # An end no line stated: a later step's line says the span was over by then, not when
+    # (a release that reworded its end line; vLLM's ranks after the first, which write none).
+    implied: bool = False

@@ -681,6 +681,8 @@ class Tracker:
             at = min(max(event.time, load.started_at), obs.time)
             if load.ready_at is not None:
                 at = min(at, load.ready_at)  # read while waiting for the log: the load has ended
+            if event.implied:
+                at = load.weights_in_by(obs.files, at)
             load.steps.apply(replace(event, time=at))
             kind = event.kind
             # The log dates a boundary exactly, even one crossed before the exporter arrived.

@@ -18,7 +18,9 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
 * kv_cache, warmup_begin, ready and fatal fire once per load;
 * a step after the weights (KV cache, compile, CUDA graphs, warm-up, ready) while the weights are
   still open ends them first: ranks synchronise before allocating the KV cache, and a release
-  that reworded its "weights done" line still gets its boundary (detail "implied by: ...").
+  that reworded its "weights done" line still gets its boundary (detail "implied by: ...",
+  `implied`: the line says the weights were in by then, not when). vLLM writes "Loading weights
+  took" from the first rank of a host alone (`info_once`), so its TP>1 weights end so.
 
 A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one, as does
 a load_begin (a model loaded into a running server) once the weights of the cycle before are in.
@@ -455,7 +457,9 @@ class MarkerParser:
     ) -> None:
         """Ranks synchronise before the KV cache: a later step means the weights are in."""
         if kind in _AFTER_WEIGHTS and self._cycle.close(EventKind.WEIGHTS_BEGIN, at):
-            self._emit(events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}")
+            self._emit(
+                events, EventKind.WEIGHTS_END, at, who, f"implied by: {detail}", implied=True
+            )
 
     def _with_cause(self, detail: str) -> str:
         """The fatal line, and the last error line shortly before it (the traceback's end)."""
@@ -474,10 +478,13 @@ class MarkerParser:
         done: int | None = None,
         total: int | None = None,
         seconds: float | None = None,
+        implied: bool = False,
     ) -> None:
         self._seq += 1
         detail = detail[:DETAIL_MAX]
-        events.append(LogEvent(kind, at, _rank(who), detail, done, total, seconds, who, self._seq))
+        events.append(
+            LogEvent(kind, at, _rank(who), detail, done, total, seconds, who, self._seq, implied)
+        )
 
 
 def _fraction(progress: tuple[int, int]) -> float:

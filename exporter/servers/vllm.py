@@ -86,6 +86,11 @@ LOG = LogFormat(
         rule(EventKind.READY, "Application startup complete", r"Application startup complete\."),
         rule(EventKind.FATAL, "Engine core initialization failed", r"^\w*Error: Engine core initialization failed"),
         rule(EventKind.FATAL, "Engine process failed to start", r"^\w*Error: Engine process failed to start"),
+        # 0.32's executor, the moment a worker (a tensor-parallel rank) dies before the engine is
+        # up, or the engine stops while loading: the load will not finish. vLLM then waits 5 s
+        # and 4 s for the other ranks before "Engine core initialization failed" (14 s after a
+        # rank's SIGKILL here); after ready the line is a shutdown's, no part of any load.
+        rule(EventKind.FATAL, "waiting for worker exit", r"^\[shutdown\] Executor: waiting for worker exit"),
         *CAUSE_RULES,
     ),
 )  # fmt: skip

@@ -9,7 +9,8 @@ process of the tree first opens or maps a weight file, and a file's progress is
   tensor-parallel ranks each read their part of every tensor, so their offsets move together),
 * the pages of the file mapped into the process (pages of `/proc/PID/numa_maps`, `Rss` of
   `smaps` where the kernel has no NUMA) for mmap loaders (safetensors, llama.cpp), summed over
-  processes (ranks touch disjoint slices),
+  processes (ranks touch their own slices) and, for a file mapped more than once, at most its
+  bytes in the page cache (the pages several ranks map, such as the header, count once),
 * the process's `read()` bytes (`rchar`) beyond what its offsets explain, for `pread` loaders
   (the offset never moves), credited to its open weight files whose offset stood still and that
   it does not map (a loader that maps a file and closes it at once, as safetensors' safe_open
@@ -25,8 +26,9 @@ Linux >= 6.2). The descriptor table is looked at again only when that count chan
 for what changed (exporter/sources/descriptors.py, shared with the environment's learning: a
 process holding 20,000 and churning one costs what changed), mappings only
 when `statm`'s size or file-backed pages changed, and `numa_maps` only while a weight file is
-mapped and pages arrive; descriptors known to be weight files are checked every look through
-their fdinfo (its `ino:` says whether the number now names another file). A number reused for a
+mapped and pages arrive; descriptors known to be weight files are checked through their fdinfo
+at every look where the process read or its mappings changed (its `ino:` says whether the
+number now names another file: the next shard, mapped on it without a read). A number reused for a
 weight file while the count stayed the same (or moved between listings) is found by re-checking
 new descriptors for a few looks, every descriptor once read() bytes that no weight file explains
 add up to RESCAN_BYTES (a read loader on a number we missed), and a slice of the old ones each
@@ -47,6 +49,7 @@ from exporter.config.schema import WeightsConfig
 from exporter.sources.descriptors import DescriptorTable
 from exporter.sources.process import ProcessSample
 from exporter.sources.sample import Health, Sample
+from exporter.storage.pagecache import PassResult, measure
 from exporter.storage.weighttree import WeightFile, WeightTree, walk_weights
 from exporter.trust.asprocess import OnBehalf
 
@@ -256,6 +259,7 @@ class WeightFilesSource:
         held: dict[FileKey, int] = {}  # processes holding each file
         offsets: dict[FileKey, int] = {}
         mapped: dict[FileKey, int] = {}
+        mappings: dict[FileKey, int] = {}  # mappings of each file, all processes together
         for pid in sorted(live):
             proc = self._procs.get(pid)
             if proc is None:
@@ -275,7 +279,9 @@ class WeightFilesSource:
                 held[key] = held.get(key, 0) + 1
             for key, size in proc.mapped.items():
                 mapped[key] = mapped.get(key, 0) + size
-        self._account(held, offsets, mapped, now)
+            for vma in proc.vmas.values():
+                mappings[vma.key] = mappings.get(vma.key, 0) + 1
+        self._account(held, offsets, mapped, mappings, now)
 
     def _look(self, pid: int, proc: _Proc) -> None:
         """Bring one process's view up to date, reading only what can have changed."""
@@ -285,8 +291,11 @@ class WeightFilesSource:
         io = _read(f"{base}/io", blind=True)
         found = _RCHAR_RE.search(io) if io else None
         rchar = int(found.group(1)) if found else None
-        # Offsets move only by reads: without any, the weight files' fdinfo can wait.
-        self._descriptors(base, proc, read=rchar is None or rchar != proc.rchar)
+        # Offsets move only by reads, and a weight file's number names the next shard only
+        # once that is read or mapped (safetensors maps it on the number the last one had, and
+        # reads nothing): without either, the weight files' fdinfo can wait.
+        moved = rchar is None or rchar != proc.rchar or size_shared != proc.statm
+        self._descriptors(base, proc, moved=moved)
         before, proc.statm = proc.statm, size_shared  # type: ignore[assignment]
         if size_shared != before:
             # A new mapping changes the size; pages arriving grow the file-backed pages. Pages
@@ -297,7 +306,7 @@ class WeightFilesSource:
                 self._mappings(base, proc, remap=resized)
         self._reads(base, proc, rchar)
 
-    def _descriptors(self, base: str, proc: _Proc, read: bool) -> None:
+    def _descriptors(self, base: str, proc: _Proc, moved: bool) -> None:
         """Looked for again when the count changed (exporter/sources/descriptors.py: work
         follows what changed, not what is held); weight files' and new ones' checked each
         look, the rest a slice at a time (a number can be reused without the count changing).
@@ -325,7 +334,7 @@ class WeightFilesSource:
                 proc.name(number, self._identify(fd_dir, number))
         for number in list(proc.weights):
             fd = proc.fds[number]
-            if read or fd.counted_pos is None:
+            if moved or fd.counted_pos is None:
                 self._weight_fd(base, number, fd, proc)
 
     def _identify(self, fd_dir: str, number: int) -> _Fd:
@@ -488,6 +497,7 @@ class WeightFilesSource:
         held: Mapping[FileKey, int],
         offsets: Mapping[FileKey, int],
         mapped: Mapping[FileKey, int],
+        mappings: Mapping[FileKey, int],
         now: float,
     ) -> None:
         for key in held:
@@ -498,6 +508,8 @@ class WeightFilesSource:
             file.read_pos = max(file.read_pos, offsets.get(key, 0))
             if holders:
                 by_map = min(file.wf.size, mapped.get(key, 0))
+                if mappings.get(key, 0) > 1 and by_map > file.consumed:
+                    by_map = self._cached(file.wf, by_map)
                 estimate = max(file.read_pos, by_map, file.pread)
                 file.how = (
                     "mmap"
@@ -520,6 +532,23 @@ class WeightFilesSource:
             self._idle_since = None
         elif self._first_open_at is not None and self._idle_since is None:
             self._idle_since = now
+
+    def _cached(self, wf: WeightFile, mapped: int) -> int:
+        """A file mapped more than once counts each mapping's pages, and the pages several map
+        count twice: the header every tensor-parallel rank parses, the fault-around at each
+        one's slice edge, every page of a row-parallel tensor whose rows each rank slices (seen
+        on vLLM 0.32 at TP 2: 64-128 KiB of a shard ahead of the page cache). Every mapped page
+        is in the page cache, so the file's cached bytes bound them where they are measured
+        truthfully (one cachestat, while such a file's pages arrive); else the sum stands."""
+        behalf = self._on_behalf
+
+        def one_pass() -> PassResult:
+            return measure((wf,), count_unreadable=False)
+
+        measured = behalf.run(one_pass, WALK_TIMEOUT) if behalf is not None else one_pass()
+        if measured.resident_bytes is None or measured.stale:
+            return mapped
+        return min(mapped, measured.resident_bytes)
 
     def _report(self, now: float, visible: bool, reason: str | None) -> WeightFilesSample:
         files = sorted(self._files.values(), key=lambda f: f.first_seen)

@@ -12,7 +12,6 @@ import json
 import re
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +22,10 @@ from helpers.processes import evict_dir
 from helpers.support import free_port, wait_for
 
 from exporter.runtime.pacing import EVICTION_LOOK_SECONDS, QUIET_INTERVAL
-from servers.vllm_server import SERVERS, START_TIMEOUT, VllmServer
+from servers.vllm_server import SERVERS, START_TIMEOUT, VllmServer, stamp_of
 
 REPORT = SERVERS / "reports" / "exporter-on-vllm.json"
-_STAMP = re.compile(r"^\(\S+ pid=\d+\) \w+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
 POLL = 0.25
-
-
-def stamp_of(log: str, marker: str) -> float:
-    """Unix time of the stamp of the first log line holding `marker`."""
-    for line in log.splitlines():
-        m = _STAMP.match(line)
-        if m and marker in line:
-            month, day, hour, minute, second = (int(g) for g in m.groups())
-            year = datetime.now().year
-            return datetime(year, month, day, hour, minute, second).timestamp()
-    raise AssertionError(f"no {marker!r} line in vLLM's log")
 
 
 def vllm_target(exporter: ExporterProcess, pid: int) -> dict[str, Any] | None:

@@ -14,7 +14,9 @@ engine is ready, and `/health` answers 200 from then on.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,21 @@ def executable(variable: str) -> str | None:
     return named if named and os.access(named, os.X_OK) else None
 
 
+_STAMP = re.compile(r"^\(\S+ pid=\d+\) \w+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+
+
+def stamp_of(log: str, marker: str) -> float:
+    """Unix time of the stamp of the first log line holding `marker` (whole seconds: the
+    moment it names lies in [stamp, stamp + 1))."""
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m and marker in line:
+            month, day, hour, minute, second = (int(g) for g in m.groups())
+            year = datetime.now().year
+            return datetime(year, month, day, hour, minute, second).timestamp()
+    raise AssertionError(f"no {marker!r} line in vLLM's log")
+
+
 def set_cache(model: Path, cache: str) -> None:
     """Make the next load of `model` cold (shards out of the page cache) or warm (read in)."""
     if cache == "cold":
@@ -71,11 +88,25 @@ def set_cache(model: Path, cache: str) -> None:
 DTYPE = "float32"
 
 
+def rank_cores(ranks: int) -> dict[str, str]:
+    """The CPU engine binds each tensor-parallel rank's threads to cores of their own, by NUMA
+    node unless told: on one node it refuses ("Not enough allowed NUMA nodes to bind threads of
+    2 local CPUWorkers"). One core each, `0|1|...`."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(core) for core in range(ranks))}
+
+
 class VllmServer:
-    """One vLLM API server on `port`, stdout and stderr appended to `log`."""
+    """One vLLM API server on `port`, stdout and stderr appended to `log`; `ranks` > 1 runs
+    that many tensor-parallel workers (`VLLM::Worker_TP0`, ...) under its EngineCore."""
 
     def __init__(
-        self, python: str, model: Path, port: int, log: Path, procs: Path | None = None
+        self,
+        python: str,
+        model: Path,
+        port: int,
+        log: Path,
+        procs: Path | None = None,
+        ranks: int = 1,
     ) -> None:
         self.model = model
         self.port = port
@@ -85,12 +116,16 @@ class VllmServer:
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--port", str(port), "--dtype", DTYPE, "--max-model-len", "512",
         ]  # fmt: skip
+        env = {**os.environ, **ENV}
+        if ranks > 1:
+            argv += ["--tensor-parallel-size", str(ranks)]
+            env.update(rank_cores(ranks))
         if procs is not None:
             argv = joining([procs.parent], argv)  # in the cgroup (a blkio throttle) from the start
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, **ENV}, start_new_session=True,
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
             )  # fmt: skip
         self.pid = self.proc.pid
 
