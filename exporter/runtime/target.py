@@ -24,6 +24,7 @@ from exporter.sources.process import ProcessFinder
 from exporter.sources.residency import ResidencySource
 from exporter.sources.storage import WeightStorage
 from exporter.sources.weightfiles import WeightFilesSource
+from exporter.trust.asprocess import Actor
 from exporter.vocabulary import Phase, ProbeResult
 
 # Distinct readings of the storage's read counters kept per target: more than the 2 intervals
@@ -42,6 +43,9 @@ class WatchedTarget:
     finder: ProcessFinder | None
     residency: ResidencySource | None
     log: TargetLog  # which log it follows, and what of it the tracker has seen
+    # Its own threads for reads with its process's rights (started at its first read): a hang
+    # under its files holds no other target's (exporter/trust/asprocess.py: Actor).
+    actor: Actor = field(default_factory=Actor)
     storage: WeightStorage | None = None  # what holds the weights; residency asks it too
     discovered: DiscoveredServer | None = None  # how discovery found it; None when configured
     gone_since: float | None = None  # a discovered server's process went away at this time

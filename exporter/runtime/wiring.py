@@ -114,7 +114,9 @@ class Runtime:
         self.sampler = sampler or Sampler(config.sample_interval, clock)
         self.history = HistoryStore(config.history_path, retention=config.history_retention)
         self.refusals = Refusals()
-        self.actor = Actor()  # the threads that touch discovered processes' files
+        # The threads that read processes' files while discovery looks at them (each target
+        # has its own: WatchedTarget.actor).
+        self._discovery_actor = Actor()
         self._lock = threading.Lock()
         self._ticked = threading.Event()
         self._sys_root = sys_root
@@ -127,7 +129,7 @@ class Runtime:
             Discoverer(
                 config.discovery.servers,
                 proc_root=proc_root,
-                actor=self.actor,
+                actor=self._discovery_actor,
                 refusals=self.refusals,
                 users=config.discovery.users,
             )
@@ -212,7 +214,7 @@ class Runtime:
         target.finder = (
             ProcessFinder(config.process, proc_root=self._proc_root) if config.process else None
         )
-        behalf = on_behalf(self.actor, self._proc_root, target.discovered)
+        behalf = on_behalf(target.actor, self._proc_root, target.discovered)
         target.storage = (
             WeightStorage(config.weights, proc_root=self._proc_root, sys_root=self._sys_root)
             if config.weights
@@ -305,8 +307,8 @@ class Runtime:
     def _process_rights(self, target: WatchedTarget, pid: int) -> OnBehalf:
         """How a target's server process `pid` is read for: a discovered server's rights as
         found, a configured target's process's own (ProcessLookupError, Borrowed)."""
-        found = on_behalf(self.actor, self._proc_root, target.discovered)
-        return found or on_behalf_of(self.actor, self._proc_root, pid)
+        found = on_behalf(target.actor, self._proc_root, target.discovered)
+        return found or on_behalf_of(target.actor, self._proc_root, pid)
 
     def _wire_environment(self, target: WatchedTarget) -> None:
         """The server's environment, learned from its tree with its root process's rights:
@@ -350,6 +352,7 @@ class Runtime:
         if target.watched_pid is not None:
             self.exits.forget(target.watched_pid)
         target.log.close()
+        target.actor.close()
         self.history.own(name, None)
 
     def pids_watched(self, name: str) -> Collection[int]:
@@ -375,7 +378,9 @@ class Runtime:
         for target in self.targets.values():
             target.prober.close()  # a probe in flight ends now, not at its timeout
         self.sampler.stop()
-        self.actor.close()
+        self._discovery_actor.close()
+        for target in self.targets.values():
+            target.actor.close()
         self.exits.close()
         for target in self.targets.values():
             target.log.close()

@@ -31,9 +31,9 @@ import ctypes
 import logging
 import os
 import platform
-import queue
 import stat
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -281,14 +281,22 @@ class Actor:
 
     `call` waits at most `timeout`; a worker stuck in a hung file system is left behind and
     replaced, up to MAX_STUCK of them, after which calls are refused until one comes back.
+
+    Every caller of one actor waits behind what its workers wait on, and a hung mount under a
+    server's weights holds them for as long as it hangs: so each watched target has an actor of
+    its own, and discovery another (exporter/runtime/wiring.py), and one user's hung FUSE daemon
+    holds that target's file reads only. A worker starts when a call finds none idle (up to
+    `workers`): a quiet target costs one thread.
     """
 
     def __init__(self, workers: int = 2, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._wanted = workers
         self._timeout = timeout
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
+        self._jobs: deque[_Job | None] = deque()
         self._workers = 0  # started, and neither stuck nor broken
+        self._idle = 0  # of those, waiting for a job
         self._stuck = 0
         self._closed = False
 
@@ -302,10 +310,11 @@ class Actor:
                 raise RightsError("shutting down")
             if self._stuck >= MAX_STUCK:
                 raise TimeoutError(f"{self._stuck} file accesses hung: refusing more for now")
-            if self._workers < self._wanted:
+            self._jobs.append(job)
+            if self._workers < self._wanted and self._idle < len(self._jobs):
                 self._workers += 1
                 threading.Thread(target=self._work, name="as-process", daemon=True).start()
-        self._jobs.put(job)
+            self._queued.notify()
         try:
             return job.future.result(self._timeout if timeout is None else timeout)  # type: ignore[no-any-return]
         except TimeoutError:
@@ -321,16 +330,22 @@ class Actor:
             return job.future.result()  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        """End the idle workers now, the busy ones after their call, the stuck ones when their
+        file system answers."""
         with self._lock:
             self._closed = True
-            workers = self._workers
-        for _ in range(workers):
-            self._jobs.put(None)
+            self._jobs.extend([None] * self._workers)
+            self._queued.notify_all()
 
     def _work(self) -> None:
         mine = own_rights()
         while True:
-            job = self._jobs.get()
+            with self._lock:
+                self._idle += 1
+                while not self._jobs:
+                    self._queued.wait()
+                self._idle -= 1
+                job = self._jobs.popleft()
             if job is None:
                 return
             if not job.future.set_running_or_notify_cancel():
@@ -354,8 +369,8 @@ class Actor:
             with self._lock:
                 if job.abandoned:
                     self._stuck -= 1
-                    if self._workers >= self._wanted:
-                        return  # replaced meanwhile
+                    if self._closed or self._workers >= self._wanted:
+                        return  # replaced meanwhile, or its target is no longer watched
                     self._workers += 1
 
 
