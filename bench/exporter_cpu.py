@@ -8,9 +8,9 @@ Writes the shards (cached, since they were just written), starts one `simulate` 
 on them (all targets share the one weights directory) and waits until they are ready, then runs
 the exporter (pidfile process matching, so the ready cadence applies: a probe every
 `ready_interval`, 10 s) for --seconds while a scraper fetches /metrics every 15 s as Prometheus
-would, once per target count. `prometheus-node-exporter` is measured the same way at the same
-time, over the same window, since absolute shares swing 3x on a shared machine: compare the
-ratios.
+does (one kept-alive connection, Prometheus's Accept and gzip), once per target count.
+`prometheus-node-exporter` is measured the same way at the same time, over the same window,
+since absolute shares swing 3x on a shared machine: compare the ratios.
 With --baseline, another checkout of the exporter (a git worktree at an older commit) runs beside
 this one over the same window, so a change's cost shows as a ratio in one run.
 Target: one ready server at 1-s sampling costs under 0.3 % of a core and at most half of
@@ -41,6 +41,14 @@ from exporter.units import parse_size
 REPO = Path(__file__).resolve().parent.parent
 
 SCRAPE_EVERY = 15.0
+# What Prometheus (2.42, Debian's) asks with every scrape, on a connection it keeps alive between
+# scrapes (seen from a server's side): OpenMetrics first, gzip. The bench scraped plain text on a
+# new connection each time: another encoder, and a connection's set-up per scrape.
+PROMETHEUS_HEADERS = {
+    "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "Accept-Encoding": "gzip",
+}
 SHARD = 512 << 20
 
 
@@ -81,16 +89,22 @@ def cpu_shares(
     """CPU seconds per wall second of each process (name: process, metrics URL), all over the
     same window while each is scraped every 15 s: a neighbour's load hits them alike."""
     stop = threading.Event()
+    failed = dict.fromkeys(measured, 0)
 
-    def scrape(url: str) -> None:
+    def scrape(name: str, url: str) -> None:
+        session = requests.Session()  # one connection kept alive, as Prometheus keeps it
         while not stop.is_set():
-            requests.get(url, timeout=10)
+            try:
+                session.get(url, headers=PROMETHEUS_HEADERS, timeout=SCRAPE_EVERY)
+            except requests.RequestException:  # node_exporter's collectors stall for seconds
+                failed[name] += 1
             stop.wait(SCRAPE_EVERY)
 
     before = {name: on_cpu_seconds(proc.pid) for name, (proc, _) in measured.items()}
     started = time.monotonic()
     scrapers = [
-        threading.Thread(target=scrape, args=(url,), daemon=True) for _, url in measured.values()
+        threading.Thread(target=scrape, args=(name, url), daemon=True)
+        for name, (_, url) in measured.items()
     ]
     for scraper in scrapers:
         scraper.start()
@@ -98,6 +112,9 @@ def cpu_shares(
     used = {name: on_cpu_seconds(proc.pid) - before[name] for name, (proc, _) in measured.items()}
     wall = time.monotonic() - started
     stop.set()
+    for name, count in failed.items():
+        if count:
+            print(f"  {name}: {count} scrape(s) failed or took over {SCRAPE_EVERY:.0f} s")
     return {name: seconds_on_cpu / wall for name, seconds_on_cpu in used.items()}
 
 

@@ -16,10 +16,12 @@ import pytest
 from helpers.filesystems import fincore_bytes
 
 from exporter.config.schema import DEFAULT_RESIDENCY_CPU_BUDGET, WeightsConfig
+from exporter.history.forecast import ENVIRONMENT_BYTES
 from exporter.runtime.admission import on_behalf_of
 from exporter.sources.environment import (
     LEARN_SHARE,
     LEARN_SLICE,
+    MIN_DEPARTED_BYTES,
     NOT_LEARNED,
     EnvironmentSource,
 )
@@ -250,6 +252,43 @@ def test_what_a_start_found_is_the_last_pass_before_it_and_the_set_outlives_the_
     assert down.measured_at <= start < (during.measured_at or 0)
     assert measured.before(start) == down  # not the pass made after it began
     assert measured.before(0.0) is None
+
+
+def test_a_serving_environment_is_measured_again_once_the_forecast_could_tell(
+    tmp_path: Path,
+) -> None:
+    """A pass while serving comes from the host's page cache losing what could turn a cached
+    environment uncached in a forecast (at least its 64 MiB tolerance), not from every megabyte a
+    busy host's cache churns: here the environment's 3 MiB leave, the host has lost 8 MiB, and the
+    measurement waits until 64 MiB have left."""
+    lib = write(tmp_path / "libx.so", 3 << 20)
+    weights = tmp_path / "model"
+    weights.mkdir()
+    child = Child([lib])
+    try:
+        measured = EnvironmentSource(
+            WeightsConfig(paths=(str(weights),)),
+            lambda: child.tree,
+            lambda pid: on_behalf_of(ACTOR, "/proc", pid),
+            cpu_budget=1.0,
+            refresh_after=lambda: 3600.0,  # serving: no pass from age
+            learn_share=1.0,
+        )
+        prewarm(str(lib))
+        warm = measured.sample()
+        assert not measured.note_departures(0)  # the baseline
+        evict(str(lib))
+        assert not measured.note_departures(8 << 20)
+        assert measured.sample() == warm
+        assert not measured.note_departures(MIN_DEPARTED_BYTES - 1)
+        assert measured.note_departures(MIN_DEPARTED_BYTES)
+        cold = measured.sample()
+    finally:
+        child.stop()
+    assert warm.resident_bytes is not None and cold.resident_bytes is not None
+    assert warm.resident_bytes - cold.resident_bytes == 3 << 20
+    # The tolerance is the forecast's own: an environment this much out of the cache is cached.
+    assert MIN_DEPARTED_BYTES == ENVIRONMENT_BYTES
 
 
 HOLDER = r"""

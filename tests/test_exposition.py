@@ -14,13 +14,16 @@ needs nothing in this snapshot.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, generate_latest
+import prometheus_client.exposition
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,6 +34,7 @@ from exporter.discovery.refusals import REASONS
 from exporter.discovery.serverargs import Evidence
 from exporter.exposition.api_build import status_document
 from exporter.exposition.collector import CATALOG, ExporterCollector
+from exporter.exposition.http.metricspage import FORMATS_KEPT, MetricsPage
 from exporter.history.forecast import Forecast
 from exporter.history.histograms import Histograms
 from exporter.history.pastloads import PastLoads
@@ -364,6 +368,95 @@ def with_samples(text: str) -> str:
 
 def test_exposition_matches_the_golden_file() -> None:
     assert_matches_golden(with_samples(exposition(golden_snapshot())), GOLDEN)
+
+
+PROMETHEUS_ACCEPT = (  # what Prometheus 2.42 sends with every scrape
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+def memory_moved(snapshot: Snapshot) -> Snapshot:
+    """The snapshot a scrape later: host memory moved, nothing else did."""
+    memory = reading(MEMORY, MemorySample(2048 * GIB, 1400 * GIB, 300 * GIB))
+    return dataclasses.replace(snapshot, host={**snapshot.host, MEMORY.name: memory})
+
+
+def test_the_metrics_page_is_the_librarys_encoding_scrape_after_scrape() -> None:
+    """What /metrics answers is byte for byte what prometheus_client's own app would, in each
+    format, as families change between scrapes and change back (encodings are kept per family
+    and content type), gzipped or not."""
+    current = [golden_snapshot()]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector(lambda: current[0]))
+    page, library = MetricsPage(registry), make_wsgi_app(registry)
+
+    def librarys(accept: str) -> bytes:
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "HTTP_ACCEPT": accept}
+        return b"".join(library(environ, lambda status, headers: None))
+
+    snapshots = [golden_snapshot(), memory_moved(golden_snapshot()), golden_snapshot()]
+    for accept in ("*/*", "application/openmetrics-text; version=1.0.0", PROMETHEUS_ACCEPT):
+        for snapshot in snapshots:
+            current[0] = snapshot
+            body, headers = page.render(accept, "")
+            assert body == librarys(accept)
+            zipped, zipped_headers = page.render(accept, "gzip")
+            assert gzip.decompress(zipped) == body
+            assert zipped_headers == [*headers, ("Content-Encoding", "gzip")]
+
+
+def test_the_metrics_page_encodes_only_the_families_that_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quiet scrape changes a few families of sixty: the others' encodings are reused."""
+    encoded: list[str] = []
+
+    def counting(registry: Any, escaping: str = "underscores") -> bytes:
+        families = list(registry.collect())
+        encoded.extend(f.name for f in families)
+        return generate_latest(_Families(families), escaping)
+
+    monkeypatch.setattr(prometheus_client.exposition, "generate_latest", counting)
+    current = [golden_snapshot()]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector(lambda: current[0]))
+    page = MetricsPage(registry)
+    first, _ = page.render("*/*", "gzip")
+    assert len(encoded) == len(CATALOG)
+    encoded.clear()
+    assert page.render("*/*", "gzip")[0] == first
+    assert encoded == []
+    current[0] = memory_moved(current[0])
+    page.render("*/*", "")
+    assert encoded == [
+        "model_load_host_memory_available_bytes",
+        "model_load_host_memory_page_cache_bytes",
+    ]
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def test_the_metrics_page_keeps_a_few_formats_whatever_clients_ask() -> None:
+    """The version in an Accept header is the client's: each new one does not keep another
+    copy of every family's encoding."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExporterCollector(golden_snapshot))
+    page = MetricsPage(registry)
+    for patch in range(50):
+        body, headers = page.render(f"application/openmetrics-text; version=1.0.{patch}", "")
+        assert headers == [
+            ("Content-Type", f"application/openmetrics-text; version=1.0.{patch}; "
+                             "charset=utf-8; escaping=underscores")
+        ]  # fmt: skip
+        assert body.endswith(b"# EOF\n")
+    assert len(page._kept) == FORMATS_KEPT
 
 
 def golden_families(golden: Path) -> dict[str, Metric]:

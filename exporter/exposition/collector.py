@@ -9,6 +9,7 @@ that fills the families it feeds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -50,15 +51,22 @@ from exporter.vocabulary import Cache, Phase, ProbeResult, Step, StorageKind
 
 NS = "model_load"
 MAX_LABEL = 4096  # characters of one label value (a path at most PATH_MAX)
+# Label values kept cleaned: a scrape of a few targets has a hundred or so (targets, sources,
+# phases, devices), each cleaned at every scrape otherwise; at most 4 MiB of cleaned text.
+LABELS_KEPT = 1024
 T = TypeVar("T")
 
 
 Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MetricSpec:
-    """One metric family: type, name (without the namespace), help and label names."""
+    """One metric family: type, name (without the namespace), help and label names.
+
+    One object per family (the catalog's), so identity is its equality and hashing it is free:
+    a scrape looks its families up by spec at every sample.
+    """
 
     family: type[Family]
     name: str
@@ -67,6 +75,12 @@ class MetricSpec:
 
     def new(self) -> Metric:
         return self.family(f"{NS}_{self.name}", self.doc, labels=list(self.labels))
+
+    @functools.cached_property
+    def empty(self) -> Metric:
+        """The family without samples, made once: most families of a scrape have none (no
+        GPU, no network file system, no load in progress), and nothing adds to this one."""
+        return self.new()
 
 
 # Every family, in the order /metrics shows them: the order they are defined in below, each
@@ -302,7 +316,7 @@ class Scrape:
 
     def families(self) -> Iterator[Metric]:
         for spec in CATALOG:
-            yield self._families.get(spec) or spec.new()
+            yield self._families.get(spec) or spec.empty
 
 
 def _native(counts: HistogramCounts) -> NativeHistogram:
@@ -323,6 +337,7 @@ def _native(counts: HistogramCounts) -> NativeHistogram:
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=LABELS_KEPT)
 def _label(value: str) -> str:
     """A label value as it may leave: the exporter's second exit for text (the documents'
     `to_json` is the first; exporter/trust/untrusted.py says why), so a mount point, a file or a

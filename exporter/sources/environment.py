@@ -77,7 +77,12 @@ MAX_QUEUED = MAX_FILES  # found and not yet opened (learning ran out of its slic
 LEARN_SHARE = 0.02  # of one core that learning may take on average, per target
 LEARN_SLICE = 0.05  # CPU seconds one sample's learning may take: the rest waits for the next
 DEPARTED_SHARE_FOR_PASS = 0.05  # of the environment left the host's page cache: measure again
-MIN_DEPARTED_BYTES = 1 << 20
+# ... and at least this much: a start that found at most 64 MiB of its environment out of the page
+# cache found it cached (exporter/history/forecast.py's ENVIRONMENT_BYTES), so less than that
+# leaving the whole host cannot turn a cached environment into an uncached one in a forecast. A
+# host's page cache loses megabytes every few seconds (this VM's DAMON: 100 MB a minute): at a
+# 1 MiB floor a serving target's environment was measured at every look at host memory.
+MIN_DEPARTED_BYTES = 64 << 20
 PASSES_KEPT = 8  # passes kept for `before`: those made while the server was down, newest last
 PASS_TIMEOUT = 60.0  # a pass run with a process's rights (exporter/trust/asprocess.py)
 LEARN_TIMEOUT = 10.0  # opening what was found, with the process's rights
@@ -186,6 +191,9 @@ class EnvironmentSource:
         self._lock = threading.Lock()
         self._files: dict[FileKey, _Learned] = {}
         self._path_chars = 0
+        # The learned files as a pass measures them, made again only when they change: a
+        # serving target is measured at every departure, and its files stay the same.
+        self._listed: list[WeightFile] | None = None
         self._procs: dict[int, _Proc] = {}
         self._checked: dict[int, None] = {}  # hashes of (path, inode) looked at, oldest first
         self._queued: dict[int, _Found] = {}  # found, not opened yet
@@ -290,6 +298,7 @@ class EnvironmentSource:
     def _forget(self, epoch: float | None) -> None:
         """Learned files, and what passes found of them, are no longer this target's."""
         self._files.clear()
+        self._listed = None
         self._path_chars = 0
         self._warm = None
         self._acting = self._owner = None
@@ -416,6 +425,7 @@ class EnvironmentSource:
         if self._path_chars + chars > MAX_PATH_CHARS:
             return
         self._files[key] = learned
+        self._listed = None
         self._path_chars += chars
 
     # -- measuring ---------------------------------------------------------------------------
@@ -426,12 +436,9 @@ class EnvironmentSource:
             self._next_due = now
             return EnvironmentSample(0, 0, None, None, None, self._refused or NOT_LEARNED)
         learned = dict(self._files)
-        files = sorted(
-            (WeightFile(f.path, os.path.dirname(f.path), os.path.basename(f.path), f.path, f.dev,
-                        f.ino, f.size)
-             for f in learned.values()),
-            key=lambda wf: (wf.directory, wf.entry),
-        )  # fmt: skip
+        if self._listed is None:
+            self._listed = _listed(learned.values())
+        files = self._listed
         cpu = self._cpu_clock()
 
         def run() -> tuple[PassResult, set[FileKey] | None, float]:
@@ -456,6 +463,7 @@ class EnvironmentSource:
         self._next_due = now + cost / self._budget
         if kept is not None:
             self._files = {k: f for k, f in self._files.items() if k in kept}
+            self._listed = None
             self._path_chars = sum(len(f.path) for f in self._files.values())
             self._warm = None  # what was cached of the old files says nothing of the new
         if count == 0 and reason is None:
@@ -464,6 +472,16 @@ class EnvironmentSource:
         if resident is not None and kept is None:  # a stale pass measured files no longer learned
             self._warm = max(self._warm or 0, resident)
         return EnvironmentSample(count, total, resident, self._warm, now, reason)
+
+
+def _listed(learned: Iterable[_Learned]) -> list[WeightFile]:
+    """Learned files as the page-cache measurement takes them, by directory."""
+    return sorted(
+        (WeightFile(f.path, os.path.dirname(f.path), os.path.basename(f.path), f.path, f.dev,
+                    f.ino, f.size)
+         for f in learned),
+        key=lambda wf: (wf.directory, wf.entry),
+    )  # fmt: skip
 
 
 def _prefix(proc_root: str, pid: int) -> str:

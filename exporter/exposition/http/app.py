@@ -1,8 +1,9 @@
 """HTTP side: /metrics, /api/v1/status, /api/v1/loads, landing page, health and reload.
 
-The exporter's routes in front of prometheus_client's WSGI app (which does the OpenMetrics content
-negotiation and gzip for us), served by exporter/exposition/http/server.py: an asyncio server with
+The exporter's routes, served by exporter/exposition/http/server.py: an asyncio server with
 handshake, header and idle timeouts and a bound on connections, so no client can stall a scrape.
+/metrics is encoded by exporter/exposition/http/metricspage.py (prometheus_client's content
+negotiation and encoders, a family encoded again only when it changed).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 
 from exporter.exposition import api, liveness
 from exporter.exposition.api_build import load_document, loads_document, status_document
 from exporter.exposition.collector import ExporterCollector
 from exporter.exposition.http import livepage, protobuf
+from exporter.exposition.http.metricspage import MetricsPage
 from exporter.exposition.http.server import Limits, Server, somaxconn
 from exporter.exposition.http.webconfig import WebConfig
 from exporter.exposition.liveness import Question
@@ -57,7 +59,7 @@ class WebApp:
         registry = CollectorRegistry(auto_describe=False)
         # Through self.runtime, not a bound method: a config reload swaps the runtime.
         registry.register(ExporterCollector(lambda: self.runtime.snapshot()))
-        self._metrics = make_wsgi_app(registry)
+        self._metrics = MetricsPage(registry)
         self._get: dict[str, Callable[[dict[str, Any], StartResponse], Iterable[bytes]]] = {
             "/metrics": self._metrics_page,
             "/": self._landing,
@@ -108,8 +110,11 @@ class WebApp:
             snapshot = self.runtime.snapshot()
             body = protobuf.render(ExporterCollector(lambda: snapshot, native=True).collect())
             return _reply(start_response, "200 OK", body, protobuf.CONTENT_TYPE)
-        # prometheus_client's app refuses HEAD; the server drops the body of a HEAD answer.
-        return self._metrics({**environ, "REQUEST_METHOD": "GET"}, start_response)
+        body, headers = self._metrics.render(
+            environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", "")
+        )
+        start_response("200 OK", headers)
+        return [body]
 
     @staticmethod
     def _landing(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
