@@ -34,6 +34,7 @@ from exporter.discovery.serverargs import recognise
 from exporter.exposition import liveness
 from exporter.load.events import EventKind
 from exporter.load.tracker import Tracker
+from exporter.logs.markers import MarkerParser
 from exporter.runtime.snapshot import TargetView
 from exporter.sim.shards import generate_shards
 from exporter.sources.process import process_start_time
@@ -85,6 +86,22 @@ def test_a_config_file_can_make_a_follower() -> None:
         argv = ["vllm", "serve", "m", "--config", path]
         found = recognise(argv, {}, read_config=documents.get)
         assert found is not None and found.follower is follower
+
+
+# -- its log ----------------------------------------------------------------------------------
+
+
+def test_a_followers_log_ends_each_start_at_its_node_up_line() -> None:
+    """Node 1's real start-up, written twice into one file (a follower killed once up, and
+    started again, its output appended): each start is a load of its own, each with its end of
+    start-up, though nothing (no ready, no fatal) ended the first one's lines."""
+    text = FOLLOWER_LOG.read_text()
+    text = text[: text.index("\n", text.index("GiB for KV cache on node")) + 1]
+    parser = MarkerParser("vllm")
+    kinds = [e.kind for e in parser.feed(text + text, time.time())]
+    starts = [i for i, k in enumerate(kinds) if k is EventKind.WEIGHTS_BEGIN]
+    ups = [i for i, k in enumerate(kinds) if k is EventKind.NODE_UP]
+    assert len(starts) == len(ups) == 2 and starts[0] < ups[0] < starts[1] < ups[1]
 
 
 # -- the tracker's rules ----------------------------------------------------------------------

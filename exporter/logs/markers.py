@@ -17,7 +17,8 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
 * progress (shard k of n, CUDA graph batches) is the slowest rank's, fired only when it changes;
 * kv_cache, warmup_begin, ready, node_up and fatal fire once per load; node_up (a follower
   node's last start-up line, `LogFormat.node_up`) fires beside the line's own event and, unlike
-  ready, ends nothing: the head's workers write the same lines while the head still starts;
+  ready, ends nothing: the head's workers write the same lines while the head still starts
+  (weights that begin after it are a new load's: a follower started again);
 * a step after the weights (KV cache, compile, CUDA graphs, warm-up, ready) while the weights are
   still open ends them first: ranks synchronise before allocating the KV cache, and a release
   that reworded its "weights done" line still gets its boundary (detail "implied by: ...",
@@ -25,7 +26,8 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   took" from the first rank of a host alone (`info_once`), so its TP>1 weights end so.
 
 A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one, as does
-a load_begin (a model loaded into a running server) once the weights of the cycle before are in.
+a load_begin (a model loaded into a running server) once the weights of the cycle before are in,
+and a weights_begin after a node_up (a follower node started again, appending to the same file).
 unloaded (a model let go by a running server) belongs to no cycle.
 
 Event time: the process's start plus a line's time since that start (llama-server's stamps), where
@@ -418,8 +420,12 @@ class MarkerParser:
             return
         # A model loaded into a running server once the weights before are in is a load of its
         # own (Triton's explicit mode: the server was ready before it).
-        over = cycle.finished or (
-            kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once
+        # So is a node's weights after it said it is up (node_up ends no cycle, for the head's
+        # sake): a follower that starts again, its lines appended to the same file.
+        over = (
+            cycle.finished
+            or (kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once)
+            or (kind is EventKind.WEIGHTS_BEGIN and EventKind.NODE_UP in cycle.fired)
         )
         if over:
             if kind not in CYCLE_BEGINS:
