@@ -27,6 +27,16 @@ class Phase(StrEnum):
 IN_PROGRESS = frozenset({Phase.STARTING, Phase.LOADING_WEIGHTS, Phase.INITIALIZING})
 
 
+class TargetRole(StrEnum):
+    """What a target's server is to its model (`model_load_target_info{role}`, `role:`)."""
+
+    SERVER = "server"  # it serves its endpoint: one host's server, or a multi-node model's head
+    # One node of a model served over several hosts that runs no API server of its own (vLLM's
+    # `--headless`, SGLang's `--node-rank` above 0): the head serves; it is ready when its part
+    # of the model is up, as its own log says.
+    FOLLOWER = "follower"
+
+
 class Outcome(StrEnum):
     """How a finished load ended (`model_load_duration_seconds{outcome}`)."""
 

@@ -30,21 +30,28 @@ FIXTURE_CASES = [
     # the KV cache's step began its `kv_cache_allocation=0.56` before its line.
     ("sglang-0.5.23-cpu-cold.log", "sglang", "weights_begin weights_progress*4 weights_end kv_cache kv_cache_timed warmup_begin ready", {"weights": 13.64, "kv_cache": 1.56, "warmup": 3.0}),
     ("sglang-fatal.log", "sglang", "weights_begin weights_end fatal", {"weights": 8.0}),
-    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 31.4, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 12.0}),
-    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end ready", {"weights": 26.02, "compile": 45.2, "kv_cache": 0.2, "cuda_graph": 13.0}),
-    ("vllm-0.6.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_end ready", {"weights": 7.0, "kv_cache": 2.0, "cuda_graph": 11.0}),
+    ("vllm-0.33-tp2.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end node_up ready", {"weights": 31.4, "compile": 16.0, "kv_cache": 0.1, "cuda_graph": 12.0}),
+    ("vllm-0.9-tp2-ansi.log", "vllm", "weights_begin weights_progress*4 weights_end compile_begin compile_end kv_cache cuda_graph_begin cuda_graph_progress*4 cuda_graph_end node_up ready", {"weights": 26.02, "compile": 45.2, "kv_cache": 0.2, "cuda_graph": 13.0}),
+    ("vllm-0.6.log", "vllm", "weights_begin weights_progress*5 weights_end kv_cache cuda_graph_begin cuda_graph_end node_up ready", {"weights": 7.0, "kv_cache": 2.0, "cuda_graph": 11.0}),
     ("vllm-fatal.log", "vllm", "weights_begin weights_end kv_cache fatal", {"weights": 24.8, "kv_cache": 0.6}),
     # Real vLLM 0.32 on CPU (bench/vllm_file_timeline.py): "Warming up model for the
     # compilation..." begins the compile, "Initial profiling/warmup run took" the dummy runs
     # until the KV cache (whole-second stamps, but "Loading weights took 1.28 seconds").
-    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 12.04, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
-    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 1.28, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
+    ("vllm-0.32-cpu-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin node_up kv_cache ready", {"weights": 12.04, "compile": 41.0, "warmup": 30.0, "kv_cache": 7.3}),
+    ("vllm-0.32-cpu-warm.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin node_up kv_cache ready", {"weights": 1.28, "compile": 19.0, "warmup": 47.0, "kv_cache": 9.3}),
     # Real vLLM 0.32 on CPU at --tensor-parallel-size 2 (tests/servers/test_ranks_on_vllm.py):
     # both ranks say they begin, only Worker_TP0 that its weights took 12.94 s (vLLM's info_once
     # is the first rank's alone), so the warm-up line implies the end (the tracker dates it by
     # the file view). Then TP1 killed mid-weights: the executor says it shuts down at once.
-    ("vllm-0.32-cpu-tp2-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin kv_cache ready", {"weights": 19.0, "compile": 29.0, "warmup": 71.0, "kv_cache": 6.3}),
+    ("vllm-0.32-cpu-tp2-cold.log", "vllm", "weights_begin weights_progress*5 weights_end compile_begin warmup_begin node_up kv_cache ready", {"weights": 19.0, "compile": 29.0, "warmup": 71.0, "kv_cache": 6.3}),
     ("vllm-0.32-cpu-tp2-rank-killed.log", "vllm", "weights_begin weights_progress fatal", {"weights": 4.0}),
+    # Real vLLM 0.32 on CPU over two hosts (TP 2, one rank per node, no Ray): the head serves;
+    # node 1 runs `--headless`, and its log ends its start-up with its worker's KV cache line
+    # (node_up; the head's worker writes it too, where it ends nothing), then, minutes later,
+    # the shutdown. A step timeline knows no role: there the warm-up runs on to that shutdown,
+    # while a follower's tracker ends its load at node_up (tests/test_followers.py).
+    ("vllm-0.32-cpu-2nodes-head.log", "vllm", "weights_begin weights_progress*3 weights_end compile_begin warmup_begin node_up kv_cache ready", {"weights": 1.49, "compile": 19.0, "warmup": 34.0, "kv_cache": 4.3}),
+    ("vllm-0.32-cpu-2nodes-follower.log", "vllm", "weights_begin weights_end compile_begin warmup_begin node_up fatal", {"weights": 1.41, "compile": 19.0, "warmup": 362.0}),
     # llama-server's weights begin at its `load_model: loading model` line, as it opens the GGUF.
     ("llamacpp-server.log", "llamacpp", "weights_begin weights_progress weights_end kv_cache warmup_begin ready", {"weights": 1.3, "kv_cache": 0.4, "warmup": 0.3}),
     ("llamacpp-fatal.log", "llamacpp", "weights_begin fatal", {"weights": 0.4}),

@@ -3,8 +3,11 @@
 Two "hosts" are two PID namespaces here (`unshare --pid --fork --mount-proc`, as root): each runs
 its own exporter (`serve`) as the namespace's first process, watching the simulator's
 tensor-parallel ranks started inside that namespace (`nsenter`), so that each exporter sees its
-own host's processes only. No engine here runs one model across namespaces, so the simulator
-stands in for one (docs/placement.md says what a real one would add). Each host has its own copy
+own host's processes only. The second host runs the model's follower node (`simulate
+--follower`), as vLLM's `--headless` node or SGLang's node ranked 1 does: it serves nothing and
+is ready when its log says its part is up (docs/how-it-decides.md#a-follower-node). The
+simulator stands in for the engine (docs/placement.md says what a real one adds): vLLM runs one
+model over two namespaces here too, in minutes per load, not seconds. Each host has its own copy
 of the weights: the page cache is this one kernel's, and separate files keep each host's
 residency its own. A real Prometheus scrapes both every 500 ms with the shipped rules 60 times
 faster (tests/test_dashboard_prometheus.py).
@@ -71,10 +74,14 @@ def children(pid: int) -> list[int]:
 
 class NamespaceHost(Answering):
     """One "host": a PID namespace whose first process is the exporter, and the simulator's
-    runs inside it, one at a time, on this host's own weights."""
+    runs inside it, one at a time, on this host's own weights. A `follower` host runs the
+    model's follower node (`simulate --follower`: no port, its log's last line its end of
+    start-up), its exporter told so (`--role follower`) and given that log."""
 
-    def __init__(self, tmp: Path, name: str) -> None:
+    def __init__(self, tmp: Path, name: str, follower: bool = False) -> None:
         self.dir = tmp / name
+        self.follower = follower
+        self.server_log = self.dir / "server.log"
         self.weights = self.dir / "model"
         generate_shards(self.weights, SHARDS, SHARD_SIZE)
         self.pidfile = self.dir / "server.pid"
@@ -82,6 +89,8 @@ class NamespaceHost(Answering):
         self.address = f"127.0.0.1:{port}"
         self.url = f"http://{self.address}"
         self.log = (self.dir / "exporter.log").open("w")
+        self.server_log.touch()
+        role = ("--role", "follower", "--log.source", f"file:{self.server_log}") if follower else ()
         # unshare itself ignores SIGTERM while it waits: the namespace's first process is
         # signalled, and all the namespace's processes die with it.
         self.proc = subprocess.Popen(
@@ -90,7 +99,7 @@ class NamespaceHost(Answering):
              "--endpoint", f"http://127.0.0.1:{self.sim_port}", "--weights", str(self.weights),
              "--pidfile", str(self.pidfile), "--sample.interval", "250ms", "--stall.after", "1s",
              "--history.path", str(self.dir / "history.sqlite"),
-             "--web.listen-address", self.address],
+             "--web.listen-address", self.address, *role],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.init_pid = int(
@@ -112,7 +121,8 @@ class NamespaceHost(Answering):
             ["nsenter", "--target", str(self.init_pid), "--pid", "--mount", "--", *CLI,
              "simulate", "--port", str(self.sim_port), "--weights", str(self.weights),
              "--model", MODEL, "--pidfile", str(self.pidfile), "--report", str(self.report),
-             "--log-file", str(self.dir / "server.log"), *SIM, *extra],
+             "--log-file", str(self.server_log), *SIM,
+             *(("--follower",) if self.follower else ()), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
@@ -198,7 +208,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     try:
         a = NamespaceHost(tmp, "gpu-a")
         hosts.append(a)
-        b = NamespaceHost(tmp, "gpu-b")
+        b = NamespaceHost(tmp, "gpu-b", follower=True)
         hosts.append(b)
         prometheus = Prometheus(tmp, a.address, b.address)
         up = 'count(up{job="model-load"} == 1) == 2'
@@ -337,6 +347,22 @@ def test_the_model_follows_its_slowest_host_at_every_evaluation(scenario: Scenar
                 seen.add(name)
     assert not wrong, wrong[:5]
     assert seen == set(SITUATIONS)
+
+
+def test_the_follower_host_is_one_of_the_models_hosts(scenario: Scenario) -> None:
+    """Host b runs the follower: never probed (no endpoint series), `role="follower"`, and one
+    of the model's two hosts, its ready counted once its log said its part is up."""
+    prometheus, at = scenario.prometheus, scenario.moments["both ready"]
+    info = prometheus.api("query", query=f'model_load_target_info{{target="{TARGET}"}}', time=at)
+    roles = {s["metric"]["instance"]: s["metric"]["role"] for s in info["result"]}
+    assert roles == {scenario.a.address: "server", scenario.b.address: "follower"}
+    probed = by_instance(prometheus, f'model_load_endpoint_up{{target="{TARGET}"}}', at)
+    assert set(probed) == {scenario.a.address}
+    for rule, value in (("model:model_load_hosts:count", 2.0),
+                        ("model:model_load_hosts_ready:sum", 2.0),
+                        ("model:model_load_ready:min", 1.0)):  # fmt: skip
+        answer = prometheus.api("query", query=f'{rule}{{model="{MODEL}"}}', time=at)["result"]
+        assert [float(s["value"][1]) for s in answer] == [value], rule
 
 
 # Where the slowest host decides, held at an evaluation and a scrape before it (host a, host b).

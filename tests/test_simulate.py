@@ -25,6 +25,8 @@ from helpers.procview import Look, look
 from helpers.support import free_port, wait_for
 from safetensors import safe_open
 
+from exporter.load.events import EventKind
+from exporter.logs.markers import MarkerParser
 from exporter.sim.imports import imports_dir
 from exporter.sim.shards import (
     CHUNK_SIZE,
@@ -733,6 +735,25 @@ def test_startup_log_has_the_reference_markers_in_order(
         assert re.search(r"Starting shard rank=0$", child.text(), re.M)
 
 
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_follower_binds_no_port_and_ends_with_a_followers_line(
+    tmp_path: Path, sim: Any, kind: str
+) -> None:
+    """A node of a model over several hosts: nothing listens, its head's own steps and lines
+    (the warm-up, the ready line) are not its, and its last line is a follower's end."""
+    weights = tmp_path / "w"
+    make_shards(weights, 2, 256 * 1024)
+    child = sim(weights, "--log-format", kind, "--follower", "--init-seconds", "0.3")
+    report = child.result()
+    assert report["outcome"] == "ready" and report["ready_at"] is not None
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", child.port)) != 0  # refused: nothing bound
+    parser = MarkerParser(kind)
+    kinds = [e.kind for e in parser.feed(child.text(), time.time())]
+    assert kinds[-1] is EventKind.NODE_UP and EventKind.READY not in kinds
+    assert EventKind.WARMUP_BEGIN not in kinds
+
+
 # --- setup --------------------------------------------------------------------------------------
 
 
@@ -793,6 +814,7 @@ def test_generate_shards_replaces_a_shard_of_the_wrong_size(tmp_path: Path) -> N
         ["--tensor-parallel", "0"],
         ["--import-bytes", "lots"],
         ["--direct"],  # the default loader maps its shards: a mapping cannot bypass the cache
+        ["--follower", "--log-format", "llamacpp"],  # llama.cpp runs on one host
         ["--no-such-flag"],
     ],
 )

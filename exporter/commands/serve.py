@@ -24,7 +24,7 @@ from exporter.exposition.http.app import HttpServer, WebApp
 from exporter.exposition.http.webconfig import WebConfig, allowed_hosts, load_web_config
 from exporter.logsetup import LEVELS, UNFOLDED, setup_logging
 from exporter.runtime.wiring import Runtime
-from exporter.vocabulary import ProbeKind
+from exporter.vocabulary import ProbeKind, TargetRole
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ SINGLE_TARGET_FLAGS = (
     "cmdline",
     "log_source",
     "stall_after",
+    "role",
 )
 
 
@@ -110,6 +111,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="readiness probe (default completion)",
     )
     single.add_argument("--model", help="model name sent in the completion probe")
+    single.add_argument(
+        "--role",
+        choices=tuple(TargetRole),
+        help="follower: a node of a model over several hosts, never probed (default server)",
+    )
     single.add_argument(
         "--weights", action="append", metavar="PATH", help="weights file or directory (repeatable)"
     )
@@ -182,6 +188,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         }
         if args.model:
             target["endpoint"]["model"] = args.model
+        if args.role:
+            target["role"] = args.role
         if args.weights:
             target["weights"] = {"paths": args.weights}
         process = {"systemd_unit": args.unit, "pidfile": args.pidfile, "cmdline": args.cmdline}
@@ -233,6 +241,8 @@ def summary(config: Config) -> str:
         if t.process:
             kind, value = next((k, v) for k, v in vars(t.process).items() if v)
             process = f"process by {kind} {value}"
+        if t.role is TargetRole.FOLLOWER:
+            probe = f"a follower, not probed ({e.display_url}), ready by its log"
         lines.append(
             f"  {t.name}: {probe}; {weights}; {process}; gpus {t.gpus}; "
             f"stall after {format_duration(t.stall_after)}"

@@ -50,7 +50,7 @@ from exporter.config.values import (
 )
 from exporter.servers import SERVERS
 from exporter.servers.server import DEFAULT_INCLUDE
-from exporter.vocabulary import AUTO, LogEncoding, ProbeKind
+from exporter.vocabulary import AUTO, LogEncoding, ProbeKind, TargetRole
 
 DEFAULT_PROBE_PATHS: Mapping[ProbeKind, str] = {
     ProbeKind.COMPLETION: "/v1/completions",
@@ -157,6 +157,9 @@ class TargetConfig:
     log: LogConfig | None = None
     gpus: Literal["auto"] | tuple[int, ...] = field(default="auto", metadata=read_by(read_gpus))
     stall_after: Seconds = DEFAULT_STALL_AFTER
+    # A follower (one node of a model over several hosts, which runs no API server) is never
+    # probed: its log's end of start-up makes it ready (docs/how-it-decides.md#a-follower-node).
+    role: TargetRole = TargetRole.SERVER
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,9 @@ class DiscoveryConfig:
     max_files: Count = DEFAULT_MAX_FILES
     # uids whose processes may be discovered; None: all
     users: tuple[int, ...] | None = field(default=None, metadata=read_by(read_users))
+    # A discovered target's `stall_after`: above the longest quiet step of the servers found
+    # (a compile that logs nothing for minutes), as a configured target's own is.
+    stall_after: Seconds = DEFAULT_STALL_AFTER
 
     def active(self, has_targets: bool) -> bool:
         return self.enabled is True or (self.enabled == "auto" and not has_targets)

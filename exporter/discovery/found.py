@@ -47,6 +47,9 @@ class DiscoveredServer:
     # and start, whose log carries this one's lines.
     router_pid: int | None = None
     router_start: float | None = None
+    # It runs no API server (vLLM's --headless, SGLang's --node-rank 1): one node of a model
+    # served over several hosts. Never probed, so where it could be probed does not matter.
+    follower: bool = False
 
     @property
     def key(self) -> tuple[int, int]:

@@ -285,6 +285,7 @@ class Discoverer:
             model_ready_path=command.model_ready_path,
             router_pid=router.pid if router is not None else None,
             router_start=router.start_time if router is not None else None,
+            follower=recognised.follower,
         )
 
     def _argv(self, pid: int) -> tuple[str, ...] | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from exporter.config.schema import DISCOVERY_SERVERS
 from exporter.servers import SERVERS
-from exporter.servers.server import Command, Role, Server
+from exporter.servers.server import SWITCH_ON, Command, Role, Server
 
 SECRET = "(secret)"  # what evidence shows instead of an API key
 
@@ -69,6 +69,7 @@ class Recognised:
     evidence: tuple[Evidence, ...]
     api_key: str | None = field(default=None, repr=False)
     model_control: str | None = None
+    follower: bool = False  # it runs no API server: one node of a model over several hosts
 
     @property
     def kind(self) -> str:
@@ -200,7 +201,10 @@ def _scan_flags(args: Sequence[str], command: Command) -> dict[Role, tuple[str, 
         if arg.startswith("-") and len(arg) > 1:
             name, eq, value = arg.partition("=")
             role = wanted.get(_normal_flag(name))
-            if role is not None:
+            if role in command.switches:
+                if not eq:  # a switch takes no value; `--headless=x` is refused by argparse
+                    found[role] = (SWITCH_ON, name)
+            elif role is not None:
                 if not eq:
                     if i + 1 >= len(args) or args[i + 1].startswith("--"):
                         i += 1
@@ -220,6 +224,8 @@ def _config_values(document: Mapping[str, object], command: Command) -> dict[Rol
         role = wanted.get(_normal_flag(f"--{key}"))
         if isinstance(value, list):
             value = value[0] if value else None
+        if role in command.switches and isinstance(value, bool):
+            value = SWITCH_ON if value else None  # `headless: false` is a switch not given
         if role is None or role == Role.CONFIG or value is None or isinstance(value, bool | dict):
             continue
         found[role] = (str(value), str(key))
@@ -291,6 +297,11 @@ def recognise(
         return None  # the server would refuse this port too
     if not 0 < port < 65536:
         return None
+    said = next((role for role, says in command.follower.items()
+                 if role in values and says(values[role])), None)  # fmt: skip
+    if said is not None:
+        why = f"{said}={values[said]}: it runs no API server, its model's head node serves"
+        evidence.append(Evidence("role", "follower", why))
     return Recognised(
         server=launch.server,
         command=command,
@@ -304,6 +315,7 @@ def recognise(
         evidence=tuple(evidence),
         api_key=values.get(Role.API_KEY),
         model_control=values.get(Role.MODEL_CONTROL),
+        follower=said is not None,
     )
 
 

@@ -358,6 +358,9 @@ class LoadState(Document):
     cpu_share: float | None = field(default=None, metadata=OPTIONAL)  # of one core, last 10 s
     process_state: str | None = field(default=None, metadata=OPTIONAL)  # T, D, R, S (/proc)
     exited_at: float | None = field(default=None, metadata=OPTIONAL)  # the process seen gone
+    # true for a follower whose end of start-up only its log tells, and none is read from the
+    # load's start: its quiet is no stall, and nothing makes it ready
+    end_unseen: bool | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -572,6 +575,9 @@ class Target(Document):
     endpoint: str
     server: str
     sources: Mapping[str, SourceReading]
+    # follower: a node of a model over several hosts that runs no API server (never probed,
+    # ready at its log's end of start-up); server: any other; None: an exporter before roles
+    role: str | None = field(default=None, metadata=OPTIONAL)
     # The model it serves, as configured (endpoint.model) or discovered; None: the one it is
     # named after (as the recording rules group it: docs/placement.md).
     model: str | None = field(default=None, metadata=OPTIONAL)

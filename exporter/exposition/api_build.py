@@ -213,6 +213,7 @@ def _state(state: LoadState) -> api.LoadState:
         api.LoadState,
         state,
         in_server=state.in_server or None,
+        end_unseen=state.end_unseen or None,
         unloaded=clean(state.unloaded, 256) if state.unloaded else None,  # the server's words
     )
 
@@ -237,6 +238,7 @@ def _target(
         target=name,
         endpoint=view.config.endpoint.display_url,
         server=view.server,
+        role=view.config.role,
         sources={
             source: _source_reading(view.readings[source], snap.time)
             for source in sorted(view.readings)

@@ -200,6 +200,7 @@ TARGET_INFO = _gauge(
     "model",
     "server",
     "discovered",
+    "role",
 )
 WEIGHTS_BYTES = _gauge("weights_bytes", "Total size of the weight files.", "target")
 WEIGHTS_FILES = _gauge("weights_files", "Number of weight files.", "target")
@@ -461,7 +462,10 @@ def _target_info(out: Scrape, view: TargetView) -> None:
     endpoint = view.config.endpoint
     discovered = "true" if view.discovered is not None else "false"
     # Credentials in the URL are the probe's, never a label's.
-    labels = [view.name, endpoint.display_url, endpoint.model or "", view.server, discovered]
+    labels = [
+        view.name, endpoint.display_url, endpoint.model or "", view.server, discovered,
+        view.config.role,
+    ]  # fmt: skip
     out.add(TARGET_INFO, labels, 1)
 
 

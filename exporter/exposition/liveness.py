@@ -6,7 +6,9 @@ A failed liveness probe restarts the server, and a restart of a large model cost
 target's `stall_after`, a load that failed, a watched process that exited, a ready server whose
 process runs on while its endpoint stopped answering. Wherever the exporter has no basis (it
 just started, the target was not seen yet, the name is not one it watches) alive answers yes
-and says why. *Ready* is the opposite: yes only on the evidence of a ready endpoint.
+and says why. *Ready* is the opposite: yes only on the evidence of a ready endpoint, or, for a
+follower node of a model over several hosts (which has none), of its log's end of start-up; a
+follower whose end the exporter cannot see is neither stalled by its quiet nor ever ready.
 
 The stall's line names what stopped and what still moves (exporter/load/activity.py), from the
 measured signals only: bytes and logs quiet while the CPU spins reads as a compile or a hung
@@ -26,10 +28,15 @@ from exporter.runtime.snapshot import TargetView
 from exporter.sources import ENDPOINT
 from exporter.trust.untrusted import clean
 from exporter.units import age
-from exporter.vocabulary import Activity, Phase
+from exporter.vocabulary import Activity, Phase, TargetRole
 
 ACTIVE_SECONDS = 10.0  # a signal that moved this recently (or within 3 intervals) still moves
 MAX_LINE = 300  # kubelet keeps a probe's body for its event; a line, not a page
+# A follower (a node of a model over several hosts) has no endpoint: what its answers rest on.
+FOLLOWER_READY = "ready: a follower, its part of the model is up (the model serves from its head)"
+END_UNSEEN = (
+    "a follower, whose end of start-up only its log tells, and no log is read from its start"
+)
 
 # Each signal once it stopped ("... for 2m10s") and while it moves.
 _WORDS = {
@@ -116,7 +123,7 @@ def alive(view: TargetView, now: float, interval: float) -> Verdict:
     if phase is Phase.READY:
         if state.hung:
             return Verdict(False, _hung(view, state.failed_probes))
-        return Verdict(True, "ready")
+        return Verdict(True, _ready_line(view))
     if phase is Phase.FAILED:
         return Verdict(False, _failed(state.fatal, state.exited_at, now))
     if phase is Phase.DOWN:
@@ -133,6 +140,8 @@ def alive(view: TargetView, now: float, interval: float) -> Verdict:
         head = f"stalled in {phase}{at}: nothing moved for {since}"
         return Verdict(False, _line(head, activity(state, window)))
     head = f"{phase}{at}"
+    if state.end_unseen:  # quiet is no evidence here: it may have been up for hours
+        return Verdict(True, _line(f"{head}: {END_UNSEEN}: quiet is not a stall", []))
     return Verdict(True, _line(head, activity(state, window)))
 
 
@@ -142,12 +151,18 @@ def ready(view: TargetView) -> Verdict:
     if state is None:
         return Verdict(False, "not ready: the exporter has not looked at this target yet")
     if state.phase is Phase.READY and not state.hung:
-        return Verdict(True, "ready")
+        return Verdict(True, _ready_line(view))
     if state.hung:
         return Verdict(False, _hung(view, state.failed_probes))
     ratio = state.progress_ratio if state.in_progress else None
     at = f" at {_percent(ratio)}" if ratio is not None else ""
+    if state.end_unseen:
+        return Verdict(False, f"not ready: {state.phase}{at}: {END_UNSEEN}")
     return Verdict(False, f"not ready: {state.phase}{at}")
+
+
+def _ready_line(view: TargetView) -> str:
+    return FOLLOWER_READY if view.config.role is TargetRole.FOLLOWER else "ready"
 
 
 class Watched(Protocol):

@@ -71,6 +71,7 @@ class LoadBook:
     steps: StepTimeline = field(default_factory=StepTimeline)  # the log's fine steps, this load
     fatal: str | None = None
     fatal_at: float | None = None
+    node_up_at: float | None = None  # a follower's log said its start-up ended (its ready)
     ready_at: float | None = None  # the first ready answer, while the log is read up to it
     log_weights_began: float | None = None  # when the log's weights-begin line was dated
     unready_at: float | None = None  # when the last answer that said not ready was asked

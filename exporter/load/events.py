@@ -27,6 +27,10 @@ class EventKind(StrEnum):
     CUDA_GRAPH_END = "cuda_graph_end"
     WARMUP_BEGIN = "warmup_begin"
     READY = "ready"
+    # The last line of a follower node's start-up (one node of a model over several hosts that
+    # serves nothing itself): its part of the model is up. Written by the head's workers too,
+    # where it says nothing of readiness: only a follower's tracker reads it.
+    NODE_UP = "node_up"
     FATAL = "fatal"
     # A running server loads (a model into Triton in explicit or poll mode) or unloads one.
     LOAD_BEGIN = "load_begin"

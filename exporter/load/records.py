@@ -91,3 +91,6 @@ class LoadState:
     cpu_share: float | None = None  # the tree's CPU over the last 10 s, share of one core
     process_state: str | None = None  # the tree's most telling scheduler state (T, D, R, S)
     exited_at: float | None = None  # the watched process was seen gone then; None: running
+    # A follower in progress whose end of start-up the exporter cannot see (no log read, or
+    # not from this load's start): quiet is then no stall, and it is never ready.
+    end_unseen: bool = False

@@ -21,6 +21,10 @@ tick:
 * It ends `ready` at the first ready probe after the start (or the log's earlier ready line),
   `failed` when the process goes first or the log reports a fatal error. A ready server whose
   probes fail while its process runs stays `ready` (a hang, logged once).
+* A follower (one node of a model over several hosts that runs no API server) is never
+  probed: its load ends `ready` at its log's end of start-up (node_up). Where that end cannot
+  be seen (no log, or one read from after the load's start), its quiet after the weights is
+  no stall (`end_unseen`), and nothing makes it ready.
 * Phases only move forward: starting -> loading_weights -> initializing -> ready; the log's
   markers, where there is a log, give exact boundaries and win.
 * Where the tree's weight files can be seen (sources/weightfiles.py) they decide: the weights
@@ -138,12 +142,16 @@ class Tracker:
         expectations: Expectations | None = None,
         interval: float = 1.0,
         scope: Scope = Scope.SERVER,
+        follower: bool = False,
     ) -> None:
+        """`follower`: one node of a model served over several hosts that runs no API server
+        (vocabulary.TargetRole.FOLLOWER): never probed, ready at its log's end of start-up."""
         self.target = target
         self.stall_after = stall_after
         self.expectations = expectations
         self.interval = interval
         self.scope = scope
+        self.follower = follower
         self._phase = Phase.DOWN
         self._load: LoadBook | None = None
         self._last_record: LoadRecord | None = None
@@ -199,6 +207,12 @@ class Tracker:
             if load.fatal_at is not None and record is None:
                 # The server said it cannot start: failed now, not when its process exits.
                 record = self._end_load(load, load.fatal_at, Outcome.FAILED)
+            elif load.node_up_at is not None and record is None:
+                # A follower serves nothing itself: its part of the model is up at its log's
+                # end of start-up (the model is ready when its head serves too). An end after
+                # the exporter's first look is one it saw coming: a load it watched.
+                load.seen_failing = load.seen_failing or load.node_up_at > load.seen_at
+                record = self._end_load(load, load.node_up_at, Outcome.READY)
             elif probe is not None and probe.result != ProbeResult.READY:
                 load.seen_failing = True
                 load.unready_at = probe.sent
@@ -345,6 +359,7 @@ class Tracker:
         elif rate and load.progress is not None:
             weights_eta = (1.0 - load.progress) / rate
         since = max(0.0, now - load.last_move)
+        unseen = self._end_unseen(load, phase)
         return LoadState(
             target=self.target,
             phase=phase,
@@ -363,7 +378,7 @@ class Tracker:
                 self._logged,
             ),
             seconds_since_progress=since,
-            stalled=since >= self.stall_after,
+            stalled=since >= self.stall_after and not unseen,
             cache=load.cache,
             partial=load.partial,
             seen_late=load.seen_late,
@@ -375,8 +390,18 @@ class Tracker:
             failed_probes=self._failed_probes,
             in_server=load.in_server,
             unloads=self._unloads,
+            end_unseen=unseen,
             **self._watched(now),
         )
+
+    def _end_unseen(self, load: LoadBook, phase: Phase) -> bool:
+        """Whether this is a follower past its weights whose end of start-up the exporter
+        cannot see: no log is read, or not from this load's start (an exporter started after
+        the follower, reading its log from the end). Its quiet is then no evidence of a stall
+        (it may have been up for hours); its weights' bytes still are."""
+        if not self.follower or phase is Phase.LOADING_WEIGHTS:
+            return False
+        return not self._logged or (load.seen_late and not load.log_from_start)
 
     def _watched(self, now: float) -> _Watched:
         """The LoadState fields of what the process visibly does, for any phase."""
@@ -720,6 +745,8 @@ class Tracker:
             elif kind is EventKind.FATAL and load.fatal_at is None:
                 load.fatal = event.detail or FATAL_WITHOUT_DETAIL
                 load.fatal_at = at
+            elif kind is EventKind.NODE_UP and self.follower and load.node_up_at is None:
+                load.node_up_at = at
 
     def _advance_phase(self, load: LoadBook, obs: Observation) -> None:
         now, progress = obs.time, load.progress

@@ -15,7 +15,10 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   named rank that began has ended (the last one; an unprefixed line, such as a tqdm redraw, names
   none); a span that ended and begins again (a draft model's weights) fires again;
 * progress (shard k of n, CUDA graph batches) is the slowest rank's, fired only when it changes;
-* kv_cache, warmup_begin, ready and fatal fire once per load;
+* kv_cache, warmup_begin, ready, node_up and fatal fire once per load; node_up (a follower
+  node's last start-up line, `LogFormat.node_up`) fires beside the line's own event and, unlike
+  ready, ends nothing: the head's workers write the same lines while the head still starts
+  (weights that begin after it are a new load's: a follower started again);
 * a step after the weights (KV cache, compile, CUDA graphs, warm-up, ready) while the weights are
   still open ends them first: ranks synchronise before allocating the KV cache, and a release
   that reworded its "weights done" line still gets its boundary (detail "implied by: ...",
@@ -23,7 +26,8 @@ Tensor parallelism: with several ranks every rank logs the same markers, so even
   took" from the first rank of a host alone (`info_once`), so its TP>1 weights end so.
 
 A load (a *cycle*) is over after ready or fatal; the next weights_begin starts a new one, as does
-a load_begin (a model loaded into a running server) once the weights of the cycle before are in.
+a load_begin (a model loaded into a running server) once the weights of the cycle before are in,
+and a weights_begin after a node_up (a follower node started again, appending to the same file).
 unloaded (a model let go by a running server) belongs to no cycle.
 
 Event time: the process's start plus a line's time since that start (llama-server's stamps), where
@@ -78,6 +82,7 @@ _AFTER_WEIGHTS = frozenset(
         EventKind.CUDA_GRAPH_BEGIN,
         EventKind.WARMUP_BEGIN,
         EventKind.READY,
+        EventKind.NODE_UP,
     }
 )
 _ONCE = frozenset(
@@ -86,6 +91,7 @@ _ONCE = frozenset(
         EventKind.KV_CACHE_TIMED,
         EventKind.WARMUP_BEGIN,
         EventKind.READY,
+        EventKind.NODE_UP,
         EventKind.FATAL,
         EventKind.LOAD_BEGIN,
     }
@@ -377,7 +383,18 @@ class MarkerParser:
                 self._cause = (self._line_no, prefix.message.strip())
                 continue
             self._fire(EventKind(rule.kind), match, prefix, ref, events, partial=progress_only)
+            break
+        if progress_only:
             return
+        for rule in spec.node_up:  # beside the line's own event, if it has one
+            if rule.keyword not in line:
+                continue
+            if prefix is None:
+                prefix = _split_prefix(spec, line, ref, self._origin)
+            match = rule.pattern.search(prefix.message)
+            if match is not None:
+                self._fire(EventKind.NODE_UP, match, prefix, ref, events)
+                return
 
     def _fire(
         self,
@@ -403,8 +420,12 @@ class MarkerParser:
             return
         # A model loaded into a running server once the weights before are in is a load of its
         # own (Triton's explicit mode: the server was ready before it).
-        over = cycle.finished or (
-            kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once
+        # So is a node's weights after it said it is up (node_up ends no cycle, for the head's
+        # sake): a follower that starts again, its lines appended to the same file.
+        over = (
+            cycle.finished
+            or (kind is EventKind.LOAD_BEGIN and cycle.spans[EventKind.WEIGHTS_BEGIN].ended_once)
+            or (kind is EventKind.WEIGHTS_BEGIN and EventKind.NODE_UP in cycle.fired)
         )
         if over:
             if kind not in CYCLE_BEGINS:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 from urllib.parse import quote
 
-from exporter.config.schema import Config, ProcessConfig, TargetConfig
+from exporter.config.schema import DEFAULT_STALL_AFTER, Config, ProcessConfig, TargetConfig
 from exporter.discovery.found import (
     DiscoveredServer,
     endpoint_config,
@@ -44,6 +44,7 @@ from exporter.runtime.targetnames import TargetNames, uid_of, who
 from exporter.sources.endpoint import EndpointProber
 from exporter.sources.process import read_stat
 from exporter.trust.asprocess import Actor, OnBehalf, rights_of
+from exporter.vocabulary import TargetRole
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,10 @@ class Admission:
             if named is None:
                 continue
             routers[server.pid] = (server.name, named.name)
-            claims = [_Claim(named, config) for config in targets_of(named)]
+            claims = [
+                _Claim(named, config)
+                for config in targets_of(named, self.config.discovery.stall_after)
+            ]
             found.update(claim.config.name for claim in claims)
             if self._watch(claims, now):
                 self._names.hold(named.name, server)
@@ -318,7 +322,7 @@ class Admission:
         for server in servers:
             if server.pid in pids or server.url in urls:
                 continue
-            if not server.reachable:
+            if not server.reachable and not server.follower:  # a follower is never probed
                 why = next((e.source for e in server.evidence if e.what == "probe host"), "")
                 self._refusals.note("unreachable", server.key, "%s at pid %d is not probed (%s); "
                                     "not watched", server.name, server.pid, why)  # fmt: skip
@@ -336,12 +340,14 @@ class Admission:
         if fresh.endpoint != target.config.endpoint:
             target.prober.close()
             target.prober = EndpointProber(fresh.endpoint)
-        target.config = replace(target.config, endpoint=fresh.endpoint,
-                                 weights=fresh.weights, process=fresh.process)  # fmt: skip
+        target.config = replace(target.config, endpoint=fresh.endpoint, weights=fresh.weights,
+                                process=fresh.process, role=fresh.role)  # fmt: skip
         self._wiring.wire(target)
 
 
-def targets_of(server: DiscoveredServer) -> tuple[TargetConfig, ...]:
+def targets_of(
+    server: DiscoveredServer, stall_after: float = DEFAULT_STALL_AFTER
+) -> tuple[TargetConfig, ...]:
     """A discovered server as if it had been configured, its process matched by identity: one
     target per server, and one more per model of a repository server holding several
     (`<server's target>/<model>`: its own ready answer, its model's directory of weights; the
@@ -353,6 +359,8 @@ def targets_of(server: DiscoveredServer) -> tuple[TargetConfig, ...]:
         endpoint=endpoint_config(server),
         weights=weights_config(server),
         process=process,
+        stall_after=stall_after,
+        role=TargetRole.FOLLOWER if server.follower else TargetRole.SERVER,
     )
     if not models_apart(server):
         return (own,)
@@ -372,6 +380,7 @@ def targets_of(server: DiscoveredServer) -> tuple[TargetConfig, ...]:
                 if weights is None
                 else replace(weights, paths=tuple(os.path.join(p, model) for p in weights.paths)),
                 process=process,
+                stall_after=stall_after,
             )
             for model in server.models
         ),

@@ -82,7 +82,7 @@ from exporter.sources.zfs import ZFS
 from exporter.trust.asprocess import Actor, OnBehalf
 from exporter.trust.safeio import Refused
 from exporter.trust.untrusted import clean
-from exporter.vocabulary import ProbeResult
+from exporter.vocabulary import ProbeResult, TargetRole
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ class Runtime:
         # A repository that came to hold several models (poll mode): they are targets of their
         # own from now on, and the server's keeps its process's loads.
         target.tracker.scope = _scope(config, target.discovered)
+        target.tracker.follower = config.role is TargetRole.FOLLOWER
         target.finder = (
             ProcessFinder(config.process, proc_root=self._proc_root) if config.process else None
         )
@@ -238,13 +239,16 @@ class Runtime:
         )
         target.cadence.ready_interval = config.endpoint.ready_interval
         target.cadence.process_matching = config.process is not None
-        self.sampler.add(
-            ENDPOINT,
-            config.name,
-            target.prober.sample,
-            every=lambda: target.cadence.delay(self._probe_result(config.name)),
-            after=lambda reading: self.reactions.after_probe(target, reading),
-        )
+        if config.role is TargetRole.FOLLOWER:  # it serves nothing: nothing to ask
+            self.sampler.discard(ENDPOINT, config.name)
+        else:
+            self.sampler.add(
+                ENDPOINT,
+                config.name,
+                target.prober.sample,
+                every=lambda: target.cadence.delay(self._probe_result(config.name)),
+                after=lambda reading: self.reactions.after_probe(target, reading),
+            )
         if target.watched_pid is not None:  # another process from now on
             self.exits.forget(target.watched_pid)
             target.watched_pid = None
@@ -367,6 +371,7 @@ class Runtime:
             expectations=self.history,
             interval=self.config.sample_interval,
             scope=_scope(config, found),
+            follower=config.role is TargetRole.FOLLOWER,
         )
 
     # -- the loops ---------------------------------------------------------------------------

@@ -45,13 +45,16 @@ class LogFormat:
     prefix: re.Pattern[str] | None  # matched at a line's start; group "who" names the rank
     stamp: StampFn | None  # reads the prefix's groups y, mo, d, H, M, S, f
     rules: tuple[Rule, ...]
+    # The end of a follower node's start-up (EventKind.NODE_UP), fired beside whatever event
+    # the same line is (vLLM's "Graph capturing finished" ends the CUDA graphs too).
+    node_up: tuple[Rule, ...] = ()
     # Where the message itself names the rank (TGI ends its lines with `rank=N`).
     rank_in_message: re.Pattern[str] | None = None
     elapsed: ElapsedFn | None = None  # reads the prefix's groups em, es, ems, eus
     keywords: re.Pattern[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        words = sorted({r.keyword for r in self.rules}, key=len, reverse=True)
+        words = sorted({r.keyword for r in (*self.rules, *self.node_up)}, key=len, reverse=True)
         object.__setattr__(self, "keywords", re.compile("|".join(map(re.escape, words))))
 
 

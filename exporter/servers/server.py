@@ -17,6 +17,21 @@ from exporter.vocabulary import ProbeKind
 
 # The files weights are loaded from, unless a server loads others (`weights.include`).
 DEFAULT_INCLUDE: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+# The value of a switch (`Command.switches`) that is given: `--headless`, or `headless: true`.
+SWITCH_ON = "true"
+
+
+def switched_on(value: str) -> bool:
+    """Whether a switch's value says it is given."""
+    return value == SWITCH_ON
+
+
+def whole_number(value: str) -> int | None:
+    """An argument's whole number, or None where the server would refuse it."""
+    try:
+        return int(value)
+    except ValueError:
+        return None
 
 
 class Role(StrEnum):
@@ -31,6 +46,10 @@ class Role(StrEnum):
     CACHE_DIR = "hub_cache"
     CONFIG = "config_file"
     MODEL_CONTROL = "model_control_mode"  # Triton: whether models load at start or on request
+    # One node of a model served over several hosts (`Command.follower` reads them):
+    HEADLESS = "headless"  # vLLM: start no API server
+    API_SERVERS = "api_server_count"  # vLLM: how many API server processes (below 1: none)
+    NODE_RANK = "node_rank"  # SGLang: this node's index (0: the head, which serves)
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,12 @@ class Command:
     include: tuple[str, ...] = DEFAULT_INCLUDE
     # Roles whose value is a comma-separated list of which the server uses the first.
     comma_lists: frozenset[Role] = frozenset()
+    # Roles whose flag takes no value (argparse's store_true): given, its value is "true".
+    switches: frozenset[Role] = frozenset()
+    # A start that runs no API server of its own: one node of a model served over several
+    # hosts, whose head serves (a follower, vocabulary.TargetRole). Per role, whether its value
+    # says so, as the server's own source decides; any one that does makes it a follower.
+    follower: Mapping[Role, Callable[[str], bool]] = field(default_factory=dict)
     # Whether the model argument is a file (GGUF) or a model repository (Triton), not a model.
     model_is: str = "model"
     # `vllm serve MODEL --model X` serves MODEL; `sglang serve MODEL --model-path X` serves X.

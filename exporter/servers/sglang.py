@@ -17,7 +17,7 @@ import re
 
 from exporter.load.events import EventKind
 from exporter.servers.logformat import CAUSE_RULES, TQDM, LogFormat, rule, stamp_local
-from exporter.servers.server import Answers, Command, Role, Server
+from exporter.servers.server import Answers, Command, Role, Server, whole_number
 from exporter.vocabulary import ProbeKind, ServerKind
 
 COMMAND = Command(
@@ -33,7 +33,11 @@ COMMAND = Command(
         Role.REVISION: ("--revision",),
         Role.CACHE_DIR: ("--download-dir",),
         Role.CONFIG: ("--config",),
+        Role.NODE_RANK: ("--node-rank",),
     },
+    # entrypoints/engine.py: a node ranked above 0 runs its schedulers and no tokenizer or HTTP
+    # server (only a dummy /health that says 200 from the moment its schedulers are ready).
+    follower={Role.NODE_RANK: lambda rank: (whole_number(rank) or 0) > 0},  # None: refused
     defaults={Role.HOST: "127.0.0.1", Role.PORT: "30000"},
     probe=ProbeKind.COMPLETION,
     probe_path="/v1/completions",
@@ -86,6 +90,13 @@ LOG = LogFormat(
         rule(EventKind.FATAL, "scheduler is dead", r"^Rank \d+ scheduler is dead"),
         rule(EventKind.FATAL, "Initialization failed", r"^Initialization failed\."),
         *CAUSE_RULES,
+    ),
+    # A node ranked above 0 (entrypoints/engine.py, read from the source: its CPU engine runs
+    # no tensor parallelism here): once its schedulers are ready it starts the /health that
+    # answers 200 whatever happens after, and says so.
+    node_up=(
+        rule(EventKind.NODE_UP, "Dummy health check server started",
+             r"^Dummy health check server started"),
     ),
 )  # fmt: skip
 

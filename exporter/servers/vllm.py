@@ -12,8 +12,13 @@ import re
 
 from exporter.load.events import EventKind
 from exporter.servers.logformat import CAUSE_RULES, TQDM, LogFormat, rule, stamp_local_no_year
-from exporter.servers.server import Answers, Command, Role, Server
+from exporter.servers.server import Answers, Command, Role, Server, switched_on, whole_number
 from exporter.vocabulary import ProbeKind, ServerKind
+
+
+def _below(number: int | None, limit: int) -> bool:
+    return number is not None and number < limit
+
 
 COMMAND = Command(
     label="vLLM",
@@ -28,6 +33,17 @@ COMMAND = Command(
         Role.REVISION: ("--revision",),
         Role.CACHE_DIR: ("--download-dir",),
         Role.CONFIG: ("--config",),
+        Role.HEADLESS: ("--headless",),
+        Role.API_SERVERS: ("--api-server-count", "-asc"),
+    },
+    switches=frozenset({Role.HEADLESS}),
+    # cli/serve.py: `--headless`, or fewer than one API server, runs `run_headless`: a node of a
+    # model over several hosts (its workers, `--node-rank` above 0) or data-parallel engines
+    # (`--data-parallel-start-rank`), whose API server runs on the head. `--node-rank` alone
+    # still starts an API server.
+    follower={
+        Role.HEADLESS: switched_on,
+        Role.API_SERVERS: lambda count: _below(whole_number(count), 1),
     },
     env={Role.API_KEY: ("VLLM_API_KEY",)},
     # host None: uvicorn listens on every interface.
@@ -92,6 +108,16 @@ LOG = LogFormat(
         # rank's SIGKILL here); after ready the line is a shutdown's, no part of any load.
         rule(EventKind.FATAL, "waiting for worker exit", r"^\[shutdown\] Executor: waiting for worker exit"),
         *CAUSE_RULES,
+    ),
+    # A follower node's worker (`--headless`): no engine summary or API server lines follow
+    # its own last step. On CPU (0.32, observed over two hosts) that is its KV cache's size,
+    # after its warm-up: cpu_worker.py's determine_available_memory; on GPUs (read from the
+    # source, not run here) the CUDA graphs it captures last, which each node's first local
+    # worker reports (`info_once`). An eager GPU worker (`--enforce-eager`) reports no end.
+    node_up=(
+        rule(EventKind.NODE_UP, "GiB for KV cache on node",
+             r"^(?:Explicitly|Auto) set \([\d./]+\) GiB for KV cache on node"),
+        rule(EventKind.NODE_UP, "Graph capturing finished", r"^Graph capturing finished in "),
     ),
 )  # fmt: skip
 

@@ -76,6 +76,10 @@ class ServerLog:
     ticks: ClassVar[dict[str, int]] = {}
     # SGLang opens its port before its warmup request; /health answers 503 until that succeeds.
     opens_port_for_warmup: ClassVar[bool] = False
+    # A model over several hosts: the steps its head alone runs (a follower node skips them),
+    # and whether this server runs followers at all (`node_up` writes a follower's last line).
+    head_steps: ClassVar[tuple[str, ...]] = ()
+    has_followers: ClassVar[bool] = False
 
     def __init__(self, out: TextIO, ctx: LogContext, clock: Callable[[], float] = time.time):
         self._out = out
@@ -136,6 +140,9 @@ class ServerLog:
     def ready(self) -> None:
         """The endpoint is ready."""
 
+    def node_up(self) -> None:
+        """A follower node's part of the model is up: its last start-up line."""
+
     def failure(self, stage: str, reason: str) -> None:
         """The scripted crash in `stage` (weights or an init step); the process exits 1 next."""
 
@@ -145,6 +152,8 @@ class SGLangLog(ServerLog):
     steps = ("kv_cache", "compile", "cuda_graph", "warmup")
     ticks: ClassVar[dict[str, int]] = {"compile": 4, "cuda_graph": 9}
     opens_port_for_warmup = True
+    head_steps = ("warmup",)  # node 0's HTTP server sends the warm-up request
+    has_followers = True
     _BATCH_SIZES = (256, 128, 64, 32, 16, 8, 4, 2, 1)
     _COMPILE_TOKENS = (8192, 4096, 2048, 1024)
 
@@ -247,6 +256,10 @@ class SGLangLog(ServerLog):
     def ready(self) -> None:
         self.line("The server is fired up and ready to roll!")
 
+    def node_up(self) -> None:
+        address = f"{self.ctx.host}:{self.ctx.port}"
+        self.line(f"Dummy health check server started in background thread at {address}")
+
     def failure(self, stage: str, reason: str) -> None:
         if stage == "warmup":
             self.line(f"Initialization failed. warmup error: RuntimeError: {reason}")
@@ -264,6 +277,10 @@ class VLLMLog(ServerLog):
     kind = ServerKind.VLLM
     steps = ("compile", "kv_cache", "cuda_graph", "warmup")
     ticks: ClassVar[dict[str, int]] = {"compile": 2, "cuda_graph": 4}
+    # The engine's summary is the head's (its EngineCore); a headless node's worker ends with
+    # its CUDA graphs' line, which is its node_up.
+    head_steps = ("warmup",)
+    has_followers = True
     _VERSION = "0.33.0"
     _GRAPH_BATCHES = 67
 

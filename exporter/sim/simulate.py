@@ -180,6 +180,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--crash-during-init", action="store_true", help="exit 1 halfway through initializing")
     add("--exit-after", type=_duration_arg, metavar="DURATION", help="exit 0 this long after ready")
     add("--model", help="served model name (default: the weights directory name)")
+    add(
+        "--follower",
+        action="store_true",
+        help="a node of a model over several hosts that serves nothing (sglang, vllm): no port, "
+        "its log ends with a follower's last start-up line",
+    )
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,7 @@ class Settings:
     crash_during_init: bool
     exit_after: float | None
     model: str
+    follower: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -243,6 +250,7 @@ class Settings:
             crash_during_init=args.crash_during_init,
             exit_after=args.exit_after,
             model=args.model or weights.name,
+            follower=args.follower,
         )
 
 
@@ -449,6 +457,8 @@ class Simulation:
                     raise SimulationError(f"cannot replace {what} {path}: {exc.strerror}") from None
         shards = self._prepare_shards()
         imports = self._prepare_imports()
+        if s.follower:  # it binds no port: nothing listens, as on a headless vLLM node
+            return self._startup(None, shards, imports)
         try:
             endpoint = Endpoint(s.kind, s.model, s.host, s.port)
         except OSError as exc:
@@ -485,23 +495,25 @@ class Simulation:
                 f"cannot generate imports in {directory}: {exc} (--import-bytes 0 skips them)"
             ) from None
 
-    def _startup(self, endpoint: Endpoint, shards: list[Shard], imports: Imports) -> int:
+    def _startup(self, endpoint: Endpoint | None, shards: list[Shard], imports: Imports) -> int:
+        """`endpoint` None: a follower node's start, which serves nothing."""
         s = self.settings
         total = sum(shard.size for shard in shards)
+        url = endpoint.url if endpoint is not None else f"http://{s.host}:{s.port}"
         ctx = LogContext(
             model=s.model,
             model_path=str(s.weights),
             pid=os.getpid(),
-            url=endpoint.url,
-            host=endpoint.host,
-            port=endpoint.port,
+            url=url,
+            host=s.host if endpoint is None else endpoint.host,
+            port=s.port if endpoint is None else endpoint.port,
             weights_bytes=total,
             shards=len(shards),
             fs_type=fs_type(s.weights),
             tensor_parallel=s.tensor_parallel,
         )
         log = LOG_WRITERS[s.kind](self._out, ctx)
-        if s.port_style == "503":
+        if s.port_style == "503" and endpoint is not None:
             endpoint.open("loading")
         log.banner()
         specs = [self._rank_spec(rank, shards) for rank in range(s.tensor_parallel)]
@@ -511,15 +523,19 @@ class Simulation:
             with imported(imports, s.startup_seconds, self.stopper), self._tensor_parallel(specs):
                 self._load_weights(specs)
                 self._initialize(log, endpoint)
-                endpoint.open("ready")
+                if endpoint is not None:
+                    endpoint.open("ready")
                 ready_at = time.time()
-                log.ready()
-                self._write_report(endpoint, total, ready_at, "ready")
+                if endpoint is not None:
+                    log.ready()
+                else:
+                    log.node_up()
+                self._write_report(url, total, ready_at, "ready")
                 self._wait(math.inf if s.exit_after is None else s.exit_after, "serve")
         except Crash as crash:
             log.failure(crash.stage, crash.reason)
             if ready_at is None:
-                self._write_report(endpoint, total, None, "failed")
+                self._write_report(url, total, None, "failed")
             return 1
         return 0
 
@@ -579,12 +595,14 @@ class Simulation:
             self._hear(readable, stage)
             fds = self._ranks.fds if self._ranks is not None else []
 
-    def _initialize(self, log: ServerLog, endpoint: Endpoint) -> None:
+    def _initialize(self, log: ServerLog, endpoint: Endpoint | None) -> None:
         s = self.settings
-        scale = s.init_seconds / sum(STEP_SHARES[step] for step in log.steps)
-        for step in log.steps:
+        steps = [step for step in log.steps if endpoint is not None or step not in log.head_steps]
+        scale = s.init_seconds / sum(STEP_SHARES[step] for step in steps)
+        for step in steps:
             duration = STEP_SHARES[step] * scale
             if step == "warmup" and log.opens_port_for_warmup and s.port_style == "closed":
+                assert endpoint is not None  # a follower runs no warm-up of its own
                 endpoint.open("warmup")
             log.step_begin(step)
             ticks = log.ticks.get(step, 1)
@@ -612,9 +630,7 @@ class Simulation:
                 continue
         return total
 
-    def _write_report(
-        self, endpoint: Endpoint, total: int, ready_at: float | None, outcome: str
-    ) -> None:
+    def _write_report(self, url: str, total: int, ready_at: float | None, outcome: str) -> None:
         path = self.settings.report
         if path is None:
             return
@@ -635,7 +651,7 @@ class Simulation:
             read_bytes=self._tree_read_bytes(),
             server=self.settings.kind,
             model=self.settings.model,
-            endpoint=endpoint.url,
+            endpoint=url,
         )
         partial = path.with_name(f".{path.name}.partial")
         try:
@@ -683,6 +699,10 @@ def run(args: argparse.Namespace) -> int:
     if args.direct and args.loader == "mmap":
         print("simulate: error: --direct needs --loader read or pread (a mapping is cached)",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if args.follower and not LOG_WRITERS[ServerKind(args.log_format)].has_followers:
+        print(f"simulate: error: --follower: {args.log_format} runs no follower nodes "
+              "(sglang and vllm do)", file=sys.stderr)  # fmt: skip
         return 2
     settings = Settings.from_args(args)
     try:
